@@ -9,8 +9,14 @@ from typing import Any
 from jaxpod.errors import (
     AllocationCancelledError,
     AllocationTimeoutError,
+    AuthenticationError,
+    DeadlineExceededError,
     EndOfDataError,
+    HandleError,
     JaxpodError,
+    MessageTooLargeError,
+    ServiceUnavailableError,
+    SessionError,
     VersionMismatchError,
     WorkerStartError,
 )
@@ -26,17 +32,25 @@ __version__ = "0.1.0"
 __all__ = [
     "AllocationCancelledError",
     "AllocationTimeoutError",
+    "AuthenticationError",
     "AutoShardPolicy",
+    "Client",
+    "DeadlineExceededError",
     "DeviceAssignment",
     "DistributedDataset",
     "DistributedIterator",
     "EndOfDataError",
+    "HandleError",
     "InputContext",
     "InputOptions",
     "JaxpodError",
+    "MessageTooLargeError",
     "PerReplica",
     "ReduceOp",
+    "RemoteStrategy",
     "ReplicaContext",
+    "ServiceUnavailableError",
+    "SessionError",
     "TPUClusterResolver",
     "TPUStrategy",
     "Topology",
@@ -44,13 +58,16 @@ __all__ = [
     "VersionMismatchError",
     "WorkerStartError",
     "__version__",
+    "connect",
     "get_replica_context",
     "get_strategy",
 ]
 
 # Re-exported lazily: the resolvers live in the service part, which pulls in Ray on
-# use; a client-only install never loads it unless asked.
-_LAZY = {"TPUClusterResolver": "jaxpod.service.resolvers"}
+# use; a client-only install never loads it unless asked. The client loads gRPC.
+_LAZY = {"TPUClusterResolver": "jaxpod.service.resolvers",
+         "connect": "jaxpod.client", "Client": "jaxpod.client",
+         "RemoteStrategy": "jaxpod.client"}
 
 
 def __getattr__(name: str) -> Any:

@@ -31,6 +31,12 @@ def _build_parser() -> argparse.ArgumentParser:
                               "(e.g. v4-16,v4-8), print it, stop it")
     cluster.add_argument("--json", action="store_true", help="print JSON instead of a table")
     cluster.set_defaults(handler=_run_cluster)
+
+    serve = sub.add_parser("serve", help="run the coordinator service (gRPC)")
+    from jaxpod.service.serve_cli import add_arguments
+
+    add_arguments(serve)
+    serve.set_defaults(handler=_run_serve)
     return parser
 
 
@@ -44,6 +50,12 @@ def _run_cluster(args: argparse.Namespace) -> int:
     from jaxpod.service.cluster_cli import run_cluster
 
     return run_cluster(args)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from jaxpod.service.serve_cli import run_serve
+
+    return run_serve(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

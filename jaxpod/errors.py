@@ -39,3 +39,27 @@ class WorkerStartError(JaxpodError):
 
 class VersionMismatchError(JaxpodError):
     """Two ends of jaxpod (client/coordinator/worker) run incompatible versions."""
+
+
+class SessionError(JaxpodError):
+    """A session, strategy or client that is closed, expired or unknown to the service."""
+
+
+class HandleError(JaxpodError, ValueError):
+    """A remote value, dataset or iterator that was freed or belongs to someone else."""
+
+
+class MessageTooLargeError(JaxpodError, ValueError):
+    """A request or result over the service's message size limit."""
+
+
+class ServiceUnavailableError(JaxpodError, ConnectionError):
+    """The jaxpod service cannot be reached (not started, stopped, or unreachable)."""
+
+
+class AuthenticationError(JaxpodError, PermissionError):
+    """The service refused the client's token."""
+
+
+class DeadlineExceededError(JaxpodError, TimeoutError):
+    """A call to the service did not finish within its deadline."""

@@ -10,6 +10,7 @@ global device list and host-local data is assembled into global arrays.
 
 from __future__ import annotations
 
+import abc
 import collections
 import contextlib
 import functools
@@ -506,15 +507,20 @@ class Engine:
         return tuple(jax.tree.unflatten(treedef, [p[i] for p in per_leaf])
                      for i in range(self.num_local_replicas))
 
-    def _local_leaf(self, value: PerReplica) -> list[np.ndarray]:
+    def _local_leaf(self, value: PerReplica, padded: bool = False) -> list[np.ndarray]:
         """This host's replicas' components, assembled from their devices' shards."""
         local = {r: np.empty(value.shape, value.dtype) for r in self.local_replicas}
         for shard in value.array.addressable_shards:
             replica = shard.index[0].start or 0
             if replica in local:  # a replica split over logical devices has several
                 local[replica][shard.index[1:]] = np.asarray(shard.data)[0]
-        valid = value.padding
+        valid = None if padded else value.padding
         return [local[r] if valid is None else local[r][:valid[r]] for r in self.local_replicas]
+
+    def padded_parts(self, value: PerReplica) -> list[np.ndarray]:
+        """This host's replicas' components with their padding rows (``value.array``'s
+        share of this host), for a caller that stacks every host's parts."""
+        return self._local_leaf(self._as_per_replica("fetch", value), padded=True)
 
     def _as_per_replica(self, what: str, value: Any) -> PerReplica:
         if isinstance(value, PerReplica):
@@ -658,7 +664,7 @@ class _StepBatch:
     valid_rows: np.ndarray | None  # (replicas, steps) real rows; None: not a batch
 
 
-class DistributedDataset:
+class DistributedDataset(metaclass=abc.ABCMeta):  # noqa: B024 (remote ones register)
     """A dataset distributed over the replicas; iterate it once per epoch."""
 
     def __init__(self, engine: Engine, make_feed: Callable[[], input_lib.HostFeed]) -> None:
@@ -666,20 +672,26 @@ class DistributedDataset:
         self._make_feed = make_feed
 
     def __iter__(self) -> DistributedIterator:
-        return DistributedIterator(self._engine, self._make_feed())
+        return self.iterate()
+
+    def iterate(self, steps_per_run: int | None = None) -> DistributedIterator:
+        """An iterator whose infeed prepares ``steps_per_run`` steps at a time (default:
+        the strategy's)."""
+        return DistributedIterator(self._engine, self._make_feed(), steps_per_run)
 
 
-class DistributedIterator:
+class DistributedIterator(metaclass=abc.ABCMeta):  # noqa: B024 (remote ones register)
     """Yields one step of input per ``next``: a nest of ``PerReplica`` batches.
 
     Input is prepared ahead on an infeed thread (see :mod:`jaxpod.worker.infeed`) in
     chunks of ``steps_per_run`` steps, then of as many as the last request asked for.
     """
 
-    def __init__(self, engine: Engine, feed: input_lib.HostFeed) -> None:
+    def __init__(self, engine: Engine, feed: input_lib.HostFeed,
+                 steps_per_run: int | None = None) -> None:
         self._engine = engine
         self._infeed = Infeed(feed, engine._to_global, engine.num_local_replicas,
-                              engine.steps_per_run)
+                              steps_per_run or engine.steps_per_run)
         weakref.finalize(self, self._infeed.close)
         self._leftover: Chunk | None = None
 

@@ -62,14 +62,29 @@ def ship(fn: Callable[..., Any]) -> ShippedFunction:
     """
     if not callable(fn):
         raise TypeError(f"Expected a callable step function. Got {type(fn).__name__}.")
+    return ship_object(fn, repr(getattr(fn, "__qualname__", fn)),
+                       "Step functions must not capture locks, sockets, open files or "
+                       "similar objects; create those inside the function.")
+
+
+def ship_object(obj: Any, name: str, fix: str) -> ShippedFunction:
+    """Pickles any object (a function, a dataset) by value for the workers.
+
+    Args:
+      obj: what to send.
+      name: how an error names it.
+      fix: the advice an error gives when ``obj`` does not pickle.
+
+    Raises:
+      TypeError: ``obj`` cannot be pickled.
+    """
     _pickle_user_modules_by_value()
     try:
-        payload = cloudpickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:
         raise TypeError(
-            f"Cannot send {getattr(fn, '__qualname__', fn)!r} to the workers: it cannot be "
-            f"pickled ({type(e).__name__}: {e}). Step functions must not capture locks, "
-            "sockets, open files or similar objects; create those inside the function."
+            f"Cannot send {name} to the workers: it cannot be pickled "
+            f"({type(e).__name__}: {e}). {fix}"
         ) from e
     return ShippedFunction(payload, runtime_versions())
 
@@ -102,6 +117,12 @@ def _pickle_user_modules_by_value() -> None:
                 continue
 
 
+def load(shipped: ShippedFunction) -> Any:
+    """Unpickles ``shipped`` after checking the sender's versions."""
+    check_versions(shipped.versions)
+    return cloudpickle.loads(shipped.payload)
+
+
 class FunctionRegistry:
     """function id -> callable, defined once and reused for every call."""
 
@@ -110,11 +131,10 @@ class FunctionRegistry:
         self._lock = threading.Lock()
 
     def define(self, shipped: ShippedFunction) -> str:
-        check_versions(shipped.versions)
         fid = shipped.function_id
         with self._lock:
             if fid not in self._functions:
-                self._functions[fid] = cloudpickle.loads(shipped.payload)
+                self._functions[fid] = load(shipped)
         return fid
 
     def get(self, function_id: str) -> Callable[..., Any]:

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxpod.errors import EndOfDataError
 from jaxpod.types import InputOptions, ReduceOp
-from jaxpod.worker.functions import ship
+from jaxpod.worker.functions import ShippedFunction, ship
 from jaxpod.worker.host_worker import Handle, HandleInfo
 from jaxpod.worker.replica_group import ReplicaGroup
 
@@ -47,6 +47,17 @@ class GroupValue:
         return f"GroupValue(id={self.info.id}, shape={self.shape}, dtype={self.dtype}{rows})"
 
 
+@dataclass(frozen=True)
+class DefinedFunction:
+    """A function already defined on the group's workers (by content id).
+
+    The coordinator receives functions as pickled bytes and never unpickles user code;
+    it defines them once and passes this wherever a method takes a function.
+    """
+
+    id: str
+
+
 def _is_value(x: object) -> bool:
     return isinstance(x, GroupValue)
 
@@ -62,6 +73,7 @@ class GroupEngine:
         # operation (a finalizer must not call into the group: it may run inside a call).
         self._to_free: collections.deque[int] = collections.deque()
         self._iterators_to_free: collections.deque[int] = collections.deque()
+        self._num_replicas: int | None = None
 
     def _call(self, op: str, *args: Any) -> list[Any]:
         if self._to_free:
@@ -72,10 +84,26 @@ class GroupEngine:
 
     @property
     def num_replicas_in_sync(self) -> int:
-        return self.group.num_replicas
+        return self._num_replicas or self.group.num_replicas
 
     # ------------------------------------------------------------------ functions
-    def _define(self, fn: Callable[..., Any]) -> str:
+    def configure(self, steps_per_run: int = 1, computation_shape: list[int] | None = None,
+                  num_replicas: int | None = None) -> int:
+        """Sets the workers' device assignment (as ``DeviceAssignment.build`` takes it)
+        and default steps per run, before any value exists; returns the replica count."""
+        replicas: int = self._call("configure", steps_per_run, computation_shape,
+                                   num_replicas)[0]
+        self.steps_per_run = steps_per_run
+        self._num_replicas = replicas
+        return replicas
+
+    def define(self, shipped: ShippedFunction) -> DefinedFunction:
+        """Defines a function the caller pickled (``jaxpod.worker.functions.ship``)."""
+        return DefinedFunction(self._call("define", shipped)[0])
+
+    def _define(self, fn: Callable[..., Any] | DefinedFunction) -> str:
+        if isinstance(fn, DefinedFunction):
+            return fn.id
         try:
             return self._functions[fn]
         except (KeyError, TypeError):
@@ -106,31 +134,26 @@ class GroupEngine:
         return values
 
     # ------------------------------------------------------------------------ run
-    def run(self, fn: Callable[..., Any], args: Any = (), kwargs: dict[str, Any] | None = None
-            ) -> Any:
-        if not isinstance(args, tuple | list):
-            raise TypeError(
-                "run: args must be a tuple or list of positional arguments. Got "
-                f"{type(args).__name__}. Pass one argument as args=(x,)."
-            )
-        infos = self._call("run", self._define(fn), self._to_handles(tuple(args)),
-                                self._to_handles(kwargs or {}))[0]
+    def run(self, fn: Callable[..., Any] | DefinedFunction, args: Any = (),
+            kwargs: dict[str, Any] | None = None) -> Any:
+        # The workers' engine checks args and kwargs, with the in-process messages.
+        infos = self._call("run", self._define(fn), self._to_handles(args),
+                           self._to_handles(kwargs))[0]
         return self._wrap(infos)
 
-    def run_steps(self, fn: Callable[..., Any], iterator: GroupIterator,
+    def run_steps(self, fn: Callable[..., Any] | DefinedFunction, iterator: GroupIterator,
                   steps: int | None = None, initial_state: Any = None) -> Any:
         if not isinstance(iterator, GroupIterator):
             raise TypeError("run_steps: iterator must come from this group's distributed "
                             f"dataset. Got {type(iterator).__name__}.")
         result = self._call("run_steps", self._define(fn), iterator.id,
-                                 steps or self.steps_per_run,
+                                 self.steps_per_run if steps is None else steps,
                                  self._to_handles(initial_state))[0]
         return self._wrap(result)
 
     # ------------------------------------------------------------------- results
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
-        op = ReduceOp.from_value(reduce_op).value
-        return self._call("reduce", op, self._to_handles(value), axis)[0]
+        return self._call("reduce", reduce_op, self._to_handles(value), axis)[0]
 
     def gather(self, value: Any, axis: int) -> Any:
         def leaf(v: GroupValue) -> np.ndarray:
@@ -140,12 +163,17 @@ class GroupEngine:
 
         return jax.tree.map(leaf, value, is_leaf=_is_value)
 
+    def fetch(self, value: GroupValue) -> np.ndarray:
+        """Every replica's padded component, stacked: ``PerReplica.array`` as numpy."""
+        per_host = self._call("fetch_parts", self._to_handles(value))
+        return np.stack([p for parts in per_host for p in parts])
+
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         per_host = self._call("local_results", self._to_handles(value))
         return tuple(r for host in per_host for r in host)
 
-    def experimental_distribute_values_from_function(self, value_fn: Callable[..., Any]
-                                                     ) -> Any:
+    def experimental_distribute_values_from_function(
+            self, value_fn: Callable[..., Any] | DefinedFunction) -> Any:
         return self._wrap(self._call("values_from_function", self._define(value_fn))[0])
 
     # --------------------------------------------------------------------- input
@@ -154,9 +182,9 @@ class GroupEngine:
         """Ships ``dataset`` to every host; each reads its shard (TF's DATA sharding)."""
         return GroupDataset(self, self._call("distribute_dataset", dataset, options)[0])
 
-    def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any],
-                                          options: InputOptions | None = None
-                                          ) -> GroupDataset:
+    def distribute_datasets_from_function(
+            self, dataset_fn: Callable[..., Any] | DefinedFunction,
+            options: InputOptions | None = None) -> GroupDataset:
         return GroupDataset(self, self._call("distribute_datasets_from_function",
                                                   self._define(dataset_fn), options)[0])
 
@@ -173,7 +201,16 @@ class GroupDataset:
         self.id = dataset_id
 
     def __iter__(self) -> GroupIterator:
-        return GroupIterator(self._engine, self._engine._call("iterator", self.id)[0])
+        return self.iterate()
+
+    def iterate(self, steps_per_run: int | None = None) -> GroupIterator:
+        """An iterator whose infeeds prepare ``steps_per_run`` steps at a time."""
+        return GroupIterator(self._engine,
+                             self._engine._call("iterator", self.id, steps_per_run)[0])
+
+    def free(self) -> None:
+        """Drops the dataset on the workers (its iterators keep running)."""
+        self._engine._call("free_dataset", self.id)
 
 
 class GroupIterator(Iterator[Any]):

@@ -49,11 +49,49 @@ class RemoteError:
     """An exception raised on a worker, kept with its traceback.
 
     The original exception object travels when it pickles (so user code's own exception
-    types survive); ``traceback`` is the worker-side formatted traceback.
+    types survive); ``traceback`` is the worker-side formatted traceback. ``pickled`` is
+    the exception pickled here with ``cloudpickle`` (``None`` if it does not pickle):
+    the coordinator forwards those bytes untouched, so a class the client shipped by
+    value unpickles on the client as the client's own class (cloudpickle tracks
+    classes across such round trips; Ray's serializer would mint a new class).
     """
 
     error: BaseException
     traceback: str
+    pickled: bytes | None = None
+
+    @classmethod
+    def of(cls, error: BaseException, tb: str) -> RemoteError:
+        import cloudpickle
+
+        try:
+            pickled = cloudpickle.dumps(error)
+        except Exception:
+            pickled = None
+        return cls(error, tb, pickled)
+
+
+#: This process's engine, for step functions that call strategy methods (such as
+#: ``experimental_split_to_logical_devices``) on a strategy object they captured on
+#: the client: it unpickles here as :func:`worker_strategy`. One engine per process.
+_ENGINE: list[Any] = []
+
+
+class _WorkerStrategy:
+    """Stands in, on a worker, for the client's strategy: forwards to the engine."""
+
+    def __getattr__(self, name: str) -> Any:
+        if not _ENGINE:
+            raise RuntimeError("No jaxpod engine runs in this process.")
+        return getattr(_ENGINE[0], name)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (worker_strategy, ())
+
+
+def worker_strategy() -> Any:
+    """What a client-side strategy object becomes when a step function ships."""
+    return _WorkerStrategy()
 
 
 class HostWorker:
@@ -119,6 +157,7 @@ class HostWorker:
         from jaxpod.worker.value_store import ValueStore
 
         self._engine = Engine()
+        _ENGINE[:] = [self._engine]
         self._store = ValueStore()
         self._functions = FunctionRegistry()
         return {"process_index": jax.process_index(), "process_count": jax.process_count(),
@@ -143,7 +182,7 @@ class HostWorker:
         """
         if seq != self._expected_seq:
             expected = self._expected_seq
-            return RemoteError(OperationOrderError(
+            return RemoteError.of(OperationOrderError(
                 f"Host {self.process_id} expected operation #{expected} but received "
                 f"#{seq} ({op}); an operation was skipped or reordered. The replica group "
                 "must be restarted."), "")
@@ -151,7 +190,7 @@ class HostWorker:
         try:
             return getattr(self, f"_op_{op}")(*args)
         except BaseException as e:
-            return RemoteError(e, traceback.format_exc())
+            return RemoteError.of(e, traceback.format_exc())
 
     def _resolve(self, tree: Any) -> Any:
         import jax
@@ -169,6 +208,21 @@ class HostWorker:
             return HandleInfo(self._store.put(v), v.shape, str(v.dtype), valid)
 
         return jax.tree.map(keep, tree, is_leaf=is_per_replica)
+
+    def _op_configure(self, steps_per_run: int, computation_shape: list[int] | None,
+                      num_replicas: int | None) -> int:
+        """Replaces the engine with one for this device assignment; returns its
+        replica count. Only before any value exists: values belong to one mesh."""
+        from jaxpod.worker.device_assignment import DeviceAssignment
+        from jaxpod.worker.engine import Engine
+
+        if self._store.stats().num_values or self._iterators:
+            raise RuntimeError("configure must come before any value or iterator exists.")
+        assignment = DeviceAssignment.build(None, computation_shape, num_replicas)
+        self._engine = Engine(assignment, steps_per_run)
+        _ENGINE[:] = [self._engine]
+        self._datasets.clear()
+        return int(self._engine.num_replicas_in_sync)
 
     def _op_define(self, shipped: Any) -> str:
         return str(self._functions.define(shipped))
@@ -190,16 +244,26 @@ class HostWorker:
         return self._store_tree(self._engine.experimental_distribute_values_from_function(fn))
 
     def _op_distribute_dataset(self, dataset: Any, options: Any) -> int:
+        from jaxpod.worker.functions import ShippedFunction, load
+
+        if isinstance(dataset, ShippedFunction):  # pickled by the client, by value
+            dataset = load(dataset)
+        if isinstance(options, ShippedFunction):
+            options = load(options)
         return self._keep(self._datasets,
                           self._engine.experimental_distribute_dataset(dataset, options))
 
     def _op_distribute_datasets_from_function(self, function_id: str, options: Any) -> int:
+        from jaxpod.worker.functions import ShippedFunction, load
+
+        if isinstance(options, ShippedFunction):
+            options = load(options)
         fn = self._functions.get(function_id)
         return self._keep(self._datasets,
                           self._engine.distribute_datasets_from_function(fn, options))
 
-    def _op_iterator(self, dataset_id: int) -> int:
-        return self._keep(self._iterators, iter(self._datasets[dataset_id]))
+    def _op_iterator(self, dataset_id: int, steps_per_run: int | None = None) -> int:
+        return self._keep(self._iterators, self._datasets[dataset_id].iterate(steps_per_run))
 
     def _op_next(self, iterator_id: int) -> Any:
         return self._store_tree(next(self._iterators[iterator_id]))
@@ -210,6 +274,12 @@ class HostWorker:
 
     def _op_gather_parts(self, value: Handle, axis: int) -> tuple[int, list[Any]]:
         return self._engine.gather_parts(self._store.get(value.id), axis)
+
+    def _op_fetch_parts(self, value: Handle) -> list[Any]:
+        return self._engine.padded_parts(self._store.get(value.id))
+
+    def _op_free_dataset(self, dataset_id: int) -> None:
+        self._datasets.pop(dataset_id, None)
 
     def _op_local_results(self, value: Any) -> tuple[Any, ...]:
         return tuple(self._engine.experimental_local_results(self._resolve(value)))

@@ -10,6 +10,7 @@ time-out that the environment can override.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -140,6 +141,8 @@ class ReplicaGroup:
                 error = result.error
                 if result.traceback:
                     error.add_note(f"Remote traceback (host {host}):\n{result.traceback}")
+                with contextlib.suppress(AttributeError):  # for the coordinator to forward
+                    error.jaxpod_remote = result  # type: ignore[attr-defined]
                 raise error
         return results
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import jax
 import numpy as np
 
 
-class PerReplica:
+class PerReplica(metaclass=abc.ABCMeta):  # noqa: B024 (remote values register)
     """One value per replica, kept on the devices.
 
     The components of all replicas live in one global ``jax.Array`` whose leading axis
@@ -22,6 +23,9 @@ class PerReplica:
         outputs of a step on a padded batch), the number of real rows along axis 0 of
         each replica's component (shape ``(num_replicas,)``); ``None`` for other values.
         Reductions, gathers and local results drop the rows past it.
+
+    The remote strategy's values (``jaxpod.client``) register as virtual subclasses:
+    they have the same attributes, with ``array`` fetched on use.
     """
 
     __slots__ = ("array", "valid_rows")

@@ -1,0 +1,233 @@
+"""``jaxpod.connect()`` and the :class:`Client`: a session with a jaxpod service.
+
+A client opens one session, keeps it alive with heartbeats on a background thread,
+and hands out :class:`~jaxpod.client.remote.RemoteStrategy` objects, each holding one
+slice. Closing the client (or the process exiting) closes the session, which
+releases every slice it holds.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+import jaxpod
+from jaxpod.client import embedded, rpc
+from jaxpod.client.remote import RemoteStrategy
+from jaxpod.errors import SessionError
+from jaxpod.proto import coordinator_pb2 as pb
+from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
+from jaxpod.proto.tensors import PROTOCOL_VERSION, channel_options
+
+logger = logging.getLogger(__name__)
+
+ADDRESS_ENV = "JAXPOD_ADDRESS"
+TOKEN_ENV = "JAXPOD_TOKEN"
+_embedded_lock = threading.Lock()
+_embedded: list[embedded.EmbeddedService] = []  # this process's, started on first need
+
+
+def connect(address: str | None = None, token: str | None = None, *,
+            lease_s: float | None = None) -> Client:
+    """Connects to a jaxpod service and opens a session.
+
+    Args:
+      address: ``host:port`` of ``jaxpod serve``. ``None``: ``$JAXPOD_ADDRESS``; if
+        that is unset too, the embedded local service (started once per process as
+        a child, on a simulated cluster, and stopped when this process exits).
+      token: the service's bearer token (default ``$JAXPOD_TOKEN``).
+      lease_s: how long the service keeps this session without a heartbeat
+        (default: the service's).
+
+    Returns:
+      The client; close it (or use it as a context manager) to release its slices.
+    """
+    address = address or os.environ.get(ADDRESS_ENV) or None
+    if address is None:
+        service = _embedded_service()
+        address, token = service.address, service.token
+    return Client(address, token if token is not None else os.environ.get(TOKEN_ENV),
+                  lease_s=lease_s)
+
+
+def _embedded_service() -> embedded.EmbeddedService:
+    with _embedded_lock:
+        if not _embedded or _embedded[0].process.poll() is not None:
+            _embedded[:] = [embedded.start()]
+        return _embedded[0]
+
+
+class Client:
+    """One session with a jaxpod service.
+
+    Args:
+      address: ``host:port``.
+      token: bearer token, if the service requires one.
+      lease_s: requested session lease (0 or ``None``: the service's default).
+    """
+
+    def __init__(self, address: str, token: str | None = None,
+                 lease_s: float | None = None) -> None:
+        self.address = address
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token}"),) if token else ())
+        self._channel = grpc.insecure_channel(address, options=channel_options())
+        self.stub = pb_grpc.CoordinatorStub(self._channel)
+        from jaxpod.worker.functions import runtime_versions
+
+        self.runtime_versions = runtime_versions()
+        reply = self.call(self.stub.OpenSession, pb.OpenSessionRequest(
+            client_version=jaxpod.__version__, protocol_version=PROTOCOL_VERSION,
+            lease_s=lease_s or 0.0, runtime_versions=self.runtime_versions),
+            what="connect", idempotent=True, timeout_s=rpc.CONTROL_TIMEOUT.seconds())
+        self.session_id = reply.session_id
+        self.lease_s = reply.lease_s
+        self.server_version = reply.server_version
+        self._closed = threading.Event()
+        self._strategies: weakref.WeakSet[RemoteStrategy] = weakref.WeakSet()
+        self._heartbeat = threading.Thread(target=self._beat, name="jaxpod-heartbeat",
+                                           daemon=True)
+        self._heartbeat.start()
+        self._finalizer = weakref.finalize(self, _close_session, self.stub,
+                                           self.session_id, self._metadata, self._closed,
+                                           self._channel)
+        atexit.register(self._finalizer)
+
+    # ------------------------------------------------------------------- calls
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def check_open(self, what: str) -> None:
+        if self._closed.is_set():
+            raise SessionError(f"{what}: this jaxpod client is closed; call "
+                               "jaxpod.connect() again.")
+
+    def call(self, method: Any, request: Any, *, what: str, idempotent: bool = False,
+             timeout_s: float | None = None) -> Any:
+        return rpc.call(method, request, what=what, metadata=self._metadata,
+                        timeout_s=timeout_s or rpc.CALL_TIMEOUT.seconds(),
+                        idempotent=idempotent)
+
+    def stream(self, method: Any, request: Any, consume: Any, *, what: str) -> Any:
+        return rpc.stream(method, request, consume, what=what, metadata=self._metadata,
+                          timeout_s=rpc.CALL_TIMEOUT.seconds())
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def _beat(self) -> None:
+        interval = max(0.05, self.lease_s / 3)
+        while not self._closed.wait(interval):
+            try:
+                self.stub.Heartbeat(pb.SessionRequest(session_id=self.session_id),
+                                    timeout=max(1.0, interval), metadata=self._metadata)
+            except grpc.RpcError as e:
+                call: Any = e
+                if call.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    logger.warning("jaxpod session %s ended on the service: %s",
+                                   self.session_id, call.details())
+                    return
+                logger.debug("heartbeat failed: %s", call.details())
+
+    # ---------------------------------------------------------------- strategies
+    def strategy(self, accelerator_type: str | None = None, num_slices: int = 1,
+                 steps_per_run: int = 1, *, computation_shape: Sequence[int] | None = None,
+                 num_replicas: int | None = None, timeout_s: float | None = None
+                 ) -> RemoteStrategy:
+        """Acquires whole slices and returns a strategy running on them.
+
+        Args:
+          accelerator_type: e.g. ``"v4-16"``; ``None`` takes the type of the cluster's
+            first idle slice.
+          num_slices: slices (more than one: a multi-slice replica group).
+          steps_per_run: default steps per ``run_steps`` call.
+          computation_shape: logical devices per replica, as
+            ``DeviceAssignment.build`` takes it (``None``: one device per replica).
+          num_replicas: replicas to use (``None``: as many as the slice holds).
+          timeout_s: allocation time-out (default: the service's).
+
+        Returns:
+          The strategy; use it as a context manager, or ``close()`` it, to give the
+          slices back.
+        """
+        self.check_open("strategy")
+        if accelerator_type is None:
+            accelerator_type = self._idle_type()
+        _check_positive("num_slices", num_slices)
+        _check_positive("steps_per_run", steps_per_run)
+        if num_replicas is not None:
+            _check_positive("num_replicas", num_replicas)
+        info = self.call(self.stub.AcquireSlice, pb.AcquireSliceRequest(
+            session_id=self.session_id, accelerator_type=accelerator_type,
+            num_slices=num_slices, steps_per_run=steps_per_run,
+            computation_shape=list(computation_shape or ()),
+            num_replicas=num_replicas or 0, timeout_s=timeout_s or 0.0),
+            what=f"strategy({accelerator_type!r})",
+            timeout_s=rpc.ACQUIRE_TIMEOUT.seconds())
+        strategy = RemoteStrategy(self, info, steps_per_run,
+                                  computation_shape=computation_shape)
+        self._strategies.add(strategy)
+        return strategy
+
+    def _idle_type(self) -> str:
+        slices = self.cluster()
+        idle = [s for s in slices if not s["holder"]]
+        if not idle:
+            raise ValueError(
+                "strategy(): no accelerator_type given and the cluster has no free slice "
+                f"(slices: {[s['name'] for s in slices]}). Pass accelerator_type=... .")
+        return str(idle[0]["accelerator_type"])
+
+    def cluster(self) -> list[dict[str, Any]]:
+        """The service's slices: name, accelerator type, hosts and holding session."""
+        self.check_open("cluster")
+        reply = self.call(self.stub.ClusterStatus, pb.Empty(), what="cluster",
+                          idempotent=True, timeout_s=rpc.CONTROL_TIMEOUT.seconds())
+        return [{"name": s.name, "accelerator_type": s.accelerator_type,
+                 "num_hosts": s.num_hosts, "holder": s.holder} for s in reply.slices]
+
+    def close(self) -> None:
+        """Closes the session: every slice it holds is released. Idempotent."""
+        for strategy in list(self._strategies):
+            strategy.mark_closed()
+        self._finalizer()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"session {self.session_id[:8]}"
+        return f"Client({self.address!r}, {state})"
+
+
+def _close_session(stub: Any, session_id: str, metadata: Any, closed: threading.Event,
+                   channel: grpc.Channel) -> None:
+    if closed.is_set():
+        return
+    closed.set()
+    try:
+        stub.CloseSession(pb.SessionRequest(session_id=session_id),
+                          timeout=rpc.CONTROL_TIMEOUT.seconds(), metadata=metadata)
+    except grpc.RpcError as e:  # gone already: its lease releases everything
+        logger.debug("closing session %s: %s", session_id, e)
+    finally:
+        channel.close()
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int. Got {value!r}.")

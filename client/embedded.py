@@ -1,0 +1,168 @@
+"""The embedded local service: ``jaxpod serve --local`` as a child process.
+
+``jaxpod.connect()`` with no address starts one for this process. The child gets a
+random token, listens on a free loopback port (announced on its stdout), starts the
+simulated local TPU cluster and reports ``SERVING`` on its health service when ready.
+It is stopped with SIGTERM when this process exits (or killed after a grace period);
+since its stdin is a pipe from this process, it also stops if this process dies.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxpod.errors import ServiceUnavailableError
+from jaxpod.timeouts import Deadline, Timeout
+
+START_TIMEOUT = Timeout("JAXPOD_EMBEDDED_START_TIMEOUT_S", 300.0)
+STOP_TIMEOUT = Timeout("JAXPOD_EMBEDDED_STOP_TIMEOUT_S", 60.0)
+#: The simulated slices of the embedded service (``jaxpod serve --local --slices``).
+SLICES_ENV = "JAXPOD_LOCAL_SLICES"
+_LISTENING = "JAXPOD_LISTENING"
+
+
+@dataclass
+class EmbeddedService:
+    """A running embedded service: where it listens and how to stop it."""
+
+    address: str
+    token: str
+    process: subprocess.Popen[bytes]
+    _stopped: bool = field(default=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM (graceful: sessions closed, slices released), then kill."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        proc = self.process
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(STOP_TIMEOUT.resolve(timeout_s))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdin:
+            proc.stdin.close()
+        if proc.stdout:
+            proc.stdout.close()
+
+
+def start(slices: str | None = None, log_path: str | None = None,
+          timeout_s: float | None = None, quiet: bool = False) -> EmbeddedService:
+    """Starts ``jaxpod serve --local`` and waits until it is serving.
+
+    Args:
+      slices: simulated slices (default ``$JAXPOD_LOCAL_SLICES``, else the service's
+        default, one v4-16: 2 hosts x 4 chips).
+      log_path: where the service's log goes (default: a file in the temp directory).
+      timeout_s: overrides ``JAXPOD_EMBEDDED_START_TIMEOUT_S``.
+      quiet: do not print progress to stderr.
+
+    Raises:
+      ServiceUnavailableError: it exited or did not become ready in time; the message
+        ends with the tail of its log.
+    """
+    limit = START_TIMEOUT.resolve(timeout_s)
+    deadline = Deadline(limit)
+    token = secrets.token_hex(16)
+    slices = slices or os.environ.get(SLICES_ENV)
+    command = [sys.executable, "-m", "jaxpod.cli", "serve", "--local", "--port", "0",
+               "--stop-on-stdin-eof"]
+    if slices:
+        command += ["--slices", slices]
+    if log_path is None:
+        import tempfile
+
+        log_path = os.path.join(tempfile.gettempdir(), f"jaxpod-embedded-{os.getpid()}.log")
+    if not quiet:
+        print(f"jaxpod: starting the embedded local service (simulated "
+              f"{slices or 'v4-16'}; log {log_path})...", file=sys.stderr, flush=True)
+    env = {**os.environ, "JAXPOD_TOKEN": token}
+    env.pop("JAXPOD_ADDRESS", None)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=log, env=env, start_new_session=True)
+    service = EmbeddedService("", token, proc)
+    atexit.register(service.stop)
+    try:
+        service.address = _read_address(proc, deadline, log_path)
+        _wait_serving(service, deadline, log_path)
+    except BaseException:
+        service.stop(timeout_s=10)
+        raise
+    if not quiet:
+        print(f"jaxpod: embedded service ready at {service.address}", file=sys.stderr,
+              flush=True)
+    return service
+
+
+def _read_address(proc: subprocess.Popen[bytes], deadline: Deadline, log_path: str) -> str:
+    assert proc.stdout is not None
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    buffer = b""
+    try:
+        while not deadline.expired():
+            if selector.select(timeout=min(1.0, deadline.remaining())):
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                if not chunk:
+                    break
+                buffer += chunk
+                for line in buffer.decode(errors="replace").splitlines():
+                    if line.startswith(_LISTENING):
+                        return str(json.loads(line[len(_LISTENING):])["address"])
+            elif proc.poll() is not None:
+                break
+    finally:
+        selector.close()
+    raise _failed(proc, "did not start listening", log_path)
+
+
+def _wait_serving(service: EmbeddedService, deadline: Deadline, log_path: str) -> None:
+    with grpc.insecure_channel(service.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while not deadline.expired():
+            if service.process.poll() is not None:
+                break
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""),
+                                   timeout=min(5.0, max(0.1, deadline.remaining())))
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            # The health service answers at once; pace the polls.
+            time.sleep(min(0.2, max(0.0, deadline.remaining())))
+    raise _failed(service.process, "did not become ready", log_path)
+
+
+def _failed(proc: subprocess.Popen[bytes], what: str, log_path: str) -> ServiceUnavailableError:
+    state = (f"exited with status {proc.returncode}" if proc.poll() is not None
+             else "is still running")
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4000))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        tail = ""
+    return ServiceUnavailableError(
+        f"The embedded jaxpod service {what} within {START_TIMEOUT.env_var} "
+        f"({state}). Its log ({log_path}) ends:\n{tail}")

@@ -1,0 +1,476 @@
+"""``RemoteStrategy``: ``jaxpod.TPUStrategy``'s methods on a slice the service holds.
+
+Step and dataset functions travel once, pickled by value (so functions from scripts,
+notebooks and test modules work as they are), and are cached by the service by
+content. Arguments travel as :mod:`jaxpod.proto.tensors` trees; arrays larger than
+``UPLOAD_BYTES`` are uploaded in chunks first. Results of ``run`` stay on the workers
+as :class:`RemotePerReplica` handles (freed when garbage-collected); bytes come back
+only from ``reduce``, ``gather``, ``experimental_local_results`` and ``.array``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from jaxpod.errors import EndOfDataError, MessageTooLargeError, SessionError
+from jaxpod.proto import coordinator_pb2 as pb
+from jaxpod.proto import tensors
+from jaxpod.types import InputOptions, ReduceOp
+from jaxpod.worker.engine import DistributedDataset, DistributedIterator
+from jaxpod.worker.functions import ShippedFunction, ship, ship_object
+from jaxpod.worker.host_worker import worker_strategy
+from jaxpod.worker.replica_context import strategy_scope
+from jaxpod.worker.values import PerReplica
+
+if TYPE_CHECKING:
+    from jaxpod.client.client import Client
+
+#: Arrays larger than this are uploaded with ``Put`` instead of travelling inline.
+UPLOAD_BYTES = 1024 * 1024
+#: Function and dataset pickles above this are refused with advice.
+MAX_PICKLE_BYTES = tensors.MAX_MESSAGE_BYTES - 1024 * 1024
+
+
+class RemotePerReplica:
+    """A ``PerReplica`` value held on a remote slice.
+
+    Same attributes as :class:`jaxpod.PerReplica`: ``shape`` and ``dtype`` of one
+    replica's (padded) component, ``valid_rows``, ``num_replicas``, ``padding``, and
+    ``array`` (every replica's padded component stacked, fetched on first use).
+    """
+
+    __slots__ = ("__weakref__", "_array", "_strategy", "dtype", "id", "shape", "valid_rows")
+
+    def __init__(self, strategy: RemoteStrategy, ref: pb.ValueRef) -> None:
+        self._strategy = strategy
+        self.id = int(ref.id)
+        self.shape = tuple(int(d) for d in ref.shape)
+        self.dtype = tensors.dtype_from_name(ref.dtype)
+        self.valid_rows = (np.asarray(ref.valid_rows, dtype=np.int64) if ref.has_valid_rows
+                           else None)
+        self._array: np.ndarray | None = None
+        weakref.finalize(self, strategy._release_value, self.id)
+
+    @property
+    def num_replicas(self) -> int:
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def array(self) -> np.ndarray:
+        """All replicas' padded components, stacked (shape ``(replicas, *shape)``)."""
+        if self._array is None:
+            self._array = self._strategy._fetch(self)
+        return self._array
+
+    @property
+    def padding(self) -> np.ndarray | None:
+        v = self.valid_rows
+        if v is None or not self.shape or np.all(v == self.shape[0]):
+            return None
+        return v
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"{self!r} lives on the service and cannot be pickled into a step function. "
+            "Pass it to strategy.run(fn, args=(value,)) instead of capturing it.")
+
+    def __repr__(self) -> str:
+        rows = "" if self.valid_rows is None else f", valid_rows={self.valid_rows.tolist()}"
+        return (f"RemotePerReplica(id={self.id}, shape={self.shape}, dtype={self.dtype}"
+                f"{rows})")
+
+
+PerReplica.register(RemotePerReplica)
+
+
+class RemoteStrategy:
+    """``jaxpod.TPUStrategy``'s methods, run by a slice's host workers.
+
+    Get one from :meth:`jaxpod.client.Client.strategy`; it holds its slice until
+    closed (use it as a context manager).
+    """
+
+    def __init__(self, client: Client, info: pb.SliceInfo, steps_per_run: int,
+                 computation_shape: Sequence[int] | None = None,
+                 owns_slice: bool = True) -> None:
+        self._client = client
+        self.info = info
+        self.slice_id = info.slice_id
+        self.steps_per_run = steps_per_run
+        self._computation_shape = list(computation_shape or ())
+        self._owns_slice = owns_slice
+        self._closed = False
+        self._functions: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self._to_free: dict[str, list[int]] = {"value_ids": [], "iterator_ids": [],
+                                               "dataset_ids": []}
+
+    # ------------------------------------------------------------ properties
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return int(self.info.num_replicas)
+
+    @property
+    def num_hosts(self) -> int:
+        return int(self.info.num_hosts)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._client.closed
+
+    def with_steps_per_run(self, steps_per_run: int) -> RemoteStrategy:
+        """Another strategy on the same slice with a different default steps per run.
+
+        It does not own the slice: closing it leaves the slice to this strategy.
+        """
+        return RemoteStrategy(self._client, self.info, steps_per_run,
+                              self._computation_shape, owns_slice=False)
+
+    # ------------------------------------------------------------------- calls
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise SessionError(
+                f"{what}: this strategy is closed (its slice was released). Create a new "
+                "one with client.strategy(...).")
+
+    def _call(self, method: str, request: Any, what: str, idempotent: bool = False) -> Any:
+        self._check_open(what)
+        self._flush_frees()
+        return self._client.call(getattr(self._client.stub, method), request, what=what,
+                                 idempotent=idempotent)
+
+    def _result(self, method: str, request: Any, what: str) -> Any:
+        self._check_open(what)
+        self._flush_frees()
+        return self._client.stream(getattr(self._client.stub, method), request,
+                                   tensors.read_result, what=what)
+
+    def _ids(self) -> Any:  # the two ids every slice request starts with
+        return {"session_id": self._client.session_id, "slice_id": self.slice_id}
+
+    # -------------------------------------------------------------- functions
+    def _define(self, fn: Callable[..., Any], what: str) -> str:
+        try:
+            return self._functions[fn]
+        except (KeyError, TypeError):
+            pass
+        shipped = ship(fn)
+        _check_size(shipped, f"{what}: the function {getattr(fn, '__qualname__', fn)!r}")
+        reply = self._call("DefineFunction", pb.DefineFunctionRequest(
+            **self._ids(), payload=shipped.payload, runtime_versions=shipped.versions),
+            what, idempotent=True)
+        with contextlib.suppress(TypeError):  # not weak-referenceable: define again next time
+            self._functions[fn] = reply.function_id
+        return str(reply.function_id)
+
+    def _encode(self, value: Any, path: str) -> tuple[pb.Tree, list[int]]:
+        """``value`` as a tree; large arrays uploaded (their blob ids returned)."""
+        blobs: list[int] = []
+
+        def leaf(x: Any, where: str) -> Any:
+            if isinstance(x, RemotePerReplica):
+                if x._strategy.slice_id != self.slice_id:
+                    return pb.Tree(value=pb.ValueRef(id=x.id, slice_id=x._strategy.slice_id))
+                return pb.Tree(value=pb.ValueRef(id=x.id, slice_id=self.slice_id))
+            if isinstance(x, ReduceOp):
+                return pb.Tree(str_value=x.value)
+            if (isinstance(x, np.ndarray) or tensors._is_jax_array(x)) and \
+                    np.asarray(x).nbytes > UPLOAD_BYTES:
+                blob = self._put(np.asarray(x))
+                blobs.append(blob)
+                return pb.Tree(blob=blob)
+            return tensors.NOT_HANDLED
+
+        try:
+            return tensors.encode(value, leaf, path), blobs
+        except BaseException:
+            self._release_blobs(blobs)
+            raise
+
+    def _put(self, array: np.ndarray) -> int:
+        data = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False))
+        flat = memoryview(data.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+        def chunks() -> Iterator[pb.TensorChunk]:
+            yield pb.TensorChunk(session_id=self._client.session_id, dtype=data.dtype.name,
+                                 shape=array.shape, data=bytes(flat[:tensors.CHUNK_BYTES]))
+            for start in range(tensors.CHUNK_BYTES, len(flat), tensors.CHUNK_BYTES):
+                yield pb.TensorChunk(data=bytes(flat[start:start + tensors.CHUNK_BYTES]))
+
+        reply = self._call("Put", chunks(), "upload")
+        return int(reply.blob)
+
+    def _release_blobs(self, blobs: list[int]) -> None:
+        if blobs and not self.closed:
+            self._client.call(self._client.stub.Free, pb.FreeRequest(**self._ids(), blobs=blobs),
+                              what="free", idempotent=True)
+
+    def _values(self, tree: pb.Tree) -> Any:
+        def leaf(node: pb.Tree) -> Any:
+            return RemotePerReplica(self, node.value)
+
+        return tensors.decode(tree, leaf)
+
+    # --------------------------------------------------------------------- run
+    def run(self, fn: Callable[..., Any], args: Any = (),
+            kwargs: dict[str, Any] | None = None) -> Any:
+        """Runs ``fn`` once per replica on the slice; returns ``PerReplica`` handles."""
+        function_id = self._define(fn, "run")
+        encoded_args, blobs = self._encode(args, "args")
+        try:
+            encoded_kwargs, more = self._encode(kwargs, "kwargs")
+            blobs += more
+            reply = self._call("Run", pb.RunRequest(
+                **self._ids(), function_id=function_id, args=encoded_args,
+                kwargs=encoded_kwargs), "run")
+        finally:
+            self._release_blobs(blobs)
+        return self._values(reply)
+
+    def run_steps(self, fn: Callable[..., Any], iterator: Any, steps: int | None = None,
+                  initial_state: Any = None) -> Any:
+        """Runs ``steps`` (default ``steps_per_run``) steps in one on-device loop."""
+        if not isinstance(iterator, RemoteIterator) or iterator._strategy.slice_id != \
+                self.slice_id:
+            raise TypeError(
+                "run_steps: iterator must come from this strategy's distributed dataset "
+                f"(iter(strategy.experimental_distribute_dataset(...))). Got "
+                f"{type(iterator).__name__}.")
+        function_id = self._define(fn, "run_steps")
+        state, blobs = self._encode(initial_state, "initial_state")
+        try:
+            reply = self._call("RunSteps", pb.RunStepsRequest(
+                **self._ids(), function_id=function_id, iterator_id=iterator.id,
+                steps=tensors.encode(self.steps_per_run if steps is None else steps,
+                                     path="steps"),
+                initial_state=state), "run_steps")
+        finally:
+            self._release_blobs(blobs)
+        return self._values(reply)
+
+    # ----------------------------------------------------------------- results
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Reduces across replicas (and ``axis``); returns numpy."""
+        encoded, blobs = self._encode(value, "value")
+        try:
+            return self._result("Reduce", pb.ReduceRequest(
+                **self._ids(), reduce_op=self._encode(reduce_op, "reduce_op")[0],
+                value=encoded, axis=tensors.encode(axis, path="axis")), "reduce")
+        finally:
+            self._release_blobs(blobs)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenates the replicas' values along ``axis``; returns numpy."""
+        encoded, blobs = self._encode(value, "value")
+        try:
+            return self._result("Gather", pb.GatherRequest(
+                **self._ids(), value=encoded, axis=tensors.encode(axis, path="axis")),
+                "gather")
+        finally:
+            self._release_blobs(blobs)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """Every replica's value (numpy), padding rows dropped, in replica order."""
+        encoded, blobs = self._encode(value, "value")
+        try:
+            return tuple(self._result("LocalResults", pb.ValueRequest(
+                **self._ids(), value=encoded), "experimental_local_results"))
+        finally:
+            self._release_blobs(blobs)
+
+    def _fetch(self, value: RemotePerReplica) -> np.ndarray:
+        result: np.ndarray = self._result("Fetch", pb.ValueRequest(
+            **self._ids(), value=self._encode(value, "value")[0]), "fetch")
+        return result
+
+    def experimental_distribute_values_from_function(
+            self, value_fn: Callable[..., Any]) -> Any:
+        """Calls ``value_fn(ValueContext)`` on the workers, once per replica."""
+        function_id = self._define(value_fn, "experimental_distribute_values_from_function")
+        return self._values(self._call("DistributeValues", pb.DistributeValuesRequest(
+            **self._ids(), function_id=function_id),
+            "experimental_distribute_values_from_function"))
+
+    # ------------------------------------------------------------------- input
+    def experimental_distribute_dataset(self, dataset: Iterable[Any],
+                                        options: InputOptions | None = None
+                                        ) -> RemoteDataset:
+        """Ships ``dataset`` (pickled by value) to the workers, which rebatch it."""
+        what = "experimental_distribute_dataset"
+        shipped = ship_object(dataset, f"the dataset ({type(dataset).__name__})",
+                              "Pass a list of batches, or use distribute_datasets_from_function "
+                              "to build the dataset on the workers.")
+        request = pb.DistributeDatasetRequest(**self._ids(),
+                                              options=self._options(options),
+                                              runtime_versions=shipped.versions)
+        blobs: list[int] = []
+        if len(shipped.payload) > UPLOAD_BYTES:
+            blobs.append(self._put(np.frombuffer(shipped.payload, dtype=np.uint8)))
+            request.dataset_blob = blobs[0]
+        else:
+            request.dataset = shipped.payload
+        try:
+            reply = self._call("DistributeDataset", request, what)
+        finally:
+            self._release_blobs(blobs)
+        return RemoteDataset(self, int(reply.dataset_id))
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any],
+                                          options: InputOptions | None = None
+                                          ) -> RemoteDataset:
+        """Calls ``dataset_fn(InputContext)`` on each host of the slice."""
+        what = "distribute_datasets_from_function"
+        function_id = self._define(dataset_fn, what)
+        reply = self._call("DistributeDataset", pb.DistributeDatasetRequest(
+            **self._ids(), function_id=function_id, options=self._options(options),
+            runtime_versions=self._client.runtime_versions), what)
+        return RemoteDataset(self, int(reply.dataset_id))
+
+    def _options(self, options: InputOptions | None) -> bytes:
+        if options is None:
+            return b""
+        return ship_object(options, "the input options", "Pass a jaxpod.InputOptions.").payload
+
+    # --------------------------------------------------------- logical devices
+    def experimental_split_to_logical_devices(self, tensor: Any,
+                                              partition_dimensions: Sequence[int]) -> Any:
+        return self._annotation("experimental_split_to_logical_devices", tensor)
+
+    def experimental_replicate_to_logical_devices(self, tensor: Any) -> Any:
+        return self._annotation("experimental_replicate_to_logical_devices", tensor)
+
+    def experimental_assign_to_logical_device(self, tensor: Any, logical_device_id: int) -> Any:
+        return self._annotation("experimental_assign_to_logical_device", tensor)
+
+    def _annotation(self, what: str, tensor: Any) -> Any:
+        # Inside a step function this object is the worker's engine (see __reduce__);
+        # here, on the client, there is nothing to place unless replicas span devices.
+        if not self._computation_shape or all(d == 1 for d in self._computation_shape):
+            return tensor
+        raise RuntimeError(f"{what} annotates values inside a step function; call it "
+                           "from the function you pass to strategy.run.")
+
+    # -------------------------------------------------------------------- scope
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[RemoteStrategy]:
+        """Makes this the current strategy (``jaxpod.get_strategy()``)."""
+        with strategy_scope(self):
+            yield self
+
+    # ---------------------------------------------------------------- lifetime
+    def _release_value(self, value_id: int) -> None:
+        with self._lock:
+            self._to_free["value_ids"].append(value_id)
+
+    def _release_iterator(self, iterator_id: int) -> None:
+        with self._lock:
+            self._to_free["iterator_ids"].append(iterator_id)
+
+    def _release_dataset(self, dataset_id: int) -> None:
+        with self._lock:
+            self._to_free["dataset_ids"].append(dataset_id)
+
+    def _flush_frees(self) -> None:
+        with self._lock:
+            if not any(self._to_free.values()):
+                return
+            pending: Any = {k: list(v) for k, v in self._to_free.items()}
+            for v in self._to_free.values():
+                v.clear()
+        self._client.call(self._client.stub.Free, pb.FreeRequest(**self._ids(), **pending),
+                          what="free", idempotent=True)
+
+    def stats(self) -> list[dict[str, int]]:
+        """Each host's live values, device bytes and iterators (frees pending first)."""
+        reply = self._call("SliceStats", pb.SliceRequest(**self._ids()), "stats",
+                           idempotent=True)
+        return [{"num_values": h.num_values, "device_bytes": h.device_bytes,
+                 "num_iterators": h.num_iterators} for h in reply.hosts]
+
+    def mark_closed(self) -> None:
+        self._closed = True
+
+    def close(self) -> None:
+        """Releases the slice (every value on it goes with it). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_slice and not self._client.closed:
+            self._client.call(self._client.stub.ReleaseSlice,
+                              pb.SliceRequest(**self._ids()), what="close", idempotent=True)
+
+    def __enter__(self) -> RemoteStrategy:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __reduce__(self) -> Any:
+        # A step function that captured this strategy gets the worker's engine.
+        return (worker_strategy, ())
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else self.slice_id
+        return (f"RemoteStrategy({self.info.accelerator_type}, "
+                f"replicas={self.num_replicas_in_sync}, hosts={self.num_hosts}, "
+                f"steps_per_run={self.steps_per_run}, {state})")
+
+
+def _check_size(shipped: ShippedFunction, what: str) -> None:
+    if len(shipped.payload) > MAX_PICKLE_BYTES:
+        raise MessageTooLargeError(
+            f"{what} pickles to {len(shipped.payload)} bytes, over the "
+            f"{MAX_PICKLE_BYTES}-byte limit. It probably captures a large array: pass "
+            "that array as an argument instead (arguments are uploaded in chunks).")
+
+
+class RemoteDataset:
+    """A dataset distributed over a remote slice's hosts; iterate it once per epoch."""
+
+    def __init__(self, strategy: RemoteStrategy, dataset_id: int) -> None:
+        self._strategy = strategy
+        self.id = dataset_id
+        weakref.finalize(self, strategy._release_dataset, dataset_id)
+
+    def __iter__(self) -> RemoteIterator:
+        s = self._strategy
+        reply = s._call("CreateIterator", pb.IteratorRequest(
+            **s._ids(), id=self.id, steps_per_run=s.steps_per_run), "iter(dataset)")
+        return RemoteIterator(s, int(reply.iterator_id))
+
+
+class RemoteIterator:
+    """Yields one step of input per ``next``; its infeeds run on the workers."""
+
+    def __init__(self, strategy: RemoteStrategy, iterator_id: int) -> None:
+        self._strategy = strategy
+        self.id = iterator_id
+        weakref.finalize(self, strategy._release_iterator, iterator_id)
+
+    def __iter__(self) -> RemoteIterator:
+        return self
+
+    def __next__(self) -> Any:
+        s = self._strategy
+        try:
+            reply = s._call("IteratorNext", pb.IteratorRequest(**s._ids(), id=self.id),
+                            "next(iterator)")
+        except EndOfDataError:
+            raise
+        return s._values(reply)
+
+    def get_next(self) -> Any:
+        """The next step's input (``tf.distribute.DistributedIterator.get_next``)."""
+        return next(self)
+
+
+DistributedDataset.register(RemoteDataset)
+DistributedIterator.register(RemoteIterator)

@@ -1,0 +1,117 @@
+"""Calls to the service: deadlines, retries of idempotent calls, typed errors.
+
+Every call carries the client's token and a deadline (named, environment-overridable
+time-outs). Only calls that are safe to repeat (reads, heartbeats, defining a function
+by content hash) are retried, and only when the service was unreachable. A failed
+call raises the exception the service reported: the step function's own exception
+type and message with the remote traceback as a note, a ``jaxpod`` error, or, for
+transport failures, a ``jaxpod`` error saying what to do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import cloudpickle
+import grpc
+
+from jaxpod import errors
+from jaxpod.proto.tensors import ERROR_TRAILER, MAX_MESSAGE_BYTES, TRACEBACK_TRAILER
+from jaxpod.timeouts import Timeout
+
+#: Operations on a slice (a first call compiles; a step may be long).
+CALL_TIMEOUT = Timeout("JAXPOD_CALL_TIMEOUT_S", 900.0)
+#: Acquiring a slice: allocation plus starting its host workers.
+ACQUIRE_TIMEOUT = Timeout("JAXPOD_ACQUIRE_TIMEOUT_S", 600.0)
+#: Session bookkeeping (open, heartbeat, close, free, status).
+CONTROL_TIMEOUT = Timeout("JAXPOD_CONTROL_TIMEOUT_S", 30.0)
+_RETRY_DELAYS_S = (0.1, 0.5, 2.0)
+
+_T = TypeVar("_T")
+
+_BY_CODE: dict[grpc.StatusCode, type[errors.JaxpodError]] = {
+    grpc.StatusCode.UNAVAILABLE: errors.ServiceUnavailableError,
+    grpc.StatusCode.UNAUTHENTICATED: errors.AuthenticationError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.MessageTooLargeError,
+    grpc.StatusCode.NOT_FOUND: errors.HandleError,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.SessionError,
+}
+
+
+def error_from(e: grpc.RpcError, what: str) -> BaseException:
+    """The exception a failed call stands for.
+
+    Args:
+      e: the gRPC error (a ``grpc.Call`` too).
+      what: the operation, for messages of errors the transport produced.
+    """
+    call: Any = e
+    trailers = dict(call.trailing_metadata() or ())
+    code: grpc.StatusCode = call.code()
+    details = call.details() or ""
+    error: BaseException | None = None
+    payload = trailers.get(ERROR_TRAILER)
+    if payload:
+        try:
+            error = cloudpickle.loads(payload)
+        except Exception:
+            error = None
+    if error is None:
+        error = _BY_CODE.get(code, errors.JaxpodError)(_transport_message(code, details, what))
+    traceback = trailers.get(TRACEBACK_TRAILER)
+    if traceback:
+        error.add_note("Remote traceback (from the jaxpod workers):\n"
+                       + traceback.decode(errors="replace"))
+    return error
+
+
+def _transport_message(code: grpc.StatusCode, details: str, what: str) -> str:
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return (f"{what}: the jaxpod service is unreachable ({details}). Check that "
+                "`jaxpod serve` runs at that address, or unset JAXPOD_ADDRESS to use the "
+                "embedded local service.")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return (f"{what}: {details}. Messages are limited to {MAX_MESSAGE_BYTES} bytes; "
+                "large arrays travel as arguments (uploaded in chunks), not inside "
+                "functions or datasets.")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return (f"{what} did not finish within its deadline ({details}); raise "
+                f"{CALL_TIMEOUT.env_var} if steps legitimately take longer.")
+    return f"{what} failed: {code.name}: {details}"
+
+
+def call(method: Callable[..., _T], request: Any, *, what: str, metadata: Any,
+         timeout_s: float, idempotent: bool = False) -> _T:
+    """Makes a unary call; returns its response or raises the reported exception."""
+    for attempt in range(len(_RETRY_DELAYS_S) + 1):
+        try:
+            return method(request, timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError as e:
+            if not _retry(e, idempotent, attempt):
+                raise error_from(e, what) from None
+    raise AssertionError("unreachable")
+
+
+def stream(method: Callable[..., Any], request: Any, consume: Callable[[Iterator[Any]], _T],
+           *, what: str, metadata: Any, timeout_s: float, idempotent: bool = True) -> _T:
+    """Makes a server-streaming call and hands the stream to ``consume``."""
+    for attempt in range(len(_RETRY_DELAYS_S) + 1):
+        try:
+            return consume(method(request, timeout=timeout_s, metadata=metadata))
+        except grpc.RpcError as e:
+            if not _retry(e, idempotent, attempt):
+                raise error_from(e, what) from None
+    raise AssertionError("unreachable")
+
+
+def _retry(e: grpc.RpcError, idempotent: bool, attempt: int) -> bool:
+    call_: Any = e
+    if not idempotent or attempt >= len(_RETRY_DELAYS_S):
+        return False
+    if call_.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    time.sleep(_RETRY_DELAYS_S[attempt])
+    return True

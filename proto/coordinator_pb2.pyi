@@ -1,0 +1,424 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("session_id", "dtype", "shape", "data")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, session_id: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ValueRef(_message.Message):
+    __slots__ = ("id", "slice_id", "shape", "dtype", "has_valid_rows", "valid_rows")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SLICE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HAS_VALID_ROWS_FIELD_NUMBER: _ClassVar[int]
+    VALID_ROWS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    slice_id: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    has_valid_rows: bool
+    valid_rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[int] = ..., slice_id: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., has_valid_rows: _Optional[bool] = ..., valid_rows: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Sequence(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[Tree]
+    def __init__(self, items: _Optional[_Iterable[_Union[Tree, _Mapping]]] = ...) -> None: ...
+
+class Mapping(_message.Message):
+    __slots__ = ("keys", "values")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[Tree]
+    values: _containers.RepeatedCompositeFieldContainer[Tree]
+    def __init__(self, keys: _Optional[_Iterable[_Union[Tree, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[Tree, _Mapping]]] = ...) -> None: ...
+
+class Tree(_message.Message):
+    __slots__ = ("tensor", "value", "blob", "float_value", "int_value", "bool_value", "str_value", "none", "tuple", "list", "dict", "streamed")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    BLOB_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    STR_VALUE_FIELD_NUMBER: _ClassVar[int]
+    NONE_FIELD_NUMBER: _ClassVar[int]
+    TUPLE_FIELD_NUMBER: _ClassVar[int]
+    LIST_FIELD_NUMBER: _ClassVar[int]
+    DICT_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_FIELD_NUMBER: _ClassVar[int]
+    tensor: Tensor
+    value: ValueRef
+    blob: int
+    float_value: float
+    int_value: int
+    bool_value: bool
+    str_value: str
+    none: bool
+    tuple: Sequence
+    list: Sequence
+    dict: Mapping
+    streamed: Tensor
+    def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., value: _Optional[_Union[ValueRef, _Mapping]] = ..., blob: _Optional[int] = ..., float_value: _Optional[float] = ..., int_value: _Optional[int] = ..., bool_value: _Optional[bool] = ..., str_value: _Optional[str] = ..., none: _Optional[bool] = ..., tuple: _Optional[_Union[Sequence, _Mapping]] = ..., list: _Optional[_Union[Sequence, _Mapping]] = ..., dict: _Optional[_Union[Mapping, _Mapping]] = ..., streamed: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ResultChunk(_message.Message):
+    __slots__ = ("skeleton", "data")
+    SKELETON_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    skeleton: Tree
+    data: bytes
+    def __init__(self, skeleton: _Optional[_Union[Tree, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("client_version", "protocol_version", "lease_s", "runtime_versions")
+    class RuntimeVersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    client_version: str
+    protocol_version: int
+    lease_s: float
+    runtime_versions: _containers.ScalarMap[str, str]
+    def __init__(self, client_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., lease_s: _Optional[float] = ..., runtime_versions: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "lease_s", "server_version", "protocol_version")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    lease_s: float
+    server_version: str
+    protocol_version: int
+    def __init__(self, session_id: _Optional[str] = ..., lease_s: _Optional[float] = ..., server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_s",)
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    lease_s: float
+    def __init__(self, lease_s: _Optional[float] = ...) -> None: ...
+
+class AcquireSliceRequest(_message.Message):
+    __slots__ = ("session_id", "accelerator_type", "num_slices", "steps_per_run", "computation_shape", "num_replicas", "timeout_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLICES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_RUN_FIELD_NUMBER: _ClassVar[int]
+    COMPUTATION_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    accelerator_type: str
+    num_slices: int
+    steps_per_run: int
+    computation_shape: _containers.RepeatedScalarFieldContainer[int]
+    num_replicas: int
+    timeout_s: float
+    def __init__(self, session_id: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_slices: _Optional[int] = ..., steps_per_run: _Optional[int] = ..., computation_shape: _Optional[_Iterable[int]] = ..., num_replicas: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class SliceInfo(_message.Message):
+    __slots__ = ("slice_id", "accelerator_type", "num_slices", "num_hosts", "num_replicas", "steps_per_run", "slice_names")
+    SLICE_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLICES_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_RUN_FIELD_NUMBER: _ClassVar[int]
+    SLICE_NAMES_FIELD_NUMBER: _ClassVar[int]
+    slice_id: str
+    accelerator_type: str
+    num_slices: int
+    num_hosts: int
+    num_replicas: int
+    steps_per_run: int
+    slice_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, slice_id: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_slices: _Optional[int] = ..., num_hosts: _Optional[int] = ..., num_replicas: _Optional[int] = ..., steps_per_run: _Optional[int] = ..., slice_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SliceRequest(_message.Message):
+    __slots__ = ("session_id", "slice_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLICE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    slice_id: str
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ...) -> None: ...
+
+class SliceStatsResponse(_message.Message):
+    __slots__ = ("hosts",)
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    hosts: _containers.RepeatedCompositeFieldContainer[HostStats]
+    def __init__(self, hosts: _Optional[_Iterable[_Union[HostStats, _Mapping]]] = ...) -> None: ...
+
+class HostStats(_message.Message):
+    __slots__ = ("num_values", "device_bytes", "num_iterators")
+    NUM_VALUES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_ITERATORS_FIELD_NUMBER: _ClassVar[int]
+    num_values: int
+    device_bytes: int
+    num_iterators: int
+    def __init__(self, num_values: _Optional[int] = ..., device_bytes: _Optional[int] = ..., num_iterators: _Optional[int] = ...) -> None: ...
+
+class DefineFunctionRequest(_message.Message):
+    __slots__ = ("session_id", "slice_id", "payload", "runtime_versions")
+    class RuntimeVersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLICE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    slice_id: str
+    payload: bytes
+    runtime_versions: _containers.ScalarMap[str, str]
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., payload: _Optional[bytes] = ..., runtime_versions: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class DefineFunctionResponse(_message.Message):
+    __slots__ = ("function_id",)
+    FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
+    function_id: str
+    def __init__(self, function_id: _Optional[str] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("blob",)
+    BLOB_FIELD_NUMBER: _ClassVar[int]
+    blob: int
+    def __init__(self, blob: _Optional[int] = ...) -> None: ...
+
+class RunRequest(_message.Message):
+    __slots__ = ("session_id", "slice_id", "function_id", "args", "kwargs")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLICE_ID_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    slice_id: str
+    function_id: str
+    args: Tree
+    kwargs: Tree
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., function_id: _Optional[str] = ..., args: _Optional[_Union[Tree, _Mapping]] = ..., kwargs: _Optional[_Union[Tree, _Mapping]] = ...) -> None: ...
+
+class RunStepsRequest(_message.Message):
+    __slots__ = ("session_id", "slice_id", "function_id", "iterator_id", "steps", "initial_state")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLICE_ID_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
+    ITERATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_STATE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    slice_id: str
+    function_id: str
+    iterator_id: int
+    steps: Tree
+    initial_state: Tree
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., function_id: _Optional[str] = ..., iterator_id: _Optional[int] = ..., steps: _Optional[_Union[Tree, _Mapping]] = ..., initial_state: _Optional[_Union[Tree, _Mapping]] = ...) -> None: ...
+
+class DistributeValuesRequest(_message.Message):
+    __slots__ = ("session_id", "slice_id", "function_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLICE_ID_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    slice_id: str
+    function_id: str
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., function_id: _Optional[str] = ...) -> None: ...
+
+class DistributeDatasetRequest(_message.Message):
+    __slots__ = ("session_id", "slice_id", "dataset", "dataset_blob", "function_id", "options", "runtime_versions")
+    class RuntimeVersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLICE_ID_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    DATASET_BLOB_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    slice_id: str
+    dataset: bytes
+    dataset_blob: int
+    function_id: str
+    options: bytes
+    runtime_versions: _containers.ScalarMap[str, str]
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., dataset: _Optional[bytes] = ..., dataset_blob: _Optional[int] = ..., function_id: _Optional[str] = ..., options: _Optional[bytes] = ..., runtime_versions: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class DatasetResponse(_message.Message):
+    __slots__ = ("dataset_id",)
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: int
+    def __init__(self, dataset_id: _Optional[int] = ...) -> None: ...
+
+class IteratorRequest(_message.Message):
+    __slots__ = ("session_id", "slice_id", "id", "steps_per_run")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLICE_ID_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_RUN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    slice_id: str
+    id: int
+    steps_per_run: int
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., id: _Optional[int] = ..., steps_per_run: _Optional[int] = ...) -> None: ...
+
+class IteratorResponse(_message.Message):
+    __slots__ = ("iterator_id",)
+    ITERATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    iterator_id: int
+    def __init__(self, iterator_id: _Optional[int] = ...) -> None: ...
+
+class ReduceRequest(_message.Message):
+    __slots__ = ("session_id", "slice_id", "reduce_op", "value", "axis")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLICE_ID_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_OP_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    AXIS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    slice_id: str
+    reduce_op: Tree
+    value: Tree
+    axis: Tree
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., reduce_op: _Optional[_Union[Tree, _Mapping]] = ..., value: _Optional[_Union[Tree, _Mapping]] = ..., axis: _Optional[_Union[Tree, _Mapping]] = ...) -> None: ...
+
+class GatherRequest(_message.Message):
+    __slots__ = ("session_id", "slice_id", "value", "axis")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLICE_ID_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    AXIS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    slice_id: str
+    value: Tree
+    axis: Tree
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., value: _Optional[_Union[Tree, _Mapping]] = ..., axis: _Optional[_Union[Tree, _Mapping]] = ...) -> None: ...
+
+class ValueRequest(_message.Message):
+    __slots__ = ("session_id", "slice_id", "value")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLICE_ID_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    slice_id: str
+    value: Tree
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., value: _Optional[_Union[Tree, _Mapping]] = ...) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("session_id", "slice_id", "value_ids", "iterator_ids", "blobs", "dataset_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLICE_ID_FIELD_NUMBER: _ClassVar[int]
+    VALUE_IDS_FIELD_NUMBER: _ClassVar[int]
+    ITERATOR_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOBS_FIELD_NUMBER: _ClassVar[int]
+    DATASET_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    slice_id: str
+    value_ids: _containers.RepeatedScalarFieldContainer[int]
+    iterator_ids: _containers.RepeatedScalarFieldContainer[int]
+    blobs: _containers.RepeatedScalarFieldContainer[int]
+    dataset_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., value_ids: _Optional[_Iterable[int]] = ..., iterator_ids: _Optional[_Iterable[int]] = ..., blobs: _Optional[_Iterable[int]] = ..., dataset_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ClusterStatusResponse(_message.Message):
+    __slots__ = ("slices", "num_sessions", "server_version")
+    SLICES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    slices: _containers.RepeatedCompositeFieldContainer[ClusterSlice]
+    num_sessions: int
+    server_version: str
+    def __init__(self, slices: _Optional[_Iterable[_Union[ClusterSlice, _Mapping]]] = ..., num_sessions: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+
+class ClusterSlice(_message.Message):
+    __slots__ = ("name", "accelerator_type", "num_hosts", "holder")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    accelerator_type: str
+    num_hosts: int
+    holder: str
+    def __init__(self, name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_hosts: _Optional[int] = ..., holder: _Optional[str] = ...) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("session_id", "payload")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    payload: bytes
+    def __init__(self, session_id: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class JobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job_id", "state")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
+
+class JobList(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,234 @@
+"""Wire forms of values, shared by the client and the coordinator.
+
+Arrays travel as :class:`Tensor` messages (numpy dtype name, shape, C-order
+little-endian bytes; ``bfloat16`` and the other ``ml_dtypes`` types included). Nests
+of arguments and results travel as :class:`Tree` messages; the leaves that are not
+plain data (remote values, uploaded tensors) are left to callbacks so each side
+decides what they mean. Large results stream as a skeleton followed by byte chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jaxpod.proto import coordinator_pb2 as pb
+
+#: Version of the protocol; a client and a service must agree on it.
+PROTOCOL_VERSION = 1
+#: The largest message either side accepts; larger tensors go through ``Put`` or
+#: result streams in chunks of ``CHUNK_BYTES``.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHUNK_BYTES = 4 * 1024 * 1024
+#: Tensors up to this size travel inline in a result skeleton.
+INLINE_BYTES = 256 * 1024
+#: Metadata carries pickled exceptions and remote tracebacks back to clients.
+MAX_METADATA_BYTES = 1024 * 1024
+#: Trailers of an error status: the exception (cloudpickle) and the remote traceback.
+ERROR_TRAILER = "jaxpod-error-bin"
+TRACEBACK_TRAILER = "jaxpod-traceback-bin"
+
+
+def channel_options() -> list[tuple[str, int]]:
+    """Message and metadata limits, the same on the server and the client."""
+    return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_metadata_size", MAX_METADATA_BYTES)]
+
+_EXTRA_DTYPES = {name: np.dtype(getattr(ml_dtypes, name)) for name in (
+    "bfloat16", "float8_e4m3fn", "float8_e5m2", "int4", "uint4")}
+_INT64 = (-(2**63), 2**63 - 1)
+
+#: What a leaf callback returns when it does not handle the leaf.
+NOT_HANDLED = object()
+
+
+class UnsupportedValueError(TypeError):
+    """A value of a type that cannot travel to the workers."""
+
+
+def dtype_from_name(name: str) -> np.dtype[Any]:
+    """The numpy dtype for a wire dtype name (``"float32"``, ``"bfloat16"``...)."""
+    if name in _EXTRA_DTYPES:
+        return _EXTRA_DTYPES[name]
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        raise ValueError(f"Unknown tensor dtype {name!r} on the wire.") from None
+    if dtype.hasobject:
+        raise ValueError(f"Tensor dtype {name!r} cannot travel as raw bytes.")
+    return dtype
+
+
+def _little_endian(array: np.ndarray) -> np.ndarray:
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(array)
+
+
+def to_tensor(value: Any) -> pb.Tensor:
+    """``value`` (numpy, jax or anything ``np.asarray`` takes) as a ``Tensor``."""
+    array = _little_endian(np.asarray(value))
+    if array.dtype.hasobject:
+        raise UnsupportedValueError(
+            f"Arrays of dtype object cannot be sent (got shape {array.shape}); convert "
+            "them to a numeric dtype first.")
+    return pb.Tensor(dtype=array.dtype.name, shape=array.shape, data=array.tobytes())
+
+
+def from_tensor(tensor: pb.Tensor) -> np.ndarray:
+    """A writable numpy array with the tensor's dtype, shape and data."""
+    dtype = dtype_from_name(tensor.dtype)
+    shape = tuple(tensor.shape)
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(tensor.data) != expected:
+        raise ValueError(f"Tensor of dtype {tensor.dtype} and shape {list(shape)} needs "
+                         f"{expected} bytes; the message has {len(tensor.data)}.")
+    return np.frombuffer(tensor.data, dtype=dtype).reshape(shape).copy()
+
+
+def nbytes(tensor_meta: pb.Tensor) -> int:
+    dtype = dtype_from_name(tensor_meta.dtype)
+    return int(np.prod(tuple(tensor_meta.shape), dtype=np.int64)) * dtype.itemsize
+
+
+# ------------------------------------------------------------------------- trees
+LeafEncoder = Callable[[Any, str], Any]  # (leaf, path) -> pb.Tree | NOT_HANDLED
+LeafDecoder = Callable[[pb.Tree], Any]   # ValueRef / blob node -> Python value
+
+
+def encode(value: Any, leaf: LeafEncoder | None = None, path: str = "args") -> pb.Tree:
+    """A nest of tuples, lists, dicts, scalars and arrays as a ``Tree``.
+
+    Args:
+      value: the nest.
+      leaf: called first on every node; returns a ``Tree`` for values it owns (remote
+        values, large arrays to upload) or ``NOT_HANDLED``.
+      path: where ``value`` sits, for error messages (``args[1]['x']``).
+
+    Raises:
+      UnsupportedValueError: a leaf of a type that cannot travel, naming its path.
+    """
+    if leaf is not None:
+        handled = leaf(value, path)
+        if handled is not NOT_HANDLED:
+            return handled
+    if value is None:
+        return pb.Tree(none=True)
+    if isinstance(value, bool):
+        return pb.Tree(bool_value=value)
+    if isinstance(value, int):
+        if not _INT64[0] <= value <= _INT64[1]:
+            raise UnsupportedValueError(
+                f"{path}: the int {value} does not fit in 64 bits; pass it as an array "
+                "of a wide enough dtype.")
+        return pb.Tree(int_value=value)
+    if isinstance(value, float):
+        return pb.Tree(float_value=value)
+    if isinstance(value, str):
+        return pb.Tree(str_value=value)
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return pb.Tree(tuple=pb.Sequence(
+            items=[encode(v, leaf, f"{path}[{i}]") for i, v in enumerate(value)]))
+    if isinstance(value, list):
+        return pb.Tree(list=pb.Sequence(
+            items=[encode(v, leaf, f"{path}[{i}]") for i, v in enumerate(value)]))
+    if isinstance(value, dict):
+        keys = list(value)
+        return pb.Tree(dict=pb.Mapping(
+            keys=[encode(k, None, f"{path} key") for k in keys],
+            values=[encode(value[k], leaf, f"{path}[{k!r}]") for k in keys]))
+    if isinstance(value, np.ndarray | np.generic) or _is_jax_array(value):
+        return pb.Tree(tensor=to_tensor(value))
+    raise UnsupportedValueError(
+        f"{path}: values of type {type(value).__module__}.{type(value).__qualname__} cannot "
+        "be sent to the workers. Send numpy or jax arrays, Python numbers, strings, None, "
+        "tuples, lists and dicts of them, and values this strategy returned.")
+
+
+def _is_jax_array(value: Any) -> bool:
+    module = type(value).__module__
+    return module.startswith(("jax", "jaxlib")) and hasattr(value, "__array__")
+
+
+def decode(tree: pb.Tree, leaf: LeafDecoder | None = None) -> Any:
+    """The Python nest a ``Tree`` encodes; ``leaf`` decodes value and blob nodes."""
+    kind = tree.WhichOneof("node")
+    if kind == "tensor":
+        return from_tensor(tree.tensor)
+    if kind in ("value", "blob", "streamed"):
+        if leaf is None:
+            raise ValueError(f"A {kind} node needs a decoder on this side.")
+        return leaf(tree)
+    if kind in ("tuple", "list"):
+        items = [decode(t, leaf) for t in getattr(tree, kind).items]
+        return tuple(items) if kind == "tuple" else items
+    if kind == "dict":
+        return {decode(k): decode(v, leaf)
+                for k, v in zip(tree.dict.keys, tree.dict.values, strict=True)}
+    if kind in ("float_value", "int_value", "bool_value", "str_value"):
+        return getattr(tree, kind)
+    if kind == "none" or kind is None:
+        return None
+    raise ValueError(f"Unknown tree node {kind!r}.")
+
+
+# ----------------------------------------------------------------- result streams
+def result_stream(value: Any, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.ResultChunk]:
+    """A numpy nest as a result stream: the skeleton, then large tensors' bytes.
+
+    Tensors up to ``INLINE_BYTES`` travel inside the skeleton; larger ones are marked
+    ``streamed`` and follow, in skeleton order, in chunks of at most ``chunk_bytes``.
+    """
+    big: list[np.ndarray] = []
+
+    def leaf(x: Any, path: str) -> Any:
+        if isinstance(x, np.ndarray | np.generic):
+            array = _little_endian(np.asarray(x))
+            if array.nbytes > INLINE_BYTES:
+                big.append(array)
+                return pb.Tree(streamed=pb.Tensor(dtype=array.dtype.name, shape=array.shape))
+        return NOT_HANDLED
+
+    yield pb.ResultChunk(skeleton=encode(value, leaf, "result"))
+    for array in big:
+        flat = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+        for start in range(0, len(flat), chunk_bytes):
+            yield pb.ResultChunk(data=bytes(flat[start:start + chunk_bytes]))
+
+
+def read_result(chunks: Iterable[pb.ResultChunk]) -> Any:
+    """Rebuilds the nest a :func:`result_stream` sent (arrays writable, no extra copy)."""
+    it = iter(chunks)
+    first = next(it)
+    buffers: list[tuple[np.ndarray, memoryview]] = []
+
+    def leaf(node: pb.Tree) -> Any:
+        meta = node.streamed
+        array = np.empty(tuple(meta.shape), dtype=dtype_from_name(meta.dtype))
+        view = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+        buffers.append((array, view))
+        return array
+
+    value = decode(first.skeleton, leaf)
+    index, offset = 0, 0
+    for chunk in it:
+        data = memoryview(chunk.data)
+        while data:
+            while index < len(buffers) and offset == len(buffers[index][1]):
+                index, offset = index + 1, 0
+            if index == len(buffers):
+                raise ValueError("The result stream carried more bytes than its skeleton.")
+            view = buffers[index][1]
+            n = min(len(data), len(view) - offset)
+            view[offset:offset + n] = data[:n]
+            offset += n
+            data = data[n:]
+    while index < len(buffers) and offset == len(buffers[index][1]):
+        index, offset = index + 1, 0
+    if index != len(buffers):
+        raise ValueError("The result stream ended before all its tensors arrived.")
+    return value

@@ -1,0 +1,394 @@
+"""The ``Coordinator`` gRPC service: sessions and the strategy methods on their slices.
+
+Each RPC checks the session that names it, resolves the slice and the values it refers
+to (only within that session), and runs the operation on the slice's replica group in
+a worker thread (the group's calls block on Ray). Results go back as value references,
+or, for reductions, gathers and local results, as streamed tensors. Every exception
+becomes a gRPC status through :mod:`jaxpod.service.status`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+import grpc
+
+import jaxpod
+from jaxpod.errors import EndOfDataError, HandleError, MessageTooLargeError, VersionMismatchError
+from jaxpod.proto import coordinator_pb2 as pb
+from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
+from jaxpod.proto import tensors
+from jaxpod.service.sessions import HeldSlice, Session, SessionManager
+from jaxpod.service.status import status_of
+from jaxpod.worker.functions import ShippedFunction, runtime_versions
+from jaxpod.worker.group_engine import DefinedFunction, GroupValue
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+#: The most bytes one Put may upload (a tensor argument); it streams in chunks.
+MAX_UPLOAD_BYTES = 4 * 1024 * 1024 * 1024
+
+
+class SliceProvider(Protocol):
+    """Acquires slices with their replica groups started and configured."""
+
+    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str) -> HeldSlice: ...
+
+    def cluster(self) -> list[pb.ClusterSlice]: ...
+
+
+class CoordinatorService(pb_grpc.CoordinatorServicer):
+    """The RPC handlers.
+
+    Args:
+      slices: where slices come from (Ray allocation and host workers).
+      sessions: the session table (its default lease comes from the environment).
+      max_workers: threads running blocking slice operations.
+    """
+
+    def __init__(self, slices: SliceProvider, sessions: SessionManager | None = None,
+                 max_workers: int = 32) -> None:
+        self.slices = slices
+        self.sessions = sessions or SessionManager()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers, thread_name_prefix="jaxpod-slice")
+
+    async def _blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(_no_stop, fn, *args))
+
+    # ------------------------------------------------------------------ sessions
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: Any
+                          ) -> pb.OpenSessionResponse:
+        if request.protocol_version != tensors.PROTOCOL_VERSION:
+            raise VersionMismatchError(
+                f"This service speaks jaxpod protocol {tensors.PROTOCOL_VERSION} (jaxpod "
+                f"{jaxpod.__version__}); the client speaks protocol "
+                f"{request.protocol_version} (jaxpod {request.client_version or '?'}). "
+                f"Install jaxpod=={jaxpod.__version__} on the client.")
+        mine = runtime_versions()
+        theirs = dict(request.runtime_versions)
+        diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        if diff:
+            detail = ", ".join(f"{k}: client {a}, service {b}" for k, (a, b) in diff.items())
+            raise VersionMismatchError(
+                f"Step functions travel as cloudpickle, which needs the same runtime on "
+                f"both ends ({detail}). Use the service's versions on the client.")
+        session = self.sessions.open(request.lease_s)
+        logger.info("session %s opened (lease %.1fs)", session.id, session.lease_s)
+        return pb.OpenSessionResponse(session_id=session.id, lease_s=session.lease_s,
+                                      server_version=jaxpod.__version__,
+                                      protocol_version=tensors.PROTOCOL_VERSION)
+
+    async def Heartbeat(self, request: pb.SessionRequest, context: Any
+                        ) -> pb.HeartbeatResponse:
+        session = self.sessions.get(request.session_id)
+        return pb.HeartbeatResponse(lease_s=session.lease_s)
+
+    async def CloseSession(self, request: pb.SessionRequest, context: Any) -> pb.Empty:
+        await self.close_session(request.session_id, "closed by its client")
+        return pb.Empty()
+
+    async def close_session(self, session_id: str, why: str) -> None:
+        for held in self.sessions.close(session_id):
+            await self._blocking(held.release)
+        logger.info("session %s %s", session_id, why)
+
+    async def reap_expired(self) -> list[str]:
+        """Closes every session whose lease ran out; returns their ids."""
+        expired = self.sessions.expired()
+        for session_id in expired:
+            await self.close_session(session_id, "expired: no heartbeat within its lease")
+        return expired
+
+    async def close_all(self) -> None:
+        for session in self.sessions.all():
+            await self.close_session(session.id, "closed: the service is stopping")
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -------------------------------------------------------------------- slices
+    async def AcquireSlice(self, request: pb.AcquireSliceRequest, context: Any
+                           ) -> pb.SliceInfo:
+        session = self.sessions.get(request.session_id)
+        slice_id = f"slice-{secrets.token_hex(4)}"
+        held = await self._blocking(self.slices.acquire, request, slice_id)
+        session.add_slice(held)
+        d = held.description
+        return pb.SliceInfo(slice_id=held.id, accelerator_type=d["accelerator_type"],
+                            num_slices=d["num_slices"], num_hosts=d["num_hosts"],
+                            num_replicas=held.engine.num_replicas_in_sync,
+                            steps_per_run=held.engine.steps_per_run,
+                            slice_names=d["slice_names"])
+
+    async def ReleaseSlice(self, request: pb.SliceRequest, context: Any) -> pb.Empty:
+        held = self.sessions.get(request.session_id).pop_slice(request.slice_id)
+        await self._blocking(held.release)
+        return pb.Empty()
+
+    def _slice(self, session_id: str, slice_id: str) -> tuple[Session, HeldSlice]:
+        session = self.sessions.get(session_id)
+        return session, session.slice(slice_id)
+
+    # ------------------------------------------------------- functions and inputs
+    async def DefineFunction(self, request: pb.DefineFunctionRequest, context: Any
+                             ) -> pb.DefineFunctionResponse:
+        _, held = self._slice(request.session_id, request.slice_id)
+        shipped = ShippedFunction(request.payload, dict(request.runtime_versions))
+        defined = await self._blocking(held.engine.define, shipped)
+        return pb.DefineFunctionResponse(function_id=defined.id)
+
+    async def Put(self, request_iterator: AsyncIterator[pb.TensorChunk], context: Any
+                  ) -> pb.PutResponse:
+        first: pb.TensorChunk | None = None
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in request_iterator:
+            first = first or chunk
+            size += len(chunk.data)
+            if size > MAX_UPLOAD_BYTES:
+                raise MessageTooLargeError(
+                    f"Put: upload over {MAX_UPLOAD_BYTES} bytes; split the tensor into "
+                    "several arguments.")
+            parts.append(chunk.data)
+        if first is None:
+            raise ValueError("Put: the upload stream was empty.")
+        session = self.sessions.get(first.session_id)
+        array = tensors.from_tensor(pb.Tensor(dtype=first.dtype, shape=first.shape,
+                                              data=b"".join(parts)))
+        return pb.PutResponse(blob=session.add_blob(array))
+
+    def _args(self, session: Session, held: HeldSlice, tree: pb.Tree) -> Any:
+        def leaf(node: pb.Tree) -> Any:
+            kind = node.WhichOneof("node")
+            if kind == "blob":
+                return session.blob(node.blob)
+            if kind == "value":
+                if node.value.slice_id != held.id:
+                    raise HandleError(
+                        f"Value #{node.value.id} lives on slice {node.value.slice_id}, not on "
+                        f"this strategy's slice {held.id}; values cannot move between "
+                        "strategies. Gather it and pass the array instead.")
+                return held.value(node.value.id)
+            raise ValueError(f"A {kind} node cannot be an argument.")
+
+        return tensors.decode(tree, leaf)
+
+    def _refs(self, held: HeldSlice, result: Any) -> pb.Tree:
+        """Keeps the new values in the slice's table; encodes them as ValueRefs."""
+        kept: list[GroupValue] = []
+
+        def leaf(x: Any, path: str) -> Any:
+            if isinstance(x, GroupValue):
+                kept.append(x)
+                valid = x.info.valid_rows
+                return pb.Tree(value=pb.ValueRef(
+                    id=x.info.id, slice_id=held.id, shape=x.info.shape, dtype=x.info.dtype,
+                    has_valid_rows=valid is not None, valid_rows=valid or ()))
+            return tensors.NOT_HANDLED
+
+        tree = tensors.encode(result, leaf, "result")
+        held.keep_values(kept)
+        return tree
+
+    async def Run(self, request: pb.RunRequest, context: Any) -> pb.Tree:
+        session, held = self._slice(request.session_id, request.slice_id)
+        args = self._args(session, held, request.args)
+        kwargs = self._args(session, held, request.kwargs)
+        result = await self._blocking(held.engine.run, DefinedFunction(request.function_id),
+                                      args, kwargs)
+        return self._refs(held, result)
+
+    async def RunSteps(self, request: pb.RunStepsRequest, context: Any) -> pb.Tree:
+        session, held = self._slice(request.session_id, request.slice_id)
+        iterator = held.iterator(request.iterator_id)
+        state = self._args(session, held, request.initial_state)
+        steps = tensors.decode(request.steps)
+        result = await self._blocking(held.engine.run_steps,
+                                      DefinedFunction(request.function_id), iterator, steps,
+                                      state)
+        return self._refs(held, result)
+
+    async def DistributeValues(self, request: pb.DistributeValuesRequest, context: Any
+                               ) -> pb.Tree:
+        _, held = self._slice(request.session_id, request.slice_id)
+        result = await self._blocking(
+            held.engine.experimental_distribute_values_from_function,
+            DefinedFunction(request.function_id))
+        return self._refs(held, result)
+
+    async def DistributeDataset(self, request: pb.DistributeDatasetRequest, context: Any
+                                ) -> pb.DatasetResponse:
+        session, held = self._slice(request.session_id, request.slice_id)
+        source = request.WhichOneof("source")
+        versions = dict(request.runtime_versions)
+        options = ShippedFunction(request.options, versions) if request.options else None
+        if source == "function_id":
+            dataset = await self._blocking(held.engine.distribute_datasets_from_function,
+                                           DefinedFunction(request.function_id), options)
+        else:
+            payload = (request.dataset if source == "dataset"
+                       else session.blob(request.dataset_blob).tobytes())
+            dataset = await self._blocking(held.engine.experimental_distribute_dataset,
+                                           ShippedFunction(payload, versions), options)
+        held.datasets[dataset.id] = dataset
+        return pb.DatasetResponse(dataset_id=dataset.id)
+
+    async def CreateIterator(self, request: pb.IteratorRequest, context: Any
+                             ) -> pb.IteratorResponse:
+        _, held = self._slice(request.session_id, request.slice_id)
+        dataset = held.dataset(request.id)
+        iterator = await self._blocking(dataset.iterate, request.steps_per_run or None)
+        held.iterators[iterator.id] = iterator
+        return pb.IteratorResponse(iterator_id=iterator.id)
+
+    async def IteratorNext(self, request: pb.IteratorRequest, context: Any) -> pb.Tree:
+        _, held = self._slice(request.session_id, request.slice_id)
+        iterator = held.iterator(request.id)
+        return self._refs(held, await self._blocking(next, iterator))
+
+    # ------------------------------------------------------------------- results
+    async def _stream(self, compute: Callable[[], Any]) -> AsyncIterator[pb.ResultChunk]:
+        result = await self._blocking(compute)
+        for chunk in tensors.result_stream(result):
+            yield chunk
+
+    def Reduce(self, request: pb.ReduceRequest, context: Any) -> AsyncIterator[pb.ResultChunk]:
+        session, held = self._slice(request.session_id, request.slice_id)
+        value = self._args(session, held, request.value)
+        op, axis = tensors.decode(request.reduce_op), tensors.decode(request.axis)
+        return self._stream(lambda: held.engine.reduce(op, value, axis))
+
+    def Gather(self, request: pb.GatherRequest, context: Any) -> AsyncIterator[pb.ResultChunk]:
+        session, held = self._slice(request.session_id, request.slice_id)
+        value = self._args(session, held, request.value)
+        axis = tensors.decode(request.axis)
+        return self._stream(lambda: held.engine.gather(value, axis))
+
+    def LocalResults(self, request: pb.ValueRequest, context: Any
+                     ) -> AsyncIterator[pb.ResultChunk]:
+        session, held = self._slice(request.session_id, request.slice_id)
+        value = self._args(session, held, request.value)
+        return self._stream(lambda: held.engine.experimental_local_results(value))
+
+    def Fetch(self, request: pb.ValueRequest, context: Any) -> AsyncIterator[pb.ResultChunk]:
+        session, held = self._slice(request.session_id, request.slice_id)
+        value = self._args(session, held, request.value)
+        return self._stream(lambda: held.engine.fetch(value))
+
+    async def Free(self, request: pb.FreeRequest, context: Any) -> pb.Empty:
+        session = self.sessions.get(request.session_id)
+        for blob in request.blobs:
+            session.blobs.pop(blob, None)
+        held = session.slices.get(request.slice_id)
+        if held is None:  # released already: everything on it is gone
+            return pb.Empty()
+        # Dropping the last reference frees on the workers with the slice's next call.
+        for value_id in request.value_ids:
+            held.values.pop(value_id, None)
+        for iterator_id in request.iterator_ids:
+            held.iterators.pop(iterator_id, None)
+        for dataset_id in request.dataset_ids:
+            dataset = held.datasets.pop(dataset_id, None)
+            if dataset is not None:
+                await self._blocking(dataset.free)
+        return pb.Empty()
+
+    async def SliceStats(self, request: pb.SliceRequest, context: Any
+                         ) -> pb.SliceStatsResponse:
+        _, held = self._slice(request.session_id, request.slice_id)
+        stats = await self._blocking(held.engine.stats)
+        return pb.SliceStatsResponse(hosts=[pb.HostStats(**s) for s in stats])
+
+    async def ClusterStatus(self, request: pb.Empty, context: Any) -> pb.ClusterStatusResponse:
+        slices = await self._blocking(self.slices.cluster)
+        holders = {name: s.id for s in self.sessions.all() for h in s.slices.values()
+                   for name in h.description["slice_names"]}
+        for s in slices:
+            s.holder = holders.get(s.name, "")
+        return pb.ClusterStatusResponse(slices=slices, num_sessions=len(self.sessions),
+                                        server_version=jaxpod.__version__)
+
+    # ---------------------------------------------------------------------- jobs
+    async def _no_jobs(self, request: Any, context: Any) -> Any:
+        raise NotImplementedError(
+            "Jobs are not available in this jaxpod version; use client.strategy(...).")
+
+    SubmitJob = GetJob = ListJobs = CancelJob = _no_jobs
+
+    async def WatchJob(self, request: pb.JobRequest, context: Any
+                       ) -> AsyncIterator[pb.JobStatus]:
+        await self._no_jobs(request, context)
+        yield pb.JobStatus()  # pragma: no cover
+
+
+# ---------------------------------------------------------------- error mapping
+class _Stopped(Exception):
+    """Carries a ``StopIteration`` (e.g. ``EndOfDataError``) out of a worker thread:
+    neither a future nor a coroutine may raise one."""
+
+    def __init__(self, error: StopIteration) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _no_stop(fn: Callable[..., _T], *args: Any) -> _T:
+    try:
+        return fn(*args)
+    except StopIteration as e:
+        if not isinstance(e, EndOfDataError):
+            e = EndOfDataError(str(e) or "The distributed dataset has no more input.")
+        raise _Stopped(e.with_traceback(None)) from None  # frames would pin the iterator
+
+
+def _unary(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    @functools.wraps(handler)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await handler(self, request, context)
+        except Exception as e:
+            await _abort(context, e, handler.__name__)
+
+    return wrapper
+
+
+def _streaming(handler: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(handler)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[Any]:
+        try:
+            stream = handler(self, request, context)
+            async for item in stream:
+                yield item
+        except Exception as e:
+            await _abort(context, e, handler.__name__)
+
+    return wrapper
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: Exception, rpc: str) -> None:
+    if isinstance(error, grpc.aio.AbortError):
+        raise error
+    code, details, trailers = status_of(error.error if isinstance(error, _Stopped) else error)
+    if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
+        logger.info("%s failed: %s", rpc, details)
+    context.set_trailing_metadata(trailers)
+    await context.abort(code, details)
+
+
+def _install_error_mapping(cls: type[CoordinatorService]) -> None:
+    streaming = {"Reduce", "Gather", "LocalResults", "Fetch", "WatchJob"}
+    for name in dir(pb_grpc.CoordinatorServicer):
+        if name.startswith("_"):
+            continue
+        handler = getattr(cls, name)
+        setattr(cls, name, _streaming(handler) if name in streaming else _unary(handler))
+
+
+_install_error_mapping(CoordinatorService)

@@ -1,0 +1,89 @@
+"""``jaxpod serve``: its arguments and entry point (light to import: no gRPC, no Ray)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int, default=None,
+                        help="port on 127.0.0.1 (default 50051; 0 picks a free one)")
+    parser.add_argument("--address", default=None,
+                        help=f"host:port to listen on (default {DEFAULT_ADDRESS}); serve "
+                             "beyond loopback only behind a token")
+    parser.add_argument("--local", action="store_true",
+                        help="start the simulated local TPU cluster instead of joining "
+                             "$RAY_ADDRESS")
+    parser.add_argument("--slices", default=None, metavar="TYPES",
+                        help="with --local: the simulated slices (default v4-16)")
+    parser.add_argument("--lease", type=float, default=None, metavar="SECONDS",
+                        help="default session lease (default $JAXPOD_SESSION_LEASE_S or 30)")
+    parser.add_argument("--stop-on-stdin-eof", action="store_true",
+                        help="also stop when stdin closes (for a parent process that "
+                             "runs this service as its child)")
+    parser.add_argument("--platform", default="cpu", choices=("cpu", "tpu"),
+                        help="what the host workers run JAX on (default cpu: simulated)")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Entry point of ``jaxpod serve``."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    address = args.address or DEFAULT_ADDRESS
+    if args.port is not None:
+        address = f"{address.rsplit(':', 1)[0]}:{args.port}"
+    if args.slices and not args.local:
+        raise ValueError("--slices needs --local (it describes the simulated cluster).")
+    token = os.environ.get("JAXPOD_TOKEN") or None
+    cluster: Any = None
+
+    from jaxpod.service.server import LISTENING, serve
+
+    def make_slices() -> Any:
+        nonlocal cluster
+        from jaxpod.service.workers import RaySlices
+
+        if args.local:
+            from jaxpod.service.local_cluster import DEFAULT_SLICES, LocalTPUCluster
+
+            cluster = LocalTPUCluster(args.slices or DEFAULT_SLICES).start()
+            cluster.connect()
+        else:
+            address = os.environ.get("RAY_ADDRESS")
+            if not address:
+                raise ConnectionError("jaxpod serve: set RAY_ADDRESS to the Ray cluster to "
+                                      "join, or pass --local for the simulated cluster.")
+            from jaxpod.service.resolvers.ray import connect
+
+            connect(address)
+        return RaySlices(platform=args.platform)
+
+    def listening(where: str) -> None:
+        print(f"{LISTENING} {json.dumps({'address': where, 'pid': os.getpid()})}", flush=True)
+
+    try:
+        asyncio.run(serve(address, make_slices, token, args.lease, listening,
+                          args.stop_on_stdin_eof))
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        if cluster is not None:
+            cluster.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxpod serve")
+    add_arguments(parser)
+    return run_serve(parser.parse_args(argv))

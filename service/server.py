@@ -1,0 +1,203 @@
+"""``jaxpod serve``: the coordinator's gRPC server.
+
+:func:`create_server` builds and binds the server (port 0 picks a free port, which
+tests use); :func:`serve` runs it until SIGTERM/SIGINT, then stops gracefully: new
+calls are refused, calls in flight get ``JAXPOD_SHUTDOWN_GRACE_S`` to finish, and
+every session's slices are released. Besides the ``Coordinator`` service the server
+has the standard ``grpc.health.v1`` health service (``SERVING`` once the cluster is
+reachable) and server reflection.
+
+When it is listening, ``serve`` prints one line to stdout,
+``JAXPOD_LISTENING {"address": "127.0.0.1:50051", "pid": ...}``, which is how a
+parent process that started it with ``--port 0`` learns the port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import _async as health_async
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jaxpod.errors import AuthenticationError
+from jaxpod.proto import coordinator_pb2 as pb
+from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
+from jaxpod.proto.tensors import channel_options
+from jaxpod.service.coordinator import CoordinatorService, SliceProvider
+from jaxpod.service.sessions import SessionManager
+from jaxpod.service.status import status_of
+from jaxpod.timeouts import Timeout
+
+logger = logging.getLogger(__name__)
+
+LISTENING = "JAXPOD_LISTENING"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+SHUTDOWN_GRACE = Timeout("JAXPOD_SHUTDOWN_GRACE_S", 10.0)
+class _TokenCheck(grpc.aio.ServerInterceptor):
+    """Refuses calls without ``authorization: Bearer <token>`` (health is open)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}"
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+            details: grpc.HandlerCallDetails) -> Any:
+        method = details.method or ""
+        if method.startswith(("/grpc.health.", "/grpc.reflection.")):
+            return await continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        if metadata.get("authorization") == self._expected:
+            return await continuation(details)
+        handler = await continuation(details)
+        return _refuse(handler)
+
+
+def _refuse(handler: Any) -> Any:
+    error = AuthenticationError(
+        "The jaxpod service requires a token: pass jaxpod.connect(token=...) or set "
+        "JAXPOD_TOKEN to the token the service was started with.")
+    code, details, trailers = status_of(error)
+
+    async def abort(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        context.set_trailing_metadata(trailers)
+        await context.abort(code, details)
+
+    async def abort_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await abort(request, context)
+        yield  # pragma: no cover
+
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, True): grpc.stream_stream_rpc_method_handler}
+    streaming = (handler.request_streaming, handler.response_streaming)
+    make = kinds[streaming]
+    return make(abort_stream if streaming[1] else abort,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
+def create_server(address: str, service: pb_grpc.CoordinatorServicer,
+                  token: str | None = None
+                  ) -> tuple[grpc.aio.Server, int, health_async.HealthServicer]:
+    """Builds the server with every service on it and binds ``address``.
+
+    Args:
+      address: ``host:port``; port 0 picks a free one.
+      service: the coordinator.
+      token: when set, every coordinator call must carry it as a bearer token.
+
+    Returns:
+      The (not yet started) server, the bound port and its health servicer (set it
+      ``NOT_SERVING`` until the cluster is reachable: it starts out ``SERVING``).
+    """
+    interceptors = [_TokenCheck(token)] if token else []
+    server = grpc.aio.server(options=channel_options(), interceptors=interceptors)
+    pb_grpc.add_CoordinatorServicer_to_server(service, server)
+    health = health_async.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"jaxpod serve: cannot listen on {address}; is the port in use?")
+    return server, port, health
+
+
+async def _set_serving(health: health_async.HealthServicer, serving: bool) -> None:
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ("", SERVICE_NAME):
+        await health.set(name, status)
+
+
+async def serve(address: str, make_slices: Callable[[], SliceProvider],
+                token: str | None = None, lease_s: float | None = None,
+                on_listening: Callable[[str], None] | None = None,
+                stop_on_stdin_eof: bool = False) -> None:
+    """Runs the coordinator until SIGTERM or SIGINT, then stops gracefully.
+
+    Args:
+      address: where to listen.
+      make_slices: connects to the cluster (may take a while: the health service says
+        ``NOT_SERVING`` until it returns).
+      token: required bearer token, if any.
+      lease_s: the default session lease (else ``JAXPOD_SESSION_LEASE_S``).
+      on_listening: called with ``host:port`` once bound.
+      stop_on_stdin_eof: also stop when stdin closes (the parent that started this
+        service as its child exited, however it exited).
+    """
+    sessions = SessionManager(lease_s)
+    provider = _DeferredSlices()
+    service = CoordinatorService(provider, sessions)
+    server, port, health = create_server(address, service, token)
+    await _set_serving(health, False)  # the health service starts out SERVING
+    await server.start()
+    host = address.rsplit(":", 1)[0]
+    if on_listening:
+        on_listening(f"{host}:{port}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if stop_on_stdin_eof:
+        loop.add_reader(sys.stdin.fileno(), _stop_on_eof, stop)
+    reaper = asyncio.create_task(_reap(service, stop))
+    try:
+        provider.target = await asyncio.to_thread(make_slices)
+        await _set_serving(health, True)
+        logger.info("jaxpod serve: ready on %s:%d", host, port)
+        await stop.wait()
+    finally:
+        logger.info("jaxpod serve: stopping (grace %.0fs)", SHUTDOWN_GRACE.seconds())
+        await health.enter_graceful_shutdown()
+        await server.stop(SHUTDOWN_GRACE.seconds())
+        reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reaper
+        await service.close_all()
+
+
+def _stop_on_eof(stop: asyncio.Event) -> None:
+    if not os.read(sys.stdin.fileno(), 4096):
+        asyncio.get_running_loop().remove_reader(sys.stdin.fileno())
+        stop.set()
+
+
+class _DeferredSlices:
+    """The slice provider once the cluster is up; until then a clear error."""
+
+    target: SliceProvider | None = None
+
+    def _get(self) -> SliceProvider:
+        if self.target is None:
+            raise ConnectionError("The jaxpod service is still connecting to its cluster; "
+                                  "wait for its health check to report SERVING.")
+        return self.target
+
+    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str) -> Any:
+        return self._get().acquire(request, slice_id)
+
+    def cluster(self) -> list[pb.ClusterSlice]:
+        return self._get().cluster()
+
+
+async def _reap(service: CoordinatorService, stop: asyncio.Event) -> None:
+    interval = max(0.05, min(1.0, service.sessions.default_lease_s / 4))
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=interval)
+        try:
+            await service.reap_expired()
+        except Exception:  # a failed release must not stop the reaper
+            logger.exception("reaping expired sessions failed")

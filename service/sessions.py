@@ -1,0 +1,177 @@
+"""Sessions: who owns which slice, value, dataset and uploaded tensor.
+
+Every object the coordinator holds for a client belongs to exactly one session and is
+reachable only through it, so one client can never name another's values. A session
+lives as long as its client heartbeats (any call counts); the reaper closes sessions
+whose lease ran out, which releases their slices and so their device memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from jaxpod.errors import HandleError, SessionError
+from jaxpod.timeouts import Timeout
+from jaxpod.worker.group_engine import GroupDataset, GroupEngine, GroupIterator, GroupValue
+
+#: How long a session survives without hearing from its client.
+SESSION_LEASE = Timeout("JAXPOD_SESSION_LEASE_S", 30.0)
+
+
+@dataclass(eq=False)
+class HeldSlice:
+    """One acquired slice: its allocation, replica group and the objects on it.
+
+    Attributes:
+      id: the slice's id within the service.
+      engine: the strategy methods over the slice's replica group.
+      release: stops the workers and gives the slice back (idempotent).
+      description: accelerator type, hosts and slice names, for status replies.
+    """
+
+    id: str
+    engine: GroupEngine
+    release: Callable[[], None]
+    description: dict[str, Any]
+    values: dict[int, GroupValue] = field(default_factory=dict)
+    datasets: dict[int, GroupDataset] = field(default_factory=dict)
+    iterators: dict[int, GroupIterator] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def value(self, value_id: int) -> GroupValue:
+        try:
+            return self.values[value_id]
+        except KeyError:
+            raise HandleError(
+                f"Value #{value_id} is not held on slice {self.id}: it was freed, or it "
+                "belongs to another strategy. Use values returned by this strategy while "
+                "it is open.") from None
+
+    def dataset(self, dataset_id: int) -> GroupDataset:
+        return _lookup(self.datasets, dataset_id, "Dataset", self.id)
+
+    def iterator(self, iterator_id: int) -> GroupIterator:
+        return _lookup(self.iterators, iterator_id, "Iterator", self.id)
+
+    def keep_values(self, values: list[GroupValue]) -> None:
+        for v in values:
+            self.values[v.info.id] = v
+
+
+def _lookup(table: dict[int, Any], key: int, what: str, slice_id: str) -> Any:
+    try:
+        return table[key]
+    except KeyError:
+        raise HandleError(f"{what} #{key} is not held on slice {slice_id}: it was freed or "
+                          "belongs to another strategy.") from None
+
+
+class Session:
+    """One client's slices and uploads; every access renews its lease."""
+
+    def __init__(self, session_id: str, lease_s: float) -> None:
+        self.id = session_id
+        self.lease_s = lease_s
+        self.slices: dict[str, HeldSlice] = {}
+        self.blobs: dict[int, np.ndarray] = {}
+        self.closed = False
+        self._deadline = time.monotonic() + lease_s
+        self._lock = threading.Lock()
+        self._blob_ids = itertools.count(1)
+
+    def touch(self) -> None:
+        self._deadline = time.monotonic() + self.lease_s
+
+    def expired(self, now: float) -> bool:
+        return now > self._deadline
+
+    def slice(self, slice_id: str) -> HeldSlice:
+        try:
+            return self.slices[slice_id]
+        except KeyError:
+            raise HandleError(
+                f"Slice {slice_id!r} is not held by this session: it was released, or it "
+                "belongs to another client.") from None
+
+    def add_slice(self, held: HeldSlice) -> None:
+        with self._lock:
+            if self.closed:
+                held.release()
+                raise SessionError(f"Session {self.id} closed while its slice was starting.")
+            self.slices[held.id] = held
+
+    def pop_slice(self, slice_id: str) -> HeldSlice:
+        with self._lock:
+            held = self.slice(slice_id)
+            del self.slices[slice_id]
+            return held
+
+    def add_blob(self, array: np.ndarray) -> int:
+        blob = next(self._blob_ids)
+        self.blobs[blob] = array
+        return blob
+
+    def blob(self, blob: int) -> np.ndarray:
+        try:
+            return self.blobs[blob]
+        except KeyError:
+            raise HandleError(f"Uploaded tensor #{blob} is not held by this session; upload "
+                              "it again.") from None
+
+    def close(self) -> list[HeldSlice]:
+        """Marks the session closed; returns the slices the caller must release."""
+        with self._lock:
+            self.closed = True
+            slices = list(self.slices.values())
+            self.slices.clear()
+            self.blobs.clear()
+            return slices
+
+
+class SessionManager:
+    """Opens, finds and reaps sessions."""
+
+    def __init__(self, lease_s: float | None = None) -> None:
+        self.default_lease_s = SESSION_LEASE.resolve(lease_s)
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def open(self, lease_s: float = 0.0) -> Session:
+        if lease_s < 0:
+            raise ValueError(f"lease_s must be >= 0 (0: the service default). Got {lease_s}.")
+        session = Session(secrets.token_hex(16), lease_s or self.default_lease_s)
+        with self._lock:
+            self._sessions[session.id] = session
+        return session
+
+    def get(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None or session.closed:
+            raise SessionError(
+                f"Session {session_id!r} is not open on this service: it was closed, its "
+                "lease expired (no heartbeat), or the service restarted. Connect again.")
+        session.touch()
+        return session
+
+    def close(self, session_id: str) -> list[HeldSlice]:
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+        return session.close() if session else []
+
+    def expired(self) -> list[str]:
+        now = time.monotonic()
+        return [s.id for s in list(self._sessions.values()) if s.expired(now)]
+
+    def all(self) -> list[Session]:
+        return list(self._sessions.values())
