@@ -11,6 +11,7 @@ only from ``reduce``, ``gather``, ``experimental_local_results`` and ``.array``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxpod.errors import EndOfDataError, MessageTooLargeError, SessionError
+from jaxpod.errors import EndOfDataError, HandleError, MessageTooLargeError, SessionError
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
 from jaxpod.types import InputOptions, ReduceOp
@@ -177,7 +178,12 @@ class RemoteStrategy:
         def leaf(x: Any, where: str) -> Any:
             if isinstance(x, RemotePerReplica):
                 if x._strategy.slice_id != self.slice_id:
-                    return pb.Tree(value=pb.ValueRef(id=x.id, slice_id=x._strategy.slice_id))
+                    raise HandleError(
+                        f"{where} is a PerReplica value of a strategy with "
+                        f"{x.num_replicas} replicas on slice {x._strategy.slice_id}, not of "
+                        f"this strategy ({self.num_replicas_in_sync} replicas on "
+                        f"{self.slice_id}). Values cannot move between strategies; gather "
+                        "it and pass the array instead.")
                 return pb.Tree(value=pb.ValueRef(id=x.id, slice_id=self.slice_id))
             if isinstance(x, ReduceOp):
                 return pb.Tree(str_value=x.value)
@@ -195,7 +201,7 @@ class RemoteStrategy:
             raise
 
     def _put(self, array: np.ndarray) -> int:
-        data = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False))
+        data = array.astype(array.dtype.newbyteorder("<"), order="C", copy=False)
         flat = memoryview(data.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
         def chunks() -> Iterator[pb.TensorChunk]:
@@ -237,20 +243,26 @@ class RemoteStrategy:
     def run_steps(self, fn: Callable[..., Any], iterator: Any, steps: int | None = None,
                   initial_state: Any = None) -> Any:
         """Runs ``steps`` (default ``steps_per_run``) steps in one on-device loop."""
-        if not isinstance(iterator, RemoteIterator) or iterator._strategy.slice_id != \
-                self.slice_id:
-            raise TypeError(
-                "run_steps: iterator must come from this strategy's distributed dataset "
-                f"(iter(strategy.experimental_distribute_dataset(...))). Got "
-                f"{type(iterator).__name__}.")
+        k = self.steps_per_run if steps is None else steps
         function_id = self._define(fn, "run_steps")
         state, blobs = self._encode(initial_state, "initial_state")
+        request = pb.RunStepsRequest(**self._ids(), function_id=function_id,
+                                     steps=tensors.encode(k, path="steps"),
+                                     initial_state=state)
         try:
-            reply = self._call("RunSteps", pb.RunStepsRequest(
-                **self._ids(), function_id=function_id, iterator_id=iterator.id,
-                steps=tensors.encode(self.steps_per_run if steps is None else steps,
-                                     path="steps"),
-                initial_state=state), "run_steps")
+            if isinstance(iterator, RemoteIterator) and iterator._strategy.slice_id == \
+                    self.slice_id:
+                request.iterator_id = iterator.id
+            else:
+                # Any other iterator of values: take the steps' elements here, as the
+                # in-process engine would (none if ``steps`` is invalid: the engine says so).
+                valid = isinstance(k, int) and not isinstance(k, bool) and k > 0
+                items, more = self._encode(list(itertools.islice(iterator, k if valid else 0)),
+                                           "iterator")
+                blobs += more
+                request.has_items = True
+                request.items.CopyFrom(items)
+            reply = self._call("RunSteps", request, "run_steps")
         finally:
             self._release_blobs(blobs)
         return self._values(reply)

@@ -16,10 +16,14 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="train a small model data-parallel and print the loss")
+    demo = sub.add_parser("demo", help="train a small model data-parallel on a slice of the "
+                                       "(embedded) service and print the loss")
     demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    demo.add_argument("--devices", type=int, default=8,
-                      help="simulated CPU devices, one per chip (default 8)")
+    demo.add_argument("--accelerator-type", default="v4-16",
+                      help="slice to train on (default v4-16: 2 simulated hosts)")
+    demo.add_argument("--address", default=None,
+                      help="a running `jaxpod serve` (default $JAXPOD_ADDRESS, else start "
+                           "the embedded local service)")
     demo.set_defaults(handler=_run_demo)
 
     cluster = sub.add_parser("cluster", help="print the resolved TPU slices and hosts")
@@ -43,7 +47,8 @@ def _build_parser() -> argparse.ArgumentParser:
 def _run_demo(args: argparse.Namespace) -> int:
     from jaxpod._demo import run_demo
 
-    return run_demo(steps=args.steps, devices=args.devices)
+    return run_demo(steps=args.steps, accelerator_type=args.accelerator_type,
+                    address=args.address)
 
 
 def _run_cluster(args: argparse.Namespace) -> int:

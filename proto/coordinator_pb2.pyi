@@ -247,20 +247,24 @@ class RunRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., function_id: _Optional[str] = ..., args: _Optional[_Union[Tree, _Mapping]] = ..., kwargs: _Optional[_Union[Tree, _Mapping]] = ...) -> None: ...
 
 class RunStepsRequest(_message.Message):
-    __slots__ = ("session_id", "slice_id", "function_id", "iterator_id", "steps", "initial_state")
+    __slots__ = ("session_id", "slice_id", "function_id", "iterator_id", "steps", "initial_state", "has_items", "items")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATOR_ID_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     INITIAL_STATE_FIELD_NUMBER: _ClassVar[int]
+    HAS_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slice_id: str
     function_id: str
     iterator_id: int
     steps: Tree
     initial_state: Tree
-    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., function_id: _Optional[str] = ..., iterator_id: _Optional[int] = ..., steps: _Optional[_Union[Tree, _Mapping]] = ..., initial_state: _Optional[_Union[Tree, _Mapping]] = ...) -> None: ...
+    has_items: bool
+    items: Tree
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., function_id: _Optional[str] = ..., iterator_id: _Optional[int] = ..., steps: _Optional[_Union[Tree, _Mapping]] = ..., initial_state: _Optional[_Union[Tree, _Mapping]] = ..., has_items: _Optional[bool] = ..., items: _Optional[_Union[Tree, _Mapping]] = ...) -> None: ...
 
 class DistributeValuesRequest(_message.Message):
     __slots__ = ("session_id", "slice_id", "function_id")

@@ -66,7 +66,8 @@ def dtype_from_name(name: str) -> np.dtype[Any]:
 def _little_endian(array: np.ndarray) -> np.ndarray:
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
-    return np.ascontiguousarray(array)
+    # Not np.ascontiguousarray: it turns 0-d arrays into 1-d ones.
+    return array if array.flags.c_contiguous else array.copy(order="C")
 
 
 def to_tensor(value: Any) -> pb.Tensor:

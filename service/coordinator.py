@@ -27,7 +27,7 @@ from jaxpod.proto import tensors
 from jaxpod.service.sessions import HeldSlice, Session, SessionManager
 from jaxpod.service.status import status_of
 from jaxpod.worker.functions import ShippedFunction, runtime_versions
-from jaxpod.worker.group_engine import DefinedFunction, GroupValue
+from jaxpod.worker.group_engine import DefinedFunction, GroupValue, StepItems
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +207,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def RunSteps(self, request: pb.RunStepsRequest, context: Any) -> pb.Tree:
         session, held = self._slice(request.session_id, request.slice_id)
-        iterator = held.iterator(request.iterator_id)
+        iterator = (StepItems(self._args(session, held, request.items)) if request.has_items
+                    else held.iterator(request.iterator_id))
         state = self._args(session, held, request.initial_state)
         steps = tensors.decode(request.steps)
         result = await self._blocking(held.engine.run_steps,

@@ -58,6 +58,14 @@ class DefinedFunction:
     id: str
 
 
+@dataclass(frozen=True)
+class StepItems:
+    """``run_steps`` input given as the steps' elements themselves (nests of values),
+    taken by the caller from an iterator that is not a distributed one."""
+
+    items: Any
+
+
 def _is_value(x: object) -> bool:
     return isinstance(x, GroupValue)
 
@@ -141,12 +149,17 @@ class GroupEngine:
                            self._to_handles(kwargs))[0]
         return self._wrap(infos)
 
-    def run_steps(self, fn: Callable[..., Any] | DefinedFunction, iterator: GroupIterator,
-                  steps: int | None = None, initial_state: Any = None) -> Any:
-        if not isinstance(iterator, GroupIterator):
+    def run_steps(self, fn: Callable[..., Any] | DefinedFunction,
+                  iterator: GroupIterator | StepItems, steps: int | None = None,
+                  initial_state: Any = None) -> Any:
+        if isinstance(iterator, StepItems):
+            source: Any = StepItems(self._to_handles(iterator.items))
+        elif isinstance(iterator, GroupIterator):
+            source = iterator.id
+        else:
             raise TypeError("run_steps: iterator must come from this group's distributed "
-                            f"dataset. Got {type(iterator).__name__}.")
-        result = self._call("run_steps", self._define(fn), iterator.id,
+                            f"dataset, or be StepItems. Got {type(iterator).__name__}.")
+        result = self._call("run_steps", self._define(fn), source,
                                  self.steps_per_run if steps is None else steps,
                                  self._to_handles(initial_state))[0]
         return self._wrap(result)

@@ -232,10 +232,13 @@ class HostWorker:
         out = self._engine.run(fn, args=self._resolve(args), kwargs=self._resolve(kwargs))
         return self._store_tree(out)
 
-    def _op_run_steps(self, function_id: str, iterator_id: int, steps: int | None,
+    def _op_run_steps(self, function_id: str, source: Any, steps: int | None,
                       state: Any) -> Any:
         fn = self._functions.get(function_id)
-        result = self._engine.run_steps(fn, self._iterators[iterator_id], steps,
+        # ``source``: an iterator id, or StepItems (the elements themselves).
+        iterator = (self._iterators[source] if isinstance(source, int)
+                    else iter(self._resolve(source.items)))
+        result = self._engine.run_steps(fn, iterator, steps,
                                         initial_state=self._resolve(state))
         return self._store_tree(result)
 

@@ -1,13 +1,24 @@
-"""Fixtures for the engine's semantic tests: strategies over 1, 2 and 8 replicas."""
+"""Fixtures for the engine's semantic tests: strategies over 1, 2 and 8 replicas.
+
+Every strategy fixture is parametrized over two backends: ``local`` (the in-process
+``jaxpod.TPUStrategy``) and ``remote`` (a ``RemoteStrategy`` from ``jaxpod.connect()``
+on a real ``jaxpod serve --local`` child process, over loopback gRPC, whose host
+workers run the same engine). The same tests run unchanged against both.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import pytest
 
 import jaxpod
+
+BACKENDS = ("local", "remote")
+#: The remote backend's slices: one host each, with 1, 4 and 8 simulated chips.
+REMOTE_SLICES = {1: "v6e-1", 2: "v6e-4", 8: "v6e-8"}
 
 
 def make_strategy(num_replicas: int, steps_per_run: int = 1) -> jaxpod.TPUStrategy:
@@ -16,9 +27,36 @@ def make_strategy(num_replicas: int, steps_per_run: int = 1) -> jaxpod.TPUStrate
     return jaxpod.TPUStrategy(steps_per_run=steps_per_run, device_assignment=da)
 
 
-@pytest.fixture(params=[1, 2, 8], ids=lambda n: f"{n}replicas")
-def strategy(request: pytest.FixtureRequest) -> jaxpod.TPUStrategy:
-    return make_strategy(request.param)
+class _Remote:
+    """The remote backend: one embedded service and one slice per replica count,
+    shared by the whole session (strategies with other ``steps_per_run`` share it)."""
+
+    def __init__(self) -> None:
+        self._service: Any = None
+        self._client: Any = None
+        self._strategies: dict[tuple[int, int], Any] = {}
+
+    def strategy(self, num_replicas: int, steps_per_run: int = 1) -> Any:
+        key = (num_replicas, steps_per_run)
+        if key in self._strategies:
+            return self._strategies[key]
+        if (num_replicas, 1) not in self._strategies:
+            if self._client is None:
+                from jaxpod.client import embedded
+
+                self._service = embedded.start(",".join(REMOTE_SLICES.values()))
+                self._client = jaxpod.connect(self._service.address, token=self._service.token)
+            self._strategies[(num_replicas, 1)] = self._client.strategy(
+                REMOTE_SLICES[num_replicas], num_replicas=num_replicas)
+        self._strategies[key] = self._strategies[(num_replicas, 1)].with_steps_per_run(
+            steps_per_run)
+        return self._strategies[key]
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        if self._service is not None:
+            self._service.stop()
 
 
 _SHARED: dict[tuple[int, int], jaxpod.TPUStrategy] = {}
@@ -36,16 +74,56 @@ def shared_strategy(num_replicas: int, steps_per_run: int = 1) -> jaxpod.TPUStra
     return _SHARED[key]
 
 
-@pytest.fixture(scope="session", params=[1, 2, 8], ids=lambda n: f"{n}replicas")
-def sstrategy(request: pytest.FixtureRequest) -> jaxpod.TPUStrategy:
-    """Like ``strategy`` (1, 2 and 8 replicas) but shared for the whole session."""
-    return shared_strategy(request.param)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Runs ``in_process`` tests on the local backend only: what they observe (Python
+    side effects of a step function) happens in the worker for a remote strategy."""
+    remote_only_local = [
+        item for item in items
+        if item.get_closest_marker("in_process") is not None
+        and getattr(getattr(item, "callspec", None), "params", {}).get("backend") == "remote"]
+    if remote_only_local:
+        config.hook.pytest_deselected(items=remote_only_local)
+        items[:] = [item for item in items if item not in remote_only_local]
 
 
 @pytest.fixture(scope="session")
-def strategy_of() -> Callable[..., jaxpod.TPUStrategy]:
+def remote_backend() -> Iterator[_Remote]:
+    remote = _Remote()
+    try:
+        yield remote
+    finally:
+        remote.close()
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """``local`` or ``remote``: every strategy fixture of a test uses the same one."""
+    return str(request.param)
+
+
+def _of(backend: str, request: pytest.FixtureRequest) -> Callable[..., Any]:
+    if backend == "local":
+        return shared_strategy
+    remote: _Remote = request.getfixturevalue("remote_backend")
+    return remote.strategy
+
+
+@pytest.fixture(params=[1, 2, 8], ids=lambda n: f"{n}replicas")
+def strategy(request: pytest.FixtureRequest, backend: str) -> Any:
+    n = request.param
+    return make_strategy(n) if backend == "local" else _of(backend, request)(n)
+
+
+@pytest.fixture(scope="session", params=[1, 2, 8], ids=lambda n: f"{n}replicas")
+def sstrategy(request: pytest.FixtureRequest, backend: str) -> Any:
+    """Like ``strategy`` (1, 2 and 8 replicas) but shared for the whole session."""
+    return _of(backend, request)(request.param)
+
+
+@pytest.fixture(scope="session")
+def strategy_of(request: pytest.FixtureRequest, backend: str) -> Callable[..., Any]:
     """``strategy_of(n, steps_per_run=1)``: the session's shared strategy of that size."""
-    return shared_strategy
+    return _of(backend, request)
 
 
 @pytest.fixture(scope="session")

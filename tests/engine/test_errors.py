@@ -239,6 +239,7 @@ def test_input_options_global_batch_size(size: Any) -> None:
         jaxpod.InputOptions(global_batch_size=size)
 
 
+@pytest.mark.in_process
 def test_exceptions_from_the_dataset_reach_the_caller(two: jaxpod.TPUStrategy) -> None:
     def batches() -> Iterator[np.ndarray]:
         yield np.ones((2, 2), np.float32)

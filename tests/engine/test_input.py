@@ -145,6 +145,7 @@ def test_distribute_dataset_of_nested_elements(sstrategy: jaxpod.TPUStrategy) ->
     assert batch["meta"][0].dtype == np.int32
 
 
+@pytest.mark.in_process
 def test_distribute_dataset_accepts_a_generator_and_jax_arrays(
         strategy_of: Callable[..., jaxpod.TPUStrategy]) -> None:
     strategy = strategy_of(2)
@@ -248,6 +249,7 @@ FROM_FUNCTION_CASES = [
 ]
 
 
+@pytest.mark.in_process
 @pytest.mark.parametrize("sizes", FROM_FUNCTION_CASES, ids=["even", "tail", "shorter"])
 def test_datasets_from_function_one_element_per_replica_per_step(
         sstrategy: jaxpod.TPUStrategy, sizes: list[int]) -> None:
@@ -323,6 +325,7 @@ def test_datasets_from_function_equal_short_rows_reduce_elementwise(
     np.testing.assert_array_equal(strategy.gather(last, axis=0), np.concatenate(short))
 
 
+@pytest.mark.in_process
 def test_datasets_from_function_restarts_each_epoch(
         strategy_of: Callable[..., jaxpod.TPUStrategy]) -> None:
     """As in TF, dataset_fn runs once per host; each epoch iterates what it returned."""

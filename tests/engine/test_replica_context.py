@@ -31,6 +31,7 @@ def ctx_now() -> jaxpod.ReplicaContext:
 
 
 # --------------------------------------------------------------------- identity
+@pytest.mark.in_process
 def test_replica_identity_inside_run(sstrategy: jaxpod.TPUStrategy) -> None:
     r = sstrategy.num_replicas_in_sync
     seen: list[int] = []
@@ -244,6 +245,7 @@ def test_scope_is_left_when_the_block_raises(
     assert jaxpod.get_strategy() is None
 
 
+@pytest.mark.in_process
 def test_get_strategy_inside_run_is_the_running_strategy(
         strategy_of: Callable[..., jaxpod.TPUStrategy]) -> None:
     """TF: "strategy.run ... enter[s] the scope automatically", so

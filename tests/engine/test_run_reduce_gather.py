@@ -110,6 +110,7 @@ def test_run_passes_per_replica_kwargs(sstrategy: jaxpod.TPUStrategy) -> None:
     np.testing.assert_allclose(np.stack(local(sstrategy, out)), xs - ys)
 
 
+@pytest.mark.in_process
 def test_run_compiles_once_per_input_signature(sstrategy: jaxpod.TPUStrategy) -> None:
     r = sstrategy.num_replicas_in_sync
     traces = 0
@@ -266,6 +267,7 @@ def test_local_results_one_numpy_entry_per_replica(sstrategy: jaxpod.TPUStrategy
         np.testing.assert_array_equal(got, xs[i])
 
 
+@pytest.mark.in_process
 def test_values_from_function_tf_examples(sstrategy: jaxpod.TPUStrategy) -> None:
     r = sstrategy.num_replicas_in_sync
     contexts: list[jaxpod.ValueContext] = []

@@ -159,6 +159,7 @@ def test_run_steps_continues_after_next(sstrategy: jaxpod.TPUStrategy) -> None:
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.in_process
 def test_run_steps_compiles_once_per_step_count(
         strategy_of: Callable[..., jaxpod.TPUStrategy]) -> None:
     strategy = strategy_of(8, steps_per_run=2)
