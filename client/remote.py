@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from jaxpod.client import rpc
 from jaxpod.errors import EndOfDataError, HandleError, MessageTooLargeError, SessionError
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
@@ -396,8 +397,11 @@ class RemoteStrategy:
             pending: Any = {k: list(v) for k, v in self._to_free.items()}
             for v in self._to_free.values():
                 v.clear()
-        self._client.call(self._client.stub.Free, pb.FreeRequest(**self._ids(), **pending),
-                          what="free", idempotent=True)
+        # Not waited for: nothing depends on its answer, and the service applies it
+        # before any later call on the slice that could need the memory.
+        self._client.stub.Free.future(pb.FreeRequest(**self._ids(), **pending),
+                                      timeout=rpc.CONTROL_TIMEOUT.seconds(),
+                                      metadata=self._client.metadata)
 
     def stats(self) -> list[dict[str, int]]:
         """Each host's live values, device bytes and iterators (frees pending first)."""

@@ -10,6 +10,7 @@ decides what they mean. Large results stream as a skeleton followed by byte chun
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import ml_dtypes
@@ -178,27 +179,46 @@ def decode(tree: pb.Tree, leaf: LeafDecoder | None = None) -> Any:
 
 
 # ----------------------------------------------------------------- result streams
+@dataclass(frozen=True)
+class RowParts:
+    """A result sent as the concatenation of ``parts`` along axis 0, never joined on
+    the sending side: C-order rows concatenate as bytes do, so each part streams as
+    it is (a gather's per-replica parts)."""
+
+    parts: tuple[np.ndarray, ...]
+
+    def meta(self) -> pb.Tensor:
+        first = self.parts[0]
+        rows = sum(p.shape[0] for p in self.parts)
+        return pb.Tensor(dtype=first.dtype.name, shape=(rows, *first.shape[1:]))
+
+
 def result_stream(value: Any, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.ResultChunk]:
     """A numpy nest as a result stream: the skeleton, then large tensors' bytes.
 
-    Tensors up to ``INLINE_BYTES`` travel inside the skeleton; larger ones are marked
-    ``streamed`` and follow, in skeleton order, in chunks of at most ``chunk_bytes``.
+    Tensors up to ``INLINE_BYTES`` travel inside the skeleton; larger ones (and every
+    :class:`RowParts`) are marked ``streamed`` and follow, in skeleton order, in chunks
+    of at most ``chunk_bytes``.
     """
-    big: list[np.ndarray] = []
+    big: list[tuple[np.ndarray, ...]] = []
 
     def leaf(x: Any, path: str) -> Any:
+        if isinstance(x, RowParts):
+            big.append(tuple(_little_endian(p) for p in x.parts))
+            return pb.Tree(streamed=x.meta())
         if isinstance(x, np.ndarray | np.generic):
             array = _little_endian(np.asarray(x))
             if array.nbytes > INLINE_BYTES:
-                big.append(array)
+                big.append((array,))
                 return pb.Tree(streamed=pb.Tensor(dtype=array.dtype.name, shape=array.shape))
         return NOT_HANDLED
 
     yield pb.ResultChunk(skeleton=encode(value, leaf, "result"))
-    for array in big:
-        flat = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-        for start in range(0, len(flat), chunk_bytes):
-            yield pb.ResultChunk(data=bytes(flat[start:start + chunk_bytes]))
+    for parts in big:
+        for array in parts:
+            flat = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+            for start in range(0, len(flat), chunk_bytes):
+                yield pb.ResultChunk(data=bytes(flat[start:start + chunk_bytes]))
 
 
 def read_result(chunks: Iterable[pb.ResultChunk]) -> Any:

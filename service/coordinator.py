@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import grpc
+import jax
 
 import jaxpod
 from jaxpod.errors import EndOfDataError, HandleError, MessageTooLargeError, VersionMismatchError
@@ -27,7 +28,7 @@ from jaxpod.proto import tensors
 from jaxpod.service.sessions import HeldSlice, Session, SessionManager
 from jaxpod.service.status import status_of
 from jaxpod.worker.functions import ShippedFunction, runtime_versions
-from jaxpod.worker.group_engine import DefinedFunction, GroupValue, StepItems
+from jaxpod.worker.group_engine import DefinedFunction, GatherParts, GroupValue, StepItems
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +271,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         session, held = self._slice(request.session_id, request.slice_id)
         value = self._args(session, held, request.value)
         axis = tensors.decode(request.axis)
-        return self._stream(lambda: held.engine.gather(value, axis))
+
+        def gather() -> Any:  # rows stream part by part; other axes must be joined
+            return jax.tree.map(
+                lambda g: tensors.RowParts(g.parts) if g.axis == 0 else g.join(),
+                held.engine.gather_parts(value, axis),
+                is_leaf=lambda x: isinstance(x, GatherParts))
+
+        return self._stream(gather)
 
     def LocalResults(self, request: pb.ValueRequest, context: Any
                      ) -> AsyncIterator[pb.ResultChunk]:

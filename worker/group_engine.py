@@ -66,6 +66,17 @@ class StepItems:
     items: Any
 
 
+@dataclass(frozen=True)
+class GatherParts:
+    """One gathered leaf: the replicas' parts in replica order and the axis to join."""
+
+    axis: int
+    parts: tuple[np.ndarray, ...]
+
+    def join(self) -> np.ndarray:
+        return np.concatenate(self.parts, axis=self.axis)
+
+
 def _is_value(x: object) -> bool:
     return isinstance(x, GroupValue)
 
@@ -84,11 +95,9 @@ class GroupEngine:
         self._num_replicas: int | None = None
 
     def _call(self, op: str, *args: Any) -> list[Any]:
-        if self._to_free:
-            self.group.call("free", _drain(self._to_free))
         for iterator_id in _drain(self._iterators_to_free):
             self.group.call("free_iterator", iterator_id)
-        return self.group.call(op, *args)
+        return self.group.call(op, *args, free=_drain(self._to_free))
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -169,10 +178,15 @@ class GroupEngine:
         return self._call("reduce", reduce_op, self._to_handles(value), axis)[0]
 
     def gather(self, value: Any, axis: int) -> Any:
-        def leaf(v: GroupValue) -> np.ndarray:
+        return jax.tree.map(lambda parts: parts.join(), self.gather_parts(value, axis),
+                            is_leaf=lambda x: isinstance(x, GatherParts))
+
+    def gather_parts(self, value: Any, axis: int) -> Any:
+        """``gather``'s result per leaf as the replicas' parts, not yet joined (a
+        caller that streams them never holds the joined copy)."""
+        def leaf(v: GroupValue) -> GatherParts:
             per_host = self._call("gather_parts", self._to_handles(v), axis)
-            ax = per_host[0][0]
-            return np.concatenate([p for _, parts in per_host for p in parts], axis=ax)
+            return GatherParts(per_host[0][0], tuple(p for _, parts in per_host for p in parts))
 
         return jax.tree.map(leaf, value, is_leaf=_is_value)
 

@@ -174,8 +174,10 @@ class HostWorker:
         jax.distributed.shutdown()
 
     # ------------------------------------------------------------------ operations
-    def execute(self, seq: int, op: str, *args: Any) -> Any:
+    def execute(self, seq: int, op: str, *args: Any, free: list[int] | None = None) -> Any:
         """Runs operation ``op`` if ``seq`` is the next in this group's sequence.
+
+        ``free`` lists value handles to drop before it (saves a round trip per call).
 
         Returns:
           The operation's result, or a :class:`RemoteError` carrying the exception.
@@ -188,6 +190,8 @@ class HostWorker:
                 "must be restarted."), "")
         self._expected_seq += 1
         try:
+            if free:
+                self._store.free(free)
             return getattr(self, f"_op_{op}")(*args)
         except BaseException as e:
             return RemoteError.of(e, traceback.format_exc())

@@ -113,8 +113,13 @@ class ReplicaGroup:
             ) from e
         return cls(workers, info)
 
-    def call(self, op: str, *args: Any, timeout: float | None = None) -> list[Any]:
+    def call(self, op: str, *args: Any, timeout: float | None = None,
+             free: list[int] | None = None) -> list[Any]:
         """Runs ``op`` on every host; returns each host's result in host order.
+
+        Args:
+          free: value handles to free first, in the same round trip (values the
+            caller dropped since its last call).
 
         Raises:
           The first host's error (user exceptions keep their type; the remote
@@ -127,7 +132,8 @@ class ReplicaGroup:
             if self._broken:
                 raise JaxpodError(f"This replica group is broken ({self._broken}); restart it.")
             seq, self._seq = self._seq, self._seq + 1
-            refs = [w.execute.remote(seq, op, *args) for w in self._workers]
+            kwargs = {"free": free} if free else {}
+            refs = [w.execute.remote(seq, op, *args, **kwargs) for w in self._workers]
         try:
             results = ray.get(refs, timeout=limit)
         except ray.exceptions.GetTimeoutError:
