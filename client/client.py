@@ -84,10 +84,14 @@ class Client:
         from jaxpod.worker.functions import runtime_versions
 
         self.runtime_versions = runtime_versions()
-        reply = self.call(self.stub.OpenSession, pb.OpenSessionRequest(
-            client_version=jaxpod.__version__, protocol_version=PROTOCOL_VERSION,
-            lease_s=lease_s or 0.0, runtime_versions=self.runtime_versions),
-            what="connect", idempotent=True, timeout_s=rpc.CONTROL_TIMEOUT.seconds())
+        try:
+            reply = self.call(self.stub.OpenSession, pb.OpenSessionRequest(
+                client_version=jaxpod.__version__, protocol_version=PROTOCOL_VERSION,
+                lease_s=lease_s or 0.0, runtime_versions=self.runtime_versions),
+                what="connect", idempotent=True, timeout_s=rpc.CONTROL_TIMEOUT.seconds())
+        except BaseException:
+            self._channel.close()
+            raise
         self.session_id = reply.session_id
         self.lease_s = reply.lease_s
         self.server_version = reply.server_version

@@ -113,6 +113,7 @@ class RemoteStrategy:
         self._lock = threading.Lock()
         self._to_free: dict[str, list[int]] = {"value_ids": [], "iterator_ids": [],
                                                "dataset_ids": []}
+        self._frees_in_flight: set[Any] = set()
 
     # ------------------------------------------------------------ properties
     @property
@@ -397,11 +398,13 @@ class RemoteStrategy:
             pending: Any = {k: list(v) for k, v in self._to_free.items()}
             for v in self._to_free.values():
                 v.clear()
-        # Not waited for: nothing depends on its answer, and the service applies it
-        # before any later call on the slice that could need the memory.
-        self._client.stub.Free.future(pb.FreeRequest(**self._ids(), **pending),
-                                      timeout=rpc.CONTROL_TIMEOUT.seconds(),
-                                      metadata=self._client.metadata)
+        # Not waited for: nothing depends on its answer (the values are unreachable).
+        # The future is kept until done: gRPC cancels a call whose future is collected.
+        future = self._client.stub.Free.future(pb.FreeRequest(**self._ids(), **pending),
+                                               timeout=rpc.CONTROL_TIMEOUT.seconds(),
+                                               metadata=self._client.metadata)
+        self._frees_in_flight.add(future)
+        future.add_done_callback(self._frees_in_flight.discard)
 
     def stats(self) -> list[dict[str, int]]:
         """Each host's live values, device bytes and iterators (frees pending first)."""

@@ -33,6 +33,7 @@ _T = TypeVar("_T")
 
 _BY_CODE: dict[grpc.StatusCode, type[errors.JaxpodError]] = {
     grpc.StatusCode.UNAVAILABLE: errors.ServiceUnavailableError,
+    grpc.StatusCode.CANCELLED: errors.ServiceUnavailableError,  # e.g. the service stopping
     grpc.StatusCode.UNAUTHENTICATED: errors.AuthenticationError,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.MessageTooLargeError,
@@ -69,6 +70,9 @@ def error_from(e: grpc.RpcError, what: str) -> BaseException:
 
 
 def _transport_message(code: grpc.StatusCode, details: str, what: str) -> str:
+    if code == grpc.StatusCode.CANCELLED:
+        return (f"{what} was cancelled ({details}); the jaxpod service is probably "
+                "stopping. Connect again once it is back.")
     if code == grpc.StatusCode.UNAVAILABLE:
         return (f"{what}: the jaxpod service is unreachable ({details}). Check that "
                 "`jaxpod serve` runs at that address, or unset JAXPOD_ADDRESS to use the "

@@ -200,6 +200,17 @@ def result_stream(value: Any, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Res
     :class:`RowParts`) are marked ``streamed`` and follow, in skeleton order, in chunks
     of at most ``chunk_bytes``.
     """
+    skeleton, data = split_result(value, chunk_bytes)
+    yield skeleton
+    if data is not None:
+        yield from data
+
+
+def split_result(value: Any, chunk_bytes: int = CHUNK_BYTES
+                 ) -> tuple[pb.ResultChunk, Iterator[pb.ResultChunk] | None]:
+    """:func:`result_stream` as its first message and the data chunks that follow
+    (``None`` when everything fits in the skeleton), so a server can copy the chunks
+    off its event loop."""
     big: list[tuple[np.ndarray, ...]] = []
 
     def leaf(x: Any, path: str) -> Any:
@@ -213,7 +224,12 @@ def result_stream(value: Any, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Res
                 return pb.Tree(streamed=pb.Tensor(dtype=array.dtype.name, shape=array.shape))
         return NOT_HANDLED
 
-    yield pb.ResultChunk(skeleton=encode(value, leaf, "result"))
+    skeleton = pb.ResultChunk(skeleton=encode(value, leaf, "result"))
+    return skeleton, (_data_chunks(big, chunk_bytes) if big else None)
+
+
+def _data_chunks(big: list[tuple[np.ndarray, ...]], chunk_bytes: int
+                 ) -> Iterator[pb.ResultChunk]:
     for parts in big:
         for array in parts:
             flat = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]

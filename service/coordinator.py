@@ -57,7 +57,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def __init__(self, slices: SliceProvider, sessions: SessionManager | None = None,
                  max_workers: int = 32) -> None:
         self.slices = slices
-        self.sessions = sessions or SessionManager()
+        self.sessions = sessions if sessions is not None else SessionManager()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers, thread_name_prefix="jaxpod-slice")
 
@@ -257,9 +257,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     # ------------------------------------------------------------------- results
     async def _stream(self, compute: Callable[[], Any]) -> AsyncIterator[pb.ResultChunk]:
-        result = await self._blocking(compute)
-        for chunk in tensors.result_stream(result):
-            yield chunk
+        skeleton, data = await self._blocking(lambda: tensors.split_result(compute()))
+        yield skeleton
+        while data is not None and (chunk := await self._blocking(next, data, None)):
+            yield chunk  # each 4 MiB copy runs in a worker thread, not on the event loop
 
     def Reduce(self, request: pb.ReduceRequest, context: Any) -> AsyncIterator[pb.ResultChunk]:
         session, held = self._slice(request.session_id, request.slice_id)

@@ -126,7 +126,9 @@ class NodeOptions:
 
     cpus_per_host: int = 1
     head_cpus: int = 1
-    object_store_mb: int = 80
+    # Room for a few hundred MiB of results in flight (a 256 MiB gather) without
+    # spilling to disk; shared memory is only committed when used.
+    object_store_mb: int = 512
 
 
 class LocalTPUCluster:

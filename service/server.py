@@ -155,6 +155,8 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
     reaper = asyncio.create_task(_reap(service, stop))
     try:
         provider.target = await asyncio.to_thread(make_slices)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # ray.init's own would abort 3 s in
+            loop.add_signal_handler(sig, stop.set)
         await _set_serving(health, True)
         logger.info("jaxpod serve: ready on %s:%d", host, port)
         await stop.wait()

@@ -1,0 +1,417 @@
+"""The remote path (client -> jaxpod service -> host worker) against local baselines.
+
+All three are measured in one run, on the embedded local service simulating one
+v6e-8 host (8 CPU devices):
+
+1. Round-trip latency of a trivial ``strategy.run(identity, args=(v,))`` (the function
+   defined once, ``v`` a small ``PerReplica``), p50 and p99 over N calls after a
+   warm-up. Target: p50 <= 3 ms. For context, the same call on an in-process
+   ``TPUStrategy`` and a bare gRPC unary round trip on loopback.
+2. ``run_steps`` throughput: 100 steps per call of a small MLP training step fed from
+   ``experimental_distribute_dataset``, remote, against the identical program (same
+   step function, dataset, state carried between calls, loss fetched to the host
+   after each call) on an in-process ``jaxpod.TPUStrategy`` with 8 CPU devices in a
+   child process, which is how a single-host worker runs it (no ``jax.distributed``
+   for one process). Calls alternate between the two, one at a time (never
+   concurrently). Target: remote time per step / in-process time per step <= 1.05.
+
+3. ``gather`` of a 256 MiB float32 result (64 MiB with ``--quick``) to the client, in
+   GB/s (1e9 bytes/s), against a raw gRPC byte stream of the same size on loopback
+   (a minimal ``grpc.aio`` server in a separate process streaming chunks of
+   ``CHUNK_BYTES`` with jaxpod's channel options; the client joins them into one
+   buffer). Target: jaxpod GB/s / raw GB/s >= 0.7.
+
+The last line of output is the JSON report.
+
+Usage: python benchmarks/service.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import interleaved_medians, report, target
+
+FEATURES, HIDDEN, GLOBAL_BATCH, NUM_BATCHES = 128, 256, 256, 8
+GATHER_COLUMNS = 1024
+RAW_SERVICE = "jaxpod.bench.Raw"
+
+
+# --------------------------------------------------- the program both sides run
+class RepeatingDataset:
+    """Global batches cycled forever (like tf.data's ``.repeat()``); ships by value."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Any:
+        return itertools.cycle(self.batches)
+
+
+def make_inputs(seed: int = 0) -> tuple[list[Any], dict[str, Any]]:
+    """The dataset's distinct global batches and the initial parameters (numpy)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    batches = [(rng.normal(size=(GLOBAL_BATCH, FEATURES)).astype(np.float32),
+                rng.normal(size=(GLOBAL_BATCH, 1)).astype(np.float32))
+               for _ in range(NUM_BATCHES)]
+    params = {"w1": rng.normal(size=(FEATURES, HIDDEN)).astype(np.float32) * 0.05,
+              "w2": rng.normal(size=(HIDDEN, 1)).astype(np.float32) * 0.05}
+    return batches, params
+
+
+def train_step(params: dict[str, Any], batch: tuple[Any, Any]) -> tuple[Any, Any]:
+    """One SGD step of a one-hidden-layer MLP, gradients averaged over replicas."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxpod
+
+    def loss_fn(p: dict[str, Any], x: Any, y: Any) -> Any:
+        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+    grads = jaxpod.get_replica_context().all_reduce("MEAN", grads)
+    return jax.tree.map(lambda a, g: a - 0.01 * g, params, grads), {"loss": loss}
+
+
+def identity(x: Any) -> Any:
+    return x
+
+
+def replica_vector(ctx: Any) -> Any:
+    import numpy as np
+
+    return np.full((4,), ctx.replica_id_in_sync_group, np.float32)
+
+
+def percentiles_ms(times: list[float]) -> tuple[float, float]:
+    import numpy as np
+
+    return (float(np.percentile(times, 50)) * 1e3, float(np.percentile(times, 99)) * 1e3)
+
+
+def call_latencies(call: Callable[[], Any], calls: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+# ------------------------------------------------------ in-process child process
+def inprocess_child(mode: str, devices: int, steps: int) -> None:
+    """The in-process baseline, driven line by line over stdin/stdout.
+
+    Commands: ``steps`` (one run_steps call; answers ``T <seconds>``), ``run N W``
+    (N trivial runs after W warm-up; answers ``T <p50 s> <p99 s>``), ``quit``.
+    """
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", devices)
+    import numpy as np
+
+    import jaxpod
+
+    strategy = jaxpod.TPUStrategy(steps_per_run=steps)
+    batches, params = make_inputs()
+    iterator = iter(strategy.experimental_distribute_dataset(RepeatingDataset(batches)))
+    carried = {"state": params}
+    print("READY", flush=True)
+    for line in sys.stdin:
+        command = line.split()
+        if not command or command[0] == "quit":
+            break
+        if command[0] == "steps":
+            start = time.perf_counter()
+            state, out = strategy.run_steps(train_step, iterator, steps=steps,
+                                            initial_state=carried["state"])
+            carried["state"] = state
+            np.asarray(out["loss"].array)
+            print(f"T {time.perf_counter() - start}", flush=True)
+        elif command[0] == "run":
+            p50, p99 = percentiles_ms(measure_latency(strategy, int(command[1]),
+                                                      int(command[2]), block=True))
+            print(f"T {p50 / 1e3} {p99 / 1e3}", flush=True)
+
+
+class Child:
+    """A running :func:`inprocess_child`."""
+
+    def __init__(self, mode: str, devices: int, steps: int) -> None:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("JAXPOD_", "XLA_FLAGS"))}
+        self.mode = mode
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--_inprocess", mode,
+             "--devices", str(devices), "--steps", str(steps)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+
+    def _answer(self, prefix: str) -> list[str]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line.split()[1:]
+        raise RuntimeError(f"in-process child ({self.mode}) exited with "
+                           f"status {self.proc.wait()}")
+
+    def wait_ready(self) -> None:
+        self._answer("READY")
+
+    def ask(self, command: str) -> list[float]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return [float(x) for x in self._answer("T ")]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+                self.proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+# ------------------------------------------------------------- raw gRPC server
+def raw_server(total_bytes: int, conn: Any) -> None:
+    """A minimal gRPC server (run in a spawned process): ``Stream`` sends
+    ``total_bytes`` in ``CHUNK_BYTES`` chunks, ``Ping`` echoes its request."""
+    import asyncio
+
+    import grpc
+
+    from jaxpod.proto.tensors import CHUNK_BYTES, channel_options
+
+    payload = bytes(bytearray(os.urandom(1 << 20)) * (total_bytes >> 20))
+    chunks = [payload[i:i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)]
+    del payload
+
+    async def stream(request: bytes, context: Any) -> Any:
+        for chunk in chunks:
+            yield chunk
+
+    async def ping(request: bytes, context: Any) -> bytes:
+        return request
+
+    handler = grpc.method_handlers_generic_handler(RAW_SERVICE, {
+        "Stream": grpc.unary_stream_rpc_method_handler(stream),
+        "Ping": grpc.unary_unary_rpc_method_handler(ping)})
+
+    async def serve() -> None:
+        server = grpc.aio.server(options=channel_options())
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        conn.send(port)
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until told
+        await server.stop(0)
+
+    asyncio.run(serve())
+
+
+# ------------------------------------------------------------------ measurements
+def measure_latency(strategy: Any, calls: int, warmup: int, block: bool = False
+                    ) -> list[float]:
+    """Seconds per trivial ``run``: remote, until the service replied; with ``block``
+    (in-process), until the dispatched computation finished."""
+    value = strategy.experimental_distribute_values_from_function(replica_vector)
+
+    def trivial() -> None:
+        out = strategy.run(identity, args=(value,))
+        if block:
+            out.array.block_until_ready()
+
+    return call_latencies(trivial, calls, warmup)
+
+
+def child_steps(child: Child) -> float:
+    return child.ask("steps")[0]
+
+
+def measure_steps(strategy: Any, children: list[Child], steps: int, repeats: int
+                  ) -> dict[str, float]:
+    """Median seconds per run_steps call: remote (timed here) and each child (timed
+    inside the child, without the pipe), alternating call by call."""
+    batches, params = make_inputs()
+    iterator = iter(strategy.experimental_distribute_dataset(RepeatingDataset(batches)))
+    carried = {"state": params}
+
+    def remote() -> float:
+        start = time.perf_counter()
+        state, out = strategy.run_steps(train_step, iterator, steps=steps,
+                                        initial_state=carried["state"])
+        carried["state"] = state
+        out["loss"].array  # noqa: B018 (fetches the loss to the client: waits for the steps)
+        return time.perf_counter() - start
+
+    candidates: dict[str, Callable[[], float]] = {"remote": remote}
+    for child in children:
+        candidates[child.mode] = functools.partial(child_steps, child)
+    for call in candidates.values():  # warm-up: compiles, starts the infeeds
+        for _ in range(2):
+            call()
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, call in candidates.items():
+            times[name].append(call())
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def measure_gather(strategy: Any, total_bytes: int, repeats: int
+                   ) -> tuple[dict[str, float], float]:
+    """Median seconds for jaxpod's gather and the raw stream; raw ping p50 (s)."""
+    import grpc
+    import numpy as np
+
+    from jaxpod.proto.tensors import channel_options
+
+    replicas = strategy.num_replicas_in_sync
+    rows = total_bytes // (replicas * GATHER_COLUMNS * 4)
+
+    def fill(x: Any) -> Any:
+        import jax.numpy as jnp
+
+        return jnp.zeros((rows, GATHER_COLUMNS), jnp.float32) + x[0]
+
+    value = strategy.experimental_distribute_values_from_function(replica_vector)
+    big = strategy.run(fill, args=(value,))
+    expected = (rows * replicas, GATHER_COLUMNS)
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child_end = ctx.Pipe()
+    server = ctx.Process(target=raw_server, args=(total_bytes, child_end), daemon=True)
+    server.start()
+    try:
+        if not parent.poll(120):
+            raise RuntimeError("the raw gRPC server did not start")
+        port = parent.recv()
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as channel:
+            stream = channel.unary_stream(f"/{RAW_SERVICE}/Stream")
+            ping = channel.unary_unary(f"/{RAW_SERVICE}/Ping")
+
+            def raw() -> None:
+                data = b"".join(stream(b""))
+                assert len(data) == total_bytes, len(data)
+
+            def jaxpod_gather() -> None:
+                out = strategy.gather(big, 0)
+                assert out.shape == expected and out.dtype == np.float32, out.shape
+
+            ping_times = call_latencies(lambda: ping(b"x"), 200, 50)
+            medians = interleaved_medians({"jaxpod": jaxpod_gather, "raw": raw}, repeats)
+        parent.send("stop")
+        server.join(30)
+    finally:
+        if server.is_alive():
+            server.kill()
+            server.join()
+    return medians, statistics.median(ping_times)
+
+
+# -------------------------------------------------------------------------- main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (CI smoke run)")
+    parser.add_argument("--devices", type=int, default=8, help="simulated chips (v6e-N)")
+    parser.add_argument("--steps", type=int, default=100, help="steps per run_steps call")
+    parser.add_argument("--_inprocess", choices=("plain",), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._inprocess:
+        inprocess_child(args._inprocess, args.devices, args.steps)
+        return
+
+    calls = 60 if args.quick else 300
+    step_repeats = 5 if args.quick else 15
+    gather_mib = 64 if args.quick else 256
+    gather_repeats = 3 if args.quick else 7
+    accelerator = f"v6e-{args.devices}"
+    os.environ["JAXPOD_LOCAL_SLICES"] = accelerator
+
+    import jaxpod
+
+    start = time.perf_counter()
+    client = jaxpod.connect()
+    strategy = client.strategy(accelerator, steps_per_run=args.steps)
+    startup_s = time.perf_counter() - start
+    print(f"service + slice ready in {startup_s:.1f} s: {strategy!r}", flush=True)
+    children: list[Child] = []
+    try:
+        # 1. trivial run round trips
+        p50, p99 = percentiles_ms(measure_latency(strategy, calls, warmup=max(20, calls // 5)))
+        print(f"remote run round trip: p50 {p50:.2f} ms, p99 {p99:.2f} ms ({calls} calls)",
+              flush=True)
+
+        # 2. run_steps against the in-process baselines (children started now, so their
+        # start-up does not disturb the latency figures)
+        children = [Child("plain", args.devices, args.steps)]
+        for child in children:
+            child.wait_ready()
+        local_p50, local_p99 = (1e3 * t for t in children[0].ask(f"run {calls} 20"))
+        print(f"in-process run: p50 {local_p50:.3f} ms, "
+              f"p99 {local_p99:.3f} ms", flush=True)
+        steps = measure_steps(strategy, children, args.steps, step_repeats)
+        for child in children:
+            child.close()
+        per_step = {name: 1e3 * t / args.steps for name, t in steps.items()}
+        print("run_steps ms/step: " + ", ".join(f"{n} {v:.3f}" for n, v in per_step.items())
+              + f" ({args.steps} steps/call, median of {step_repeats})", flush=True)
+
+        # 3. gather against a raw gRPC stream
+        total = gather_mib << 20
+        gather, ping_s = measure_gather(strategy, total, gather_repeats)
+        gbps = {name: total / t / 1e9 for name, t in gather.items()}
+        print(f"gather {gather_mib} MiB: jaxpod {gbps['jaxpod']:.3f} GB/s, raw gRPC "
+              f"{gbps['raw']:.3f} GB/s; raw gRPC unary p50 {1e3 * ping_s:.3f} ms", flush=True)
+    finally:
+        for child in children:
+            child.close()
+        strategy.close()
+        client.close()
+
+    steps_ratio = steps["remote"] / steps["plain"]
+    gather_ratio = gbps["jaxpod"] / gbps["raw"]
+    figures = {
+        "devices": args.devices, "startup_s": round(startup_s, 2),
+        "run_p50_ms": round(p50, 3), "run_p99_ms": round(p99, 3), "run_calls": calls,
+        "inprocess_run_p50_ms": round(local_p50, 3),
+        "raw_grpc_unary_p50_ms": round(1e3 * ping_s, 3),
+        "steps_per_call": args.steps, "global_batch": GLOBAL_BATCH,
+        "remote_ms_per_step": round(per_step["remote"], 4),
+        "inprocess_ms_per_step": round(per_step["plain"], 4),
+        "remote_overhead_ms_per_call": round(1e3 * (steps["remote"] - steps["plain"]), 2),
+        "remote_vs_inprocess_step_ratio": round(steps_ratio, 4),
+        "step_repeats": step_repeats,
+        "gather_mib": gather_mib,
+        "gather_gbps": round(gbps["jaxpod"], 4), "raw_grpc_gbps": round(gbps["raw"], 4),
+        "gather_vs_raw_ratio": round(gather_ratio, 4), "gather_repeats": gather_repeats,
+    }
+    report("service", figures, {
+        "run_p50_ms": target(p50, "<=", 3),
+        "remote_vs_inprocess_step_ratio": target(steps_ratio, "<=", 1.05),
+        "gather_vs_raw_ratio": target(gather_ratio, ">=", 0.7),
+    })
+
+
+if __name__ == "__main__":
+    main()

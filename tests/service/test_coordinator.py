@@ -1,0 +1,672 @@
+"""The coordinator service end to end: a real ``jaxpod serve --local`` process.
+
+One service per module (two simulated v6e-8 slices and a v4-16, a token and a short
+default lease), driven over real gRPC on loopback by real clients: health and
+reflection, authentication, concurrent sessions and their isolation, lease expiry,
+bad input of every kind (each a specific error, after which the service still
+serves), freeing values on garbage collection, and a graceful stop on SIGTERM (its
+own short-lived service). Every numeric result is compared with numpy.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import gc
+import itertools
+import json
+import os
+import secrets
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from google.protobuf import descriptor_pool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+import jaxpod
+from jaxpod.client import rpc
+from jaxpod.client.remote import RemotePerReplica, RemoteStrategy
+from jaxpod.proto import coordinator_pb2 as pb
+from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
+from jaxpod.proto import tensors
+from jaxpod.service.local_cluster import descendants, is_running
+from jaxpod.timeouts import Deadline, wait_for
+
+pytestmark = pytest.mark.multiprocess
+
+SLICES = "v6e-8,v6e-8,v4-16"
+DEFAULT_LEASE_S = 3.0
+START_TIMEOUT_S = 240.0
+STOP_TIMEOUT_S = 90.0
+SERVICE_NAME = "jaxpod.v1.Coordinator"
+
+
+# --------------------------------------------------------------------- services
+@dataclass
+class Service:
+    """A ``jaxpod serve --local`` child process."""
+
+    address: str
+    token: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),)
+
+    def log_tail(self, limit: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-limit:]
+        except OSError:
+            return "(no log)"
+
+    def connect(self, **kwargs: Any) -> Any:
+        return jaxpod.connect(self.address, token=self.token, **kwargs)
+
+
+def _start_service(log_path: Path, slices: str, lease_s: float | None = None,
+                   env: dict[str, str] | None = None) -> Service:
+    token = secrets.token_hex(16)
+    command = [sys.executable, "-m", "jaxpod.cli", "serve", "--local", "--slices", slices,
+               "--port", "0", "--stop-on-stdin-eof"]
+    if lease_s is not None:
+        command += ["--lease", str(lease_s)]
+    full_env = {**os.environ, **(env or {}), "JAXPOD_TOKEN": token}
+    full_env.pop("JAXPOD_ADDRESS", None)
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=log, env=full_env, start_new_session=True)
+    service = Service("", token, process, log_path)
+    try:
+        deadline = Deadline(START_TIMEOUT_S)
+        service.address = _listening_address(process, deadline)
+        with grpc.insecure_channel(service.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+
+            def serving() -> bool:
+                assert process.poll() is None, f"service exited:\n{service.log_tail()}"
+                try:
+                    reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                except grpc.RpcError:
+                    return False
+                return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+            assert wait_for(serving, deadline.remaining(), max_poll_s=0.5), (
+                f"service not SERVING within {START_TIMEOUT_S}s:\n{service.log_tail()}")
+    except BaseException:
+        _kill(service)
+        raise
+    return service
+
+
+def _listening_address(process: subprocess.Popen[bytes], deadline: Deadline) -> str:
+    assert process.stdout is not None
+    buffer = b""
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while not deadline.expired():
+            if not selector.select(timeout=min(1.0, deadline.remaining())):
+                if process.poll() is not None:
+                    break
+                continue
+            chunk = os.read(process.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            buffer += chunk
+            for line in buffer.decode(errors="replace").splitlines():
+                if line.startswith("JAXPOD_LISTENING "):
+                    announced = json.loads(line.split(" ", 1)[1])
+                    assert announced["pid"] == process.pid
+                    return str(announced["address"])
+    raise AssertionError(f"the service never announced its address (exit {process.poll()})")
+
+
+def _close_pipes(service: Service) -> None:
+    for pipe in (service.process.stdin, service.process.stdout):
+        if pipe:
+            pipe.close()
+
+
+def _kill(service: Service) -> None:
+    if service.process.poll() is None:
+        service.process.kill()
+        service.process.wait()
+    _close_pipes(service)
+
+
+def _all_gone(tree: dict[int, str], timeout_s: float) -> list[int]:
+    """Pids of ``tree`` still running after ``timeout_s`` (empty: all exited)."""
+    wait_for(lambda: not any(is_running(p, s) for p, s in tree.items()), timeout_s)
+    return [p for p, s in tree.items() if is_running(p, s)]
+
+
+def _stop_service(service: Service) -> None:
+    """SIGTERM; asserts a clean exit with every process it started gone."""
+    process = service.process
+    started = descendants(process.pid)
+    try:
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"service ignored SIGTERM for {STOP_TIMEOUT_S}s:\n{service.log_tail()}"
+            ) from None
+        assert code == 0, f"service exited with {code}:\n{service.log_tail()}"
+        survivors = _all_gone(started, 30)
+        assert not survivors, f"processes of the service survived its exit: {survivors}"
+    finally:
+        _kill(service)
+        for pid, start in started.items():
+            if is_running(pid, start):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    log = tmp_path_factory.mktemp("coordinator") / "serve.log"
+    running = _start_service(log, SLICES, lease_s=DEFAULT_LEASE_S)
+    try:
+        yield running
+    finally:
+        _stop_service(running)
+
+
+@pytest.fixture(scope="module")
+def client(service: Service) -> Iterator[Any]:
+    c = service.connect(lease_s=120)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def strategy(client: Any) -> Iterator[RemoteStrategy]:
+    """The module's v4-16 strategy: 8 replicas on 2 hosts."""
+    s = client.strategy("v4-16", timeout_s=120)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def stub(service: Service) -> Iterator[pb_grpc.CoordinatorStub]:
+    with grpc.insecure_channel(service.address, options=tensors.channel_options()) as ch:
+        yield pb_grpc.CoordinatorStub(ch)
+
+
+def _raw_error(call: Any, request: Any, metadata: Any, what: str = "call") -> Any:
+    """Makes a raw stub call that must fail; returns the gRPC error and its exception."""
+    with pytest.raises(grpc.RpcError) as info:
+        call(request, timeout=60, metadata=metadata)
+    return info.value, rpc.error_from(info.value, what)
+
+
+# ---------------------------------------------------------------- step functions
+class StepFailedError(Exception):
+    """Raised by a step function; defined here, so it travels to the workers by value."""
+
+
+def _affine(x: jax.Array) -> jax.Array:
+    ctx = jaxpod.get_replica_context()
+    assert ctx is not None
+    return x * 3.0 + ctx.replica_id_in_sync_group
+
+
+def _square_all_reduce(x: jax.Array) -> jax.Array:
+    ctx = jaxpod.get_replica_context()
+    assert ctx is not None
+    return ctx.all_reduce("SUM", x * x)
+
+
+def _failing_step(x: jax.Array) -> jax.Array:
+    raise StepFailedError(f"step refused input of shape {tuple(x.shape)}")
+
+
+def _sum_rows(x: jax.Array) -> jax.Array:
+    return jnp.sum(x, axis=0)
+
+
+def _assert_serving(strategy: RemoteStrategy, seed: int = 0) -> None:
+    """A normal run on ``strategy``, compared with numpy."""
+    x = np.random.default_rng(seed).normal(size=(5,)).astype(np.float32)
+    got = strategy.experimental_local_results(strategy.run(_affine, args=(x,)))
+    assert len(got) == strategy.num_replicas_in_sync
+    for replica, part in enumerate(got):
+        np.testing.assert_allclose(part, x * 3.0 + replica, rtol=1e-6)
+
+
+def _holders(client: Any) -> dict[str, str]:
+    return {s["name"]: s["holder"] for s in client.cluster()}
+
+
+# ----------------------------------------------------------------------- shutdown
+# First in the module, so its own service runs before the shared one starts.
+def test_graceful_shutdown_finishes_calls_in_flight(tmp_path: Path) -> None:
+    own = _start_service(tmp_path / "serve.log", "v6e-8",
+                         env={"JAXPOD_SHUTDOWN_GRACE_S": "30"})
+    grace_s = 30.0
+    started = descendants(own.process.pid)  # for clean-up, should the test fail early
+    c = own.connect(lease_s=120)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        s = c.strategy("v6e-8", num_replicas=2, timeout_s=120)
+
+        # In flight 1: a result stream (64 MiB), of which only the first message is read.
+        n = 8 * 1024 * 1024
+
+        def ramp() -> jax.Array:
+            ctx = jaxpod.get_replica_context()
+            assert ctx is not None
+            return jnp.arange(n, dtype=jnp.float32) + ctx.replica_id_in_sync_group
+
+        value = s.run(ramp)
+        stream = c.stub.LocalResults(
+            pb.ValueRequest(session_id=c.session_id, slice_id=s.slice_id,
+                            value=pb.Tree(value=pb.ValueRef(id=value.id, slice_id=s.slice_id))),
+            timeout=120, metadata=c.metadata)
+        first = next(stream)
+        assert first.HasField("skeleton")
+
+        # In flight 2: a run whose step function (traced on the worker) waits for a file.
+        started_file, release_file = tmp_path / "started", tmp_path / "release"
+        gated = _gated_step(str(started_file), str(release_file))
+        in_flight = pool.submit(s.run, gated, (np.arange(4, dtype=np.float32),))
+        assert wait_for(lambda: started_file.exists() or in_flight.done(), 120)
+        assert not in_flight.done(), in_flight.exception()
+
+        started.update(descendants(own.process.pid))  # now with the slice's host worker
+        assert len(started) > 1, "the service started no local cluster?"
+        own.process.send_signal(signal.SIGTERM)
+
+        def refused() -> BaseException | None:
+            try:
+                c.stub.ClusterStatus(pb.Empty(), timeout=10, metadata=c.metadata)
+            except grpc.RpcError as e:
+                error = rpc.error_from(e, "cluster")
+                if isinstance(error, jaxpod.ServiceUnavailableError | jaxpod.SessionError):
+                    return error
+                # A call that lands while the server is entering shutdown may be
+                # cancelled instead (reported as a plain JaxpodError); nothing else.
+                assert e.code() == grpc.StatusCode.CANCELLED, error
+            return None
+
+        assert wait_for(refused, 30), "new calls still accepted 30s after SIGTERM"
+        with pytest.raises((jaxpod.ServiceUnavailableError, jaxpod.SessionError)):
+            c.cluster()
+        with pytest.raises((jaxpod.ServiceUnavailableError, jaxpod.SessionError)):
+            s.run(_affine, args=(np.ones(2, np.float32),))
+        with pytest.raises(jaxpod.ServiceUnavailableError):
+            own.connect()
+        assert own.process.poll() is None  # still finishing the calls in flight
+        assert not in_flight.done()
+
+        release_file.touch()
+        result = in_flight.result(timeout=grace_s)
+        assert isinstance(result, RemotePerReplica)
+        assert (result.shape, result.dtype) == ((4,), np.dtype(np.float32))
+        parts = tensors.read_result(itertools.chain([first], stream))
+        assert len(parts) == 2
+        for replica, part in enumerate(parts):
+            np.testing.assert_array_equal(part, np.arange(n, dtype=np.float32) + replica)
+
+        try:
+            code = own.process.wait(grace_s + 60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"no exit after SIGTERM:\n{own.log_tail()}") from None
+        assert code == 0, own.log_tail()
+        survivors = _all_gone(started, 30)
+        assert not survivors, f"processes of the service survived its exit: {survivors}"
+    finally:
+        (tmp_path / "release").touch()
+        pool.shutdown(wait=True, cancel_futures=True)
+        c.close()
+        _kill(own)
+        for pid, start in started.items():
+            if is_running(pid, start):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _gated_step(started: str, release: str) -> Any:
+    def gated(x: jax.Array) -> jax.Array:
+        # Runs while the worker traces the step: the Run call stays in flight.
+        Path(started).touch()
+        if not wait_for(lambda: os.path.exists(release), 120):
+            raise TimeoutError(f"{release} never appeared")
+        return x * 2.0 + 1.0
+
+    return gated
+
+
+# ------------------------------------------------------------- health, auth
+def test_health_and_reflection(service: Service) -> None:
+    with grpc.insecure_channel(service.address) as channel:  # no token: both are open
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", SERVICE_NAME):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+        with pytest.raises(grpc.RpcError) as info:
+            health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+        database = ProtoReflectionDescriptorDatabase(channel)
+        services = set(database.get_services())
+        assert {SERVICE_NAME, "grpc.health.v1.Health"} <= services
+        described = descriptor_pool.DescriptorPool(database).FindServiceByName(SERVICE_NAME)
+        ours = pb.DESCRIPTOR.services_by_name["Coordinator"]
+        assert sorted(described.methods_by_name) == sorted(ours.methods_by_name)
+        assert described.methods_by_name["Run"].output_type.full_name == "jaxpod.v1.Tree"
+
+
+def test_token_is_required(service: Service, monkeypatch: pytest.MonkeyPatch,
+                           stub: pb_grpc.CoordinatorStub) -> None:
+    monkeypatch.delenv("JAXPOD_TOKEN", raising=False)
+    with pytest.raises(jaxpod.AuthenticationError, match="requires a token"):
+        jaxpod.connect(service.address, token="not-the-token")
+    with pytest.raises(jaxpod.AuthenticationError):
+        jaxpod.connect(service.address)
+    for metadata in ((), (("authorization", "Bearer wrong"),),
+                     (("authorization", service.token),)):  # not as a bearer token
+        error, mapped = _raw_error(stub.ClusterStatus, pb.Empty(), metadata)
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert isinstance(mapped, jaxpod.AuthenticationError)
+    # Streaming methods are guarded too.
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Fetch(pb.ValueRequest(), timeout=30))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # And with the token, the same call succeeds.
+    reply = stub.ClusterStatus(pb.Empty(), timeout=30, metadata=service.metadata)
+    assert sorted(s.accelerator_type for s in reply.slices) == sorted(SLICES.split(","))
+
+
+def test_default_lease_comes_from_the_service(service: Service) -> None:
+    with service.connect() as c:
+        assert c.lease_s == pytest.approx(DEFAULT_LEASE_S)
+        assert c.server_version == jaxpod.__version__
+
+
+# ------------------------------------------------------------ sessions
+def test_concurrent_clients_are_isolated(service: Service, client: Any,
+                                         strategy: RemoteStrategy) -> None:
+    clients = [service.connect(lease_s=120) for _ in range(2)]
+    barrier = threading.Barrier(2, timeout=120)
+    rng = np.random.default_rng(1)
+    inputs = [[rng.normal(size=(6,)).astype(np.float32) for _ in range(3)] for _ in range(2)]
+
+    def work(index: int) -> tuple[RemoteStrategy, Any, list[Any]]:
+        s = clients[index].strategy("v6e-8", num_replicas=2, timeout_s=120)
+        barrier.wait()  # both hold a slice; now run at the same time
+        results: list[Any] = []
+        last = None
+        for x in inputs[index]:
+            if index == 0:
+                last = s.run(_affine, args=(x,))
+                results.append(s.gather(last, axis=0))
+            else:
+                last = s.run(_square_all_reduce, args=(x,))
+                results.append(s.reduce("SUM", last))
+        return s, last, results
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(work, i) for i in range(2)]
+            (sa, _va, ra), (sb, vb, rb) = (f.result(timeout=240) for f in futures)
+        for x, got in zip(inputs[0], ra, strict=True):
+            np.testing.assert_allclose(got, np.concatenate([x * 3.0, x * 3.0 + 1.0]),
+                                       rtol=1e-6)
+        for x, got in zip(inputs[1], rb, strict=True):
+            np.testing.assert_allclose(got, 4.0 * x * x, rtol=1e-5)
+
+        # One client cannot use another's values or slices.
+        with pytest.raises(jaxpod.HandleError, match=r"(?i)values cannot move between strategies"):
+            sa.run(_affine, args=(vb,))
+        ca, cb = clients
+        # The service checks too, whatever a client sends.
+        foreign = pb.Tree(tuple=pb.Sequence(items=[
+            pb.Tree(value=pb.ValueRef(id=vb.id, slice_id=sb.slice_id))]))
+        error, mapped = _raw_error(ca.stub.Run, pb.RunRequest(
+            session_id=ca.session_id, slice_id=sa.slice_id, function_id="x",
+            args=foreign, kwargs=tensors.encode({})), ca.metadata)
+        assert error.code() == grpc.StatusCode.NOT_FOUND
+        assert isinstance(mapped, jaxpod.HandleError)
+        assert f"lives on slice {sb.slice_id}" in str(mapped)
+        error, mapped = _raw_error(ca.stub.Run, pb.RunRequest(
+            session_id=ca.session_id, slice_id=sb.slice_id, function_id="x",
+            args=tensors.encode(()), kwargs=tensors.encode({})), ca.metadata)
+        assert error.code() == grpc.StatusCode.NOT_FOUND
+        assert isinstance(mapped, jaxpod.HandleError)
+        assert "not held by this session" in str(mapped)
+        # B's value is untouched by A's attempts.
+        np.testing.assert_allclose(sb.reduce("SUM", vb), rb[-1], rtol=1e-6)
+
+        holders = _holders(client)
+        v6e = {name: h for name, h in holders.items() if "v6e-8" in name}
+        assert sorted(v6e.values()) == sorted([ca.session_id, cb.session_id])
+        assert [h for name, h in holders.items() if "v4-16" in name] == [client.session_id]
+        assert holders == _holders(ca) == _holders(cb)
+    finally:
+        for c in clients:
+            c.close()
+    # Closing a client releases its slice at once.
+    assert all(h == "" for name, h in _holders(client).items() if "v6e-8" in name)
+    _assert_serving(strategy)
+
+
+def test_lease_expiry_releases_the_slice(service: Service, client: Any) -> None:
+    blocker = client.strategy("v6e-8", num_replicas=2, timeout_s=120)  # the other v6e-8
+    doomed = service.connect(lease_s=1.5)
+    replacement = None
+    try:
+        assert doomed.lease_s == pytest.approx(1.5)
+        s = doomed.strategy("v6e-8", num_replicas=2, timeout_s=120)
+        _assert_serving(s)
+        held = [n for n, h in _holders(client).items() if h == doomed.session_id]
+        assert len(held) == 1 and "v6e-8" in held[0]
+        name = held[0]
+        assert all(h for n, h in _holders(client).items() if "v6e-8" in n)  # none free
+
+        # The client goes silent without closing its session (as if its process hung).
+        doomed._closed.set()
+        doomed._heartbeat.join(timeout=30)
+        assert not doomed._heartbeat.is_alive()
+        assert wait_for(lambda: _holders(client)[name] == "", 60), (
+            f"slice {name} still held after the lease ran out:\n{service.log_tail()}")
+        error, mapped = _raw_error(client.stub.Heartbeat,
+                                   pb.SessionRequest(session_id=doomed.session_id),
+                                   client.metadata)
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert isinstance(mapped, jaxpod.SessionError)
+        assert "lease expired" in str(mapped)
+
+        # The only free v6e-8 is the released one: another client gets it and runs.
+        replacement = client.strategy("v6e-8", num_replicas=2, timeout_s=60)
+        assert _holders(client)[name] == client.session_id
+        _assert_serving(replacement, seed=3)
+    finally:
+        doomed._channel.close()
+        blocker.close()
+        if replacement is not None:
+            replacement.close()
+
+
+# ------------------------------------------------------------------- bad input
+def test_unpicklable_step_function(strategy: RemoteStrategy) -> None:
+    lock = threading.Lock()
+
+    def locked(x: jax.Array) -> jax.Array:
+        with lock:
+            return x
+
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        strategy.run(locked, args=(np.ones(2, np.float32),))
+    _assert_serving(strategy)
+
+
+def test_unsupported_arguments_name_their_path(strategy: RemoteStrategy,
+                                               client: Any) -> None:
+    with pytest.raises(TypeError, match=r"args\[1\]\['x'\]: values of type builtins.object"):
+        strategy.run(_affine, args=(np.ones(2, np.float32), {"x": object()}))
+    with pytest.raises(TypeError, match=r"kwargs\['y'\]\[0\]"):
+        strategy.run(_affine, args=(np.ones(2, np.float32),), kwargs={"y": [object()]})
+    # Malformed trees built by hand are refused by the service, which names the problem.
+    ids = {"session_id": client.session_id, "slice_id": strategy.slice_id}
+    for tree, message in (
+            (pb.Tree(tuple=pb.Sequence(items=[pb.Tree(streamed=pb.Tensor(dtype="float32"))])),
+             "A streamed node cannot be an argument"),
+            (pb.Tree(tuple=pb.Sequence(items=[pb.Tree(tensor=pb.Tensor(
+                dtype="float32", shape=[4], data=b"\0" * 12))])), "needs 16 bytes"),
+            (pb.Tree(tuple=pb.Sequence(items=[pb.Tree(blob=999)])),
+             "Uploaded tensor #999 is not held")):
+        error, mapped = _raw_error(client.stub.Run, pb.RunRequest(
+            **ids, function_id="f", args=tree, kwargs=tensors.encode({})), client.metadata)
+        assert message in error.details()
+        assert isinstance(mapped, ValueError), mapped
+    _assert_serving(strategy)
+
+
+def test_freed_handle_is_refused(client: Any, strategy: RemoteStrategy) -> None:
+    value = strategy.run(_affine, args=(np.ones(3, np.float32),))
+    client.stub.Free(pb.FreeRequest(session_id=client.session_id,
+                                    slice_id=strategy.slice_id, value_ids=[value.id]),
+                     timeout=30, metadata=client.metadata)
+    with pytest.raises(jaxpod.HandleError, match=f"Value #{value.id} is not held"):
+        strategy.run(_affine, args=(value,))
+    with pytest.raises(jaxpod.HandleError, match=f"Value #{value.id} is not held"):
+        strategy.reduce("SUM", value)
+    # A handle forged from an id that was never handed out fares no better.
+    forged = RemotePerReplica(strategy, pb.ValueRef(
+        id=10**9, slice_id=strategy.slice_id, shape=[3], dtype="float32"))
+    with pytest.raises(jaxpod.HandleError, match=f"Value #{10**9} is not held"):
+        strategy.experimental_local_results(forged)
+    _assert_serving(strategy)
+
+
+def test_calls_after_close(service: Service, client: Any, strategy: RemoteStrategy) -> None:
+    c = service.connect(lease_s=120)
+    s = c.strategy("v6e-8", num_replicas=2, timeout_s=120)
+    value = s.run(_affine, args=(np.ones(2, np.float32),))
+    slice_id, session_id = s.slice_id, c.session_id
+
+    s.close()
+    with pytest.raises(jaxpod.SessionError, match="strategy is closed"):
+        s.run(_affine, args=(np.ones(2, np.float32),))
+    with pytest.raises(jaxpod.SessionError):
+        s.reduce("SUM", value)
+    # The service refuses the released slice too, not only the client.
+    error, mapped = _raw_error(c.stub.Run, pb.RunRequest(
+        session_id=session_id, slice_id=slice_id, function_id="f",
+        args=tensors.encode(()), kwargs=tensors.encode({})), c.metadata)
+    assert isinstance(mapped, jaxpod.HandleError) and "was released" in str(mapped)
+    with pytest.raises(jaxpod.HandleError, match=r"(?i)values cannot move between strategies"):
+        strategy.run(_affine, args=(value,))
+
+    c.close()
+    assert session_id not in _holders(client).values()
+    with pytest.raises(jaxpod.SessionError, match="client is closed"):
+        c.cluster()
+    with pytest.raises(jaxpod.SessionError, match="client is closed"):
+        c.strategy("v6e-8")
+    error, mapped = _raw_error(client.stub.Heartbeat, pb.SessionRequest(session_id=session_id),
+                               client.metadata)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert isinstance(mapped, jaxpod.SessionError)
+    _assert_serving(strategy)
+
+
+def test_messages_over_the_size_limit(service: Service, client: Any,
+                                      strategy: RemoteStrategy) -> None:
+    big = np.ones(70 * 1024 * 1024 // 8, dtype=np.float64)  # 70 MiB
+
+    def captures_big(x: jax.Array) -> jax.Array:
+        return x + big[0]
+
+    with pytest.raises(jaxpod.MessageTooLargeError, match="pass that array as an argument"):
+        strategy.run(captures_big, args=(np.ones(2, np.float32),))
+
+    # The service's own limit: a request over 64 MiB from a channel without one.
+    with grpc.insecure_channel(service.address) as channel:
+        raw = pb_grpc.CoordinatorStub(channel)
+        error, mapped = _raw_error(raw.DefineFunction, pb.DefineFunctionRequest(
+            session_id=client.session_id, slice_id=strategy.slice_id,
+            payload=b"\0" * (tensors.MAX_MESSAGE_BYTES + 1024)), service.metadata)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert isinstance(mapped, jaxpod.MessageTooLargeError)
+
+    # Large arrays as arguments are fine: they are uploaded in chunks.
+    x = np.random.default_rng(2).normal(size=(3 * tensors.CHUNK_BYTES // 16, 4))
+    got = strategy.experimental_local_results(strategy.run(_sum_rows, args=(x,)))
+    assert len(got) == strategy.num_replicas_in_sync
+    for part in got:
+        np.testing.assert_allclose(part, x.sum(axis=0), rtol=1e-6)
+    _assert_serving(strategy)
+
+
+def test_protocol_and_runtime_version_mismatch(client: Any, strategy: RemoteStrategy) -> None:
+    request = pb.OpenSessionRequest(client_version="9.9.9", protocol_version=999,
+                                    runtime_versions=client.runtime_versions)
+    error, mapped = _raw_error(client.stub.OpenSession, request, client.metadata)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"protocol {tensors.PROTOCOL_VERSION}" in error.details()
+    assert "protocol 999 (jaxpod 9.9.9)" in error.details()
+    assert isinstance(mapped, jaxpod.VersionMismatchError)
+
+    versions = {**client.runtime_versions, "jax": "0.0.1"}
+    error, mapped = _raw_error(client.stub.OpenSession, pb.OpenSessionRequest(
+        protocol_version=tensors.PROTOCOL_VERSION, runtime_versions=versions),
+        client.metadata)
+    assert isinstance(mapped, jaxpod.VersionMismatchError)
+    assert f"jax: client 0.0.1, service {jax.__version__}" in str(mapped)
+    _assert_serving(strategy)
+
+
+def test_user_exception_comes_back_as_its_own_class(strategy: RemoteStrategy) -> None:
+    with pytest.raises(StepFailedError, match=r"step refused input of shape \(3,\)") as info:
+        strategy.run(_failing_step, args=(np.ones(3, np.float32),))
+    assert type(info.value) is StepFailedError
+    notes = "\n".join(getattr(info.value, "__notes__", ()))
+    assert "Remote traceback" in notes
+    assert "_failing_step" in notes
+    _assert_serving(strategy)
+
+
+# ---------------------------------------------------------------------- memory
+def test_values_are_freed_when_garbage_collected(strategy: RemoteStrategy) -> None:
+    gc.collect()
+    base = strategy.stats()
+    assert len(base) == strategy.num_hosts == 2
+    x = np.arange(1024, dtype=np.float32)
+
+    def back_to_base() -> bool:
+        gc.collect()
+        return strategy.stats() == base
+
+    for round_ in range(5):  # every round's frees must arrive, not just most
+        values = [strategy.run(_affine, args=(x + i,)) for i in range(10)]
+        grown = strategy.stats()
+        for before, now in zip(base, grown, strict=True):
+            assert now["num_values"] == before["num_values"] + 10
+            assert now["device_bytes"] >= before["device_bytes"] + 10 * 4 * x.nbytes
+        np.testing.assert_allclose(strategy.reduce("SUM", values[-1]),
+                                   8 * (x + 9) * 3.0 + sum(range(8)), rtol=1e-6)
+        del values
+        assert wait_for(back_to_base, 30), (round_, base, strategy.stats())
