@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxpod.client import rpc
-from jaxpod.errors import EndOfDataError, HandleError, MessageTooLargeError, SessionError
+from jaxpod.errors import HandleError, MessageTooLargeError, SessionError
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
 from jaxpod.types import InputOptions, ReduceOp
@@ -29,7 +29,7 @@ from jaxpod.worker.engine import DistributedDataset, DistributedIterator
 from jaxpod.worker.functions import ShippedFunction, ship, ship_object
 from jaxpod.worker.host_worker import worker_strategy
 from jaxpod.worker.replica_context import strategy_scope
-from jaxpod.worker.values import PerReplica
+from jaxpod.worker.values import PerReplica, padding_of
 
 if TYPE_CHECKING:
     from jaxpod.client.client import Client
@@ -58,7 +58,7 @@ class RemotePerReplica:
         self.valid_rows = (np.asarray(ref.valid_rows, dtype=np.int64) if ref.has_valid_rows
                            else None)
         self._array: np.ndarray | None = None
-        weakref.finalize(self, strategy._release_value, self.id)
+        weakref.finalize(self, strategy._release, "value_ids", self.id)
 
     @property
     def num_replicas(self) -> int:
@@ -73,10 +73,7 @@ class RemotePerReplica:
 
     @property
     def padding(self) -> np.ndarray | None:
-        v = self.valid_rows
-        if v is None or not self.shape or np.all(v == self.shape[0]):
-            return None
-        return v
+        return padding_of(self.shape, self.valid_rows)
 
     def __reduce__(self) -> Any:
         raise TypeError(
@@ -379,17 +376,11 @@ class RemoteStrategy:
             yield self
 
     # ---------------------------------------------------------------- lifetime
-    def _release_value(self, value_id: int) -> None:
+    def _release(self, kind: str, object_id: int) -> None:
+        """Queues a dropped value/iterator/dataset (``kind``: a ``FreeRequest`` field)
+        to be freed with the next call; a finalizer must not make calls itself."""
         with self._lock:
-            self._to_free["value_ids"].append(value_id)
-
-    def _release_iterator(self, iterator_id: int) -> None:
-        with self._lock:
-            self._to_free["iterator_ids"].append(iterator_id)
-
-    def _release_dataset(self, dataset_id: int) -> None:
-        with self._lock:
-            self._to_free["dataset_ids"].append(dataset_id)
+            self._to_free[kind].append(object_id)
 
     def _flush_frees(self) -> None:
         with self._lock:
@@ -457,7 +448,7 @@ class RemoteDataset:
     def __init__(self, strategy: RemoteStrategy, dataset_id: int) -> None:
         self._strategy = strategy
         self.id = dataset_id
-        weakref.finalize(self, strategy._release_dataset, dataset_id)
+        weakref.finalize(self, strategy._release, "dataset_ids", dataset_id)
 
     def __iter__(self) -> RemoteIterator:
         s = self._strategy
@@ -472,19 +463,15 @@ class RemoteIterator:
     def __init__(self, strategy: RemoteStrategy, iterator_id: int) -> None:
         self._strategy = strategy
         self.id = iterator_id
-        weakref.finalize(self, strategy._release_iterator, iterator_id)
+        weakref.finalize(self, strategy._release, "iterator_ids", iterator_id)
 
     def __iter__(self) -> RemoteIterator:
         return self
 
     def __next__(self) -> Any:
-        s = self._strategy
-        try:
-            reply = s._call("IteratorNext", pb.IteratorRequest(**s._ids(), id=self.id),
-                            "next(iterator)")
-        except EndOfDataError:
-            raise
-        return s._values(reply)
+        s = self._strategy  # at the end, the call raises EndOfDataError (a StopIteration)
+        return s._values(s._call("IteratorNext", pb.IteratorRequest(**s._ids(), id=self.id),
+                                 "next(iterator)"))
 
     def get_next(self) -> Any:
         """The next step's input (``tf.distribute.DistributedIterator.get_next``)."""

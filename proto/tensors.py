@@ -85,7 +85,7 @@ def from_tensor(tensor: pb.Tensor) -> np.ndarray:
     """A writable numpy array with the tensor's dtype, shape and data."""
     dtype = dtype_from_name(tensor.dtype)
     shape = tuple(tensor.shape)
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    expected = nbytes(tensor)
     if len(tensor.data) != expected:
         raise ValueError(f"Tensor of dtype {tensor.dtype} and shape {list(shape)} needs "
                          f"{expected} bytes; the message has {len(tensor.data)}.")
@@ -93,6 +93,7 @@ def from_tensor(tensor: pb.Tensor) -> np.ndarray:
 
 
 def nbytes(tensor_meta: pb.Tensor) -> int:
+    """The bytes a tensor of this dtype and shape holds (its data's expected length)."""
     dtype = dtype_from_name(tensor_meta.dtype)
     return int(np.prod(tuple(tensor_meta.shape), dtype=np.int64)) * dtype.itemsize
 

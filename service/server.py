@@ -148,15 +148,18 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
         on_listening(f"{host}:{port}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+
+    def stop_on_signals() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+
+    stop_on_signals()
     if stop_on_stdin_eof:
         loop.add_reader(sys.stdin.fileno(), _stop_on_eof, stop)
     reaper = asyncio.create_task(_reap(service, stop))
     try:
         provider.target = await asyncio.to_thread(make_slices)
-        for sig in (signal.SIGTERM, signal.SIGINT):  # ray.init's own would abort 3 s in
-            loop.add_signal_handler(sig, stop.set)
+        stop_on_signals()  # again: ray.init installs a SIGTERM handler that aborts 3 s in
         await _set_serving(health, True)
         logger.info("jaxpod serve: ready on %s:%d", host, port)
         await stop.wait()

@@ -255,20 +255,11 @@ class HostWorker:
         return self._store_tree(self._engine.experimental_distribute_values_from_function(fn))
 
     def _op_distribute_dataset(self, dataset: Any, options: Any) -> int:
-        from jaxpod.worker.functions import ShippedFunction, load
-
-        if isinstance(dataset, ShippedFunction):  # pickled by the client, by value
-            dataset = load(dataset)
-        if isinstance(options, ShippedFunction):
-            options = load(options)
-        return self._keep(self._datasets,
-                          self._engine.experimental_distribute_dataset(dataset, options))
+        return self._keep(self._datasets, self._engine.experimental_distribute_dataset(
+            _unshipped(dataset), _unshipped(options)))
 
     def _op_distribute_datasets_from_function(self, function_id: str, options: Any) -> int:
-        from jaxpod.worker.functions import ShippedFunction, load
-
-        if isinstance(options, ShippedFunction):
-            options = load(options)
+        options = _unshipped(options)
         fn = self._functions.get(function_id)
         return self._keep(self._datasets,
                           self._engine.distribute_datasets_from_function(fn, options))
@@ -312,3 +303,10 @@ class HostWorker:
         table[key] = value
         return key
 
+
+def _unshipped(value: Any) -> Any:
+    """``value``, or what it holds if the client pickled it by value (a dataset, its
+    options): the coordinator forwards those bytes without unpickling user code."""
+    from jaxpod.worker.functions import ShippedFunction, load
+
+    return load(value) if isinstance(value, ShippedFunction) else value

@@ -50,15 +50,19 @@ class PerReplica(metaclass=abc.ABCMeta):  # noqa: B024 (remote values register)
     @property
     def padding(self) -> np.ndarray | None:
         """``valid_rows`` if some replica has padding rows, else ``None``."""
-        v = self.valid_rows
-        if v is None or not self.shape or np.all(v == self.shape[0]):
-            return None
-        return v
+        return padding_of(self.shape, self.valid_rows)
 
     def __repr__(self) -> str:
         rows = "" if self.valid_rows is None else f", valid_rows={self.valid_rows.tolist()}"
         return (f"PerReplica(num_replicas={self.num_replicas}, shape={self.shape}, "
                 f"dtype={self.dtype}{rows})")
+
+
+def padding_of(shape: tuple[int, ...], valid_rows: np.ndarray | None) -> np.ndarray | None:
+    """``valid_rows`` if some replica's component of ``shape`` has padding rows."""
+    if valid_rows is None or not shape or np.all(valid_rows == shape[0]):
+        return None
+    return valid_rows
 
 
 def is_per_replica(x: object) -> bool:
