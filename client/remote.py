@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxpod.client import rpc
 from jaxpod.errors import HandleError, MessageTooLargeError, SessionError
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
@@ -108,9 +107,7 @@ class RemoteStrategy:
         self._closed = False
         self._functions: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
-        self._to_free: dict[str, list[int]] = {"value_ids": [], "iterator_ids": [],
-                                               "dataset_ids": []}
-        self._frees_in_flight: set[Any] = set()
+        self._dropped = pb.Dropped()
 
     # ------------------------------------------------------------ properties
     @property
@@ -142,13 +139,13 @@ class RemoteStrategy:
 
     def _call(self, method: str, request: Any, what: str, idempotent: bool = False) -> Any:
         self._check_open(what)
-        self._flush_frees()
+        self._attach_dropped(request)
         return self._client.call(getattr(self._client.stub, method), request, what=what,
                                  idempotent=idempotent)
 
     def _result(self, method: str, request: Any, what: str) -> Any:
         self._check_open(what)
-        self._flush_frees()
+        self._attach_dropped(request)
         return self._client.stream(getattr(self._client.stub, method), request,
                                    tensors.read_result, what=what)
 
@@ -377,25 +374,21 @@ class RemoteStrategy:
 
     # ---------------------------------------------------------------- lifetime
     def _release(self, kind: str, object_id: int) -> None:
-        """Queues a dropped value/iterator/dataset (``kind``: a ``FreeRequest`` field)
-        to be freed with the next call; a finalizer must not make calls itself."""
+        """Queues a dropped value/iterator/dataset (``kind``: a ``Dropped`` field) to be
+        freed with the next call; a finalizer must not make calls itself."""
         with self._lock:
-            self._to_free[kind].append(object_id)
+            getattr(self._dropped, kind).append(object_id)
 
-    def _flush_frees(self) -> None:
+    def _attach_dropped(self, request: Any) -> None:
+        """Moves what was dropped since the previous call into ``request`` (every slice
+        request has a ``dropped`` field; an upload stream has none)."""
+        if not hasattr(request, "DESCRIPTOR") or "dropped" not in \
+                request.DESCRIPTOR.fields_by_name:
+            return
         with self._lock:
-            if not any(self._to_free.values()):
-                return
-            pending: Any = {k: list(v) for k, v in self._to_free.items()}
-            for v in self._to_free.values():
-                v.clear()
-        # Not waited for: nothing depends on its answer (the values are unreachable).
-        # The future is kept until done: gRPC cancels a call whose future is collected.
-        future = self._client.stub.Free.future(pb.FreeRequest(**self._ids(), **pending),
-                                               timeout=rpc.CONTROL_TIMEOUT.seconds(),
-                                               metadata=self._client.metadata)
-        self._frees_in_flight.add(future)
-        future.add_done_callback(self._frees_in_flight.discard)
+            if self._dropped.ByteSize():
+                request.dropped.CopyFrom(self._dropped)
+                self._dropped.Clear()
 
     def stats(self) -> list[dict[str, int]]:
         """Each host's live values, device bytes and iterators (frees pending first)."""

@@ -18,6 +18,7 @@ from jaxpod.errors import (
     ServiceUnavailableError,
     SessionError,
     VersionMismatchError,
+    WorkerLostError,
     WorkerStartError,
 )
 from jaxpod.types import AutoShardPolicy, InputContext, InputOptions, ReduceOp, ValueContext
@@ -56,6 +57,7 @@ __all__ = [
     "Topology",
     "ValueContext",
     "VersionMismatchError",
+    "WorkerLostError",
     "WorkerStartError",
     "__version__",
     "connect",

@@ -37,6 +37,11 @@ class WorkerStartError(JaxpodError):
     """A host worker did not start or did not join its replica group in time."""
 
 
+class WorkerLostError(JaxpodError, ConnectionError):
+    """A host worker stopped answering in the middle of an operation (its process died or
+    its slice was released); that slice's replica group is unusable."""
+
+
 class VersionMismatchError(JaxpodError):
     """Two ends of jaxpod (client/coordinator/worker) run incompatible versions."""
 

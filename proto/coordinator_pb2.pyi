@@ -178,12 +178,14 @@ class SliceInfo(_message.Message):
     def __init__(self, slice_id: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_slices: _Optional[int] = ..., num_hosts: _Optional[int] = ..., num_replicas: _Optional[int] = ..., steps_per_run: _Optional[int] = ..., slice_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SliceRequest(_message.Message):
-    __slots__ = ("session_id", "slice_id")
+    __slots__ = ("session_id", "slice_id", "dropped")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slice_id: str
-    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ...) -> None: ...
+    dropped: Dropped
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
 
 class SliceStatsResponse(_message.Message):
     __slots__ = ("hosts",)
@@ -202,7 +204,7 @@ class HostStats(_message.Message):
     def __init__(self, num_values: _Optional[int] = ..., device_bytes: _Optional[int] = ..., num_iterators: _Optional[int] = ...) -> None: ...
 
 class DefineFunctionRequest(_message.Message):
-    __slots__ = ("session_id", "slice_id", "payload", "runtime_versions")
+    __slots__ = ("session_id", "slice_id", "payload", "runtime_versions", "dropped")
     class RuntimeVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -214,11 +216,13 @@ class DefineFunctionRequest(_message.Message):
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slice_id: str
     payload: bytes
     runtime_versions: _containers.ScalarMap[str, str]
-    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., payload: _Optional[bytes] = ..., runtime_versions: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    dropped: Dropped
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., payload: _Optional[bytes] = ..., runtime_versions: _Optional[_Mapping[str, str]] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
 
 class DefineFunctionResponse(_message.Message):
     __slots__ = ("function_id",)
@@ -233,21 +237,23 @@ class PutResponse(_message.Message):
     def __init__(self, blob: _Optional[int] = ...) -> None: ...
 
 class RunRequest(_message.Message):
-    __slots__ = ("session_id", "slice_id", "function_id", "args", "kwargs")
+    __slots__ = ("session_id", "slice_id", "function_id", "args", "kwargs", "dropped")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
     KWARGS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slice_id: str
     function_id: str
     args: Tree
     kwargs: Tree
-    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., function_id: _Optional[str] = ..., args: _Optional[_Union[Tree, _Mapping]] = ..., kwargs: _Optional[_Union[Tree, _Mapping]] = ...) -> None: ...
+    dropped: Dropped
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., function_id: _Optional[str] = ..., args: _Optional[_Union[Tree, _Mapping]] = ..., kwargs: _Optional[_Union[Tree, _Mapping]] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
 
 class RunStepsRequest(_message.Message):
-    __slots__ = ("session_id", "slice_id", "function_id", "iterator_id", "steps", "initial_state", "has_items", "items")
+    __slots__ = ("session_id", "slice_id", "function_id", "iterator_id", "steps", "initial_state", "has_items", "items", "dropped")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +262,7 @@ class RunStepsRequest(_message.Message):
     INITIAL_STATE_FIELD_NUMBER: _ClassVar[int]
     HAS_ITEMS_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slice_id: str
     function_id: str
@@ -264,20 +271,23 @@ class RunStepsRequest(_message.Message):
     initial_state: Tree
     has_items: bool
     items: Tree
-    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., function_id: _Optional[str] = ..., iterator_id: _Optional[int] = ..., steps: _Optional[_Union[Tree, _Mapping]] = ..., initial_state: _Optional[_Union[Tree, _Mapping]] = ..., has_items: _Optional[bool] = ..., items: _Optional[_Union[Tree, _Mapping]] = ...) -> None: ...
+    dropped: Dropped
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., function_id: _Optional[str] = ..., iterator_id: _Optional[int] = ..., steps: _Optional[_Union[Tree, _Mapping]] = ..., initial_state: _Optional[_Union[Tree, _Mapping]] = ..., has_items: _Optional[bool] = ..., items: _Optional[_Union[Tree, _Mapping]] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
 
 class DistributeValuesRequest(_message.Message):
-    __slots__ = ("session_id", "slice_id", "function_id")
+    __slots__ = ("session_id", "slice_id", "function_id", "dropped")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slice_id: str
     function_id: str
-    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., function_id: _Optional[str] = ...) -> None: ...
+    dropped: Dropped
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., function_id: _Optional[str] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
 
 class DistributeDatasetRequest(_message.Message):
-    __slots__ = ("session_id", "slice_id", "dataset", "dataset_blob", "function_id", "options", "runtime_versions")
+    __slots__ = ("session_id", "slice_id", "dataset", "dataset_blob", "function_id", "options", "runtime_versions", "dropped")
     class RuntimeVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +302,7 @@ class DistributeDatasetRequest(_message.Message):
     FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slice_id: str
     dataset: bytes
@@ -299,7 +310,8 @@ class DistributeDatasetRequest(_message.Message):
     function_id: str
     options: bytes
     runtime_versions: _containers.ScalarMap[str, str]
-    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., dataset: _Optional[bytes] = ..., dataset_blob: _Optional[int] = ..., function_id: _Optional[str] = ..., options: _Optional[bytes] = ..., runtime_versions: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    dropped: Dropped
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., dataset: _Optional[bytes] = ..., dataset_blob: _Optional[int] = ..., function_id: _Optional[str] = ..., options: _Optional[bytes] = ..., runtime_versions: _Optional[_Mapping[str, str]] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
 
 class DatasetResponse(_message.Message):
     __slots__ = ("dataset_id",)
@@ -308,16 +320,18 @@ class DatasetResponse(_message.Message):
     def __init__(self, dataset_id: _Optional[int] = ...) -> None: ...
 
 class IteratorRequest(_message.Message):
-    __slots__ = ("session_id", "slice_id", "id", "steps_per_run")
+    __slots__ = ("session_id", "slice_id", "id", "steps_per_run", "dropped")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_RUN_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slice_id: str
     id: int
     steps_per_run: int
-    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., id: _Optional[int] = ..., steps_per_run: _Optional[int] = ...) -> None: ...
+    dropped: Dropped
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., id: _Optional[int] = ..., steps_per_run: _Optional[int] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
 
 class IteratorResponse(_message.Message):
     __slots__ = ("iterator_id",)
@@ -326,56 +340,68 @@ class IteratorResponse(_message.Message):
     def __init__(self, iterator_id: _Optional[int] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
-    __slots__ = ("session_id", "slice_id", "reduce_op", "value", "axis")
+    __slots__ = ("session_id", "slice_id", "reduce_op", "value", "axis", "dropped")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     REDUCE_OP_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     AXIS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slice_id: str
     reduce_op: Tree
     value: Tree
     axis: Tree
-    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., reduce_op: _Optional[_Union[Tree, _Mapping]] = ..., value: _Optional[_Union[Tree, _Mapping]] = ..., axis: _Optional[_Union[Tree, _Mapping]] = ...) -> None: ...
+    dropped: Dropped
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., reduce_op: _Optional[_Union[Tree, _Mapping]] = ..., value: _Optional[_Union[Tree, _Mapping]] = ..., axis: _Optional[_Union[Tree, _Mapping]] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
 
 class GatherRequest(_message.Message):
-    __slots__ = ("session_id", "slice_id", "value", "axis")
+    __slots__ = ("session_id", "slice_id", "value", "axis", "dropped")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     AXIS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slice_id: str
     value: Tree
     axis: Tree
-    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., value: _Optional[_Union[Tree, _Mapping]] = ..., axis: _Optional[_Union[Tree, _Mapping]] = ...) -> None: ...
+    dropped: Dropped
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., value: _Optional[_Union[Tree, _Mapping]] = ..., axis: _Optional[_Union[Tree, _Mapping]] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
 
 class ValueRequest(_message.Message):
-    __slots__ = ("session_id", "slice_id", "value")
+    __slots__ = ("session_id", "slice_id", "value", "dropped")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slice_id: str
     value: Tree
-    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., value: _Optional[_Union[Tree, _Mapping]] = ...) -> None: ...
+    dropped: Dropped
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., value: _Optional[_Union[Tree, _Mapping]] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("session_id", "slice_id", "value_ids", "iterator_ids", "blobs", "dataset_ids")
+    __slots__ = ("session_id", "slice_id", "blobs", "dropped")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
-    VALUE_IDS_FIELD_NUMBER: _ClassVar[int]
-    ITERATOR_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOBS_FIELD_NUMBER: _ClassVar[int]
-    DATASET_IDS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slice_id: str
+    blobs: _containers.RepeatedScalarFieldContainer[int]
+    dropped: Dropped
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., blobs: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
+
+class Dropped(_message.Message):
+    __slots__ = ("value_ids", "iterator_ids", "dataset_ids")
+    VALUE_IDS_FIELD_NUMBER: _ClassVar[int]
+    ITERATOR_IDS_FIELD_NUMBER: _ClassVar[int]
+    DATASET_IDS_FIELD_NUMBER: _ClassVar[int]
     value_ids: _containers.RepeatedScalarFieldContainer[int]
     iterator_ids: _containers.RepeatedScalarFieldContainer[int]
-    blobs: _containers.RepeatedScalarFieldContainer[int]
     dataset_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., value_ids: _Optional[_Iterable[int]] = ..., iterator_ids: _Optional[_Iterable[int]] = ..., blobs: _Optional[_Iterable[int]] = ..., dataset_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, value_ids: _Optional[_Iterable[int]] = ..., iterator_ids: _Optional[_Iterable[int]] = ..., dataset_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("slices", "num_sessions", "server_version")

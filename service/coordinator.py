@@ -133,14 +133,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         await self._blocking(held.release)
         return pb.Empty()
 
-    def _slice(self, session_id: str, slice_id: str) -> tuple[Session, HeldSlice]:
-        session = self.sessions.get(session_id)
-        return session, session.slice(slice_id)
+    def _slice(self, request: Any) -> tuple[Session, HeldSlice]:
+        """The session and slice a request names; what the client dropped is let go
+        first (the workers free it with the slice's next operation)."""
+        session = self.sessions.get(request.session_id)
+        held = session.slice(request.slice_id)
+        if request.HasField("dropped"):
+            held.drop(request.dropped)
+        return session, held
 
     # ------------------------------------------------------- functions and inputs
     async def DefineFunction(self, request: pb.DefineFunctionRequest, context: Any
                              ) -> pb.DefineFunctionResponse:
-        _, held = self._slice(request.session_id, request.slice_id)
+        _, held = self._slice(request)
         shipped = ShippedFunction(request.payload, dict(request.runtime_versions))
         defined = await self._blocking(held.engine.define, shipped)
         return pb.DefineFunctionResponse(function_id=defined.id)
@@ -199,7 +204,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return tree
 
     async def Run(self, request: pb.RunRequest, context: Any) -> pb.Tree:
-        session, held = self._slice(request.session_id, request.slice_id)
+        session, held = self._slice(request)
         args = self._args(session, held, request.args)
         kwargs = self._args(session, held, request.kwargs)
         result = await self._blocking(held.engine.run, DefinedFunction(request.function_id),
@@ -207,7 +212,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return self._refs(held, result)
 
     async def RunSteps(self, request: pb.RunStepsRequest, context: Any) -> pb.Tree:
-        session, held = self._slice(request.session_id, request.slice_id)
+        session, held = self._slice(request)
         iterator = (StepItems(self._args(session, held, request.items)) if request.has_items
                     else held.iterator(request.iterator_id))
         state = self._args(session, held, request.initial_state)
@@ -219,7 +224,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def DistributeValues(self, request: pb.DistributeValuesRequest, context: Any
                                ) -> pb.Tree:
-        _, held = self._slice(request.session_id, request.slice_id)
+        _, held = self._slice(request)
         result = await self._blocking(
             held.engine.experimental_distribute_values_from_function,
             DefinedFunction(request.function_id))
@@ -227,7 +232,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def DistributeDataset(self, request: pb.DistributeDatasetRequest, context: Any
                                 ) -> pb.DatasetResponse:
-        session, held = self._slice(request.session_id, request.slice_id)
+        session, held = self._slice(request)
         source = request.WhichOneof("source")
         versions = dict(request.runtime_versions)
         options = ShippedFunction(request.options, versions) if request.options else None
@@ -244,14 +249,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def CreateIterator(self, request: pb.IteratorRequest, context: Any
                              ) -> pb.IteratorResponse:
-        _, held = self._slice(request.session_id, request.slice_id)
+        _, held = self._slice(request)
         dataset = held.dataset(request.id)
         iterator = await self._blocking(dataset.iterate, request.steps_per_run or None)
         held.iterators[iterator.id] = iterator
         return pb.IteratorResponse(iterator_id=iterator.id)
 
     async def IteratorNext(self, request: pb.IteratorRequest, context: Any) -> pb.Tree:
-        _, held = self._slice(request.session_id, request.slice_id)
+        _, held = self._slice(request)
         iterator = held.iterator(request.id)
         return self._refs(held, await self._blocking(next, iterator))
 
@@ -263,13 +268,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             yield chunk  # each 4 MiB copy runs in a worker thread, not on the event loop
 
     def Reduce(self, request: pb.ReduceRequest, context: Any) -> AsyncIterator[pb.ResultChunk]:
-        session, held = self._slice(request.session_id, request.slice_id)
+        session, held = self._slice(request)
         value = self._args(session, held, request.value)
         op, axis = tensors.decode(request.reduce_op), tensors.decode(request.axis)
         return self._stream(lambda: held.engine.reduce(op, value, axis))
 
     def Gather(self, request: pb.GatherRequest, context: Any) -> AsyncIterator[pb.ResultChunk]:
-        session, held = self._slice(request.session_id, request.slice_id)
+        session, held = self._slice(request)
         value = self._args(session, held, request.value)
         axis = tensors.decode(request.axis)
 
@@ -283,12 +288,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def LocalResults(self, request: pb.ValueRequest, context: Any
                      ) -> AsyncIterator[pb.ResultChunk]:
-        session, held = self._slice(request.session_id, request.slice_id)
+        session, held = self._slice(request)
         value = self._args(session, held, request.value)
         return self._stream(lambda: held.engine.experimental_local_results(value))
 
     def Fetch(self, request: pb.ValueRequest, context: Any) -> AsyncIterator[pb.ResultChunk]:
-        session, held = self._slice(request.session_id, request.slice_id)
+        session, held = self._slice(request)
         value = self._args(session, held, request.value)
         return self._stream(lambda: held.engine.fetch(value))
 
@@ -297,22 +302,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         for blob in request.blobs:
             session.blobs.pop(blob, None)
         held = session.slices.get(request.slice_id)
-        if held is None:  # released already: everything on it is gone
-            return pb.Empty()
-        # Dropping the last reference frees on the workers with the slice's next call.
-        for value_id in request.value_ids:
-            held.values.pop(value_id, None)
-        for iterator_id in request.iterator_ids:
-            held.iterators.pop(iterator_id, None)
-        for dataset_id in request.dataset_ids:
-            dataset = held.datasets.pop(dataset_id, None)
-            if dataset is not None:
-                await self._blocking(dataset.free)
+        if held is not None:  # else released already: everything on it is gone
+            held.drop(request.dropped)
         return pb.Empty()
 
     async def SliceStats(self, request: pb.SliceRequest, context: Any
                          ) -> pb.SliceStatsResponse:
-        _, held = self._slice(request.session_id, request.slice_id)
+        _, held = self._slice(request)
         stats = await self._blocking(held.engine.stats)
         return pb.SliceStatsResponse(hosts=[pb.HostStats(**s) for s in stats])
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from jaxpod.errors import HandleError, SessionError
+from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.timeouts import Timeout
 from jaxpod.worker.group_engine import GroupDataset, GroupEngine, GroupIterator, GroupValue
 
@@ -64,6 +65,18 @@ class HeldSlice:
     def keep_values(self, values: list[GroupValue]) -> None:
         for v in values:
             self.values[v.info.id] = v
+
+    def drop(self, dropped: pb.Dropped) -> None:
+        """Forgets what the client dropped; the workers free it with the slice's next
+        operation. Unknown ids are ignored: dropping is idempotent."""
+        for value_id in dropped.value_ids:
+            self.values.pop(value_id, None)
+        for iterator_id in dropped.iterator_ids:
+            self.iterators.pop(iterator_id, None)
+        for dataset_id in dropped.dataset_ids:
+            dataset = self.datasets.pop(dataset_id, None)
+            if dataset is not None:
+                dataset.free()
 
 
 def _lookup(table: dict[int, Any], key: int, what: str, slice_id: str) -> Any:

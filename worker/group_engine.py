@@ -23,7 +23,7 @@ import numpy as np
 from jaxpod.errors import EndOfDataError
 from jaxpod.types import InputOptions, ReduceOp
 from jaxpod.worker.functions import ShippedFunction, ship
-from jaxpod.worker.host_worker import Handle, HandleInfo
+from jaxpod.worker.host_worker import Dropped, Handle, HandleInfo
 from jaxpod.worker.replica_group import ReplicaGroup
 
 
@@ -88,16 +88,11 @@ class GroupEngine:
         self.group = group
         self.steps_per_run = steps_per_run
         self._functions: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-        # Values and iterators garbage-collected here, freed on the workers with the next
-        # operation (a finalizer must not call into the group: it may run inside a call).
-        self._to_free: collections.deque[int] = collections.deque()
-        self._iterators_to_free: collections.deque[int] = collections.deque()
+        self.dropped = DropQueue()
         self._num_replicas: int | None = None
 
     def _call(self, op: str, *args: Any) -> list[Any]:
-        for iterator_id in _drain(self._iterators_to_free):
-            self.group.call("free_iterator", iterator_id)
-        return self.group.call(op, *args, free=_drain(self._to_free))
+        return self.group.call(op, *args, dropped=self.dropped.take())
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -147,7 +142,7 @@ class GroupEngine:
         values = jax.tree.map(lambda i: GroupValue(i, self), infos,
                               is_leaf=lambda x: isinstance(x, HandleInfo))
         for v in jax.tree.leaves(values, is_leaf=_is_value):
-            weakref.finalize(v, self._to_free.append, v.info.id)
+            weakref.finalize(v, self.dropped.values.append, v.info.id)
         return values
 
     # ------------------------------------------------------------------------ run
@@ -236,8 +231,9 @@ class GroupDataset:
                              self._engine._call("iterator", self.id, steps_per_run)[0])
 
     def free(self) -> None:
-        """Drops the dataset on the workers (its iterators keep running)."""
-        self._engine._call("free_dataset", self.id)
+        """Drops the dataset on the workers with the next operation (its iterators
+        keep running)."""
+        self._engine.dropped.datasets.append(self.id)
 
 
 class GroupIterator(Iterator[Any]):
@@ -247,7 +243,7 @@ class GroupIterator(Iterator[Any]):
         self._engine = engine
         self.id = iterator_id
         # Dropping the iterator stops its infeed threads on the workers.
-        weakref.finalize(self, engine._iterators_to_free.append, iterator_id)
+        weakref.finalize(self, engine.dropped.iterators.append, iterator_id)
 
     def __next__(self) -> Any:
         try:
@@ -258,8 +254,24 @@ class GroupIterator(Iterator[Any]):
             raise EndOfDataError(str(e)) from None
 
 
-def _drain(queue: collections.deque[int]) -> list[int]:
+class DropQueue:
+    """Values, iterators and datasets dropped here, freed on the workers with the next
+    operation (a finalizer must not call into the group: it may run inside a call)."""
+
+    def __init__(self) -> None:
+        self.values: collections.deque[int] = collections.deque()
+        self.iterators: collections.deque[int] = collections.deque()
+        self.datasets: collections.deque[int] = collections.deque()
+
+    def take(self) -> Dropped | None:
+        """Empties the queue (finalizers may append meanwhile: deques are thread-safe)."""
+        if not (self.values or self.iterators or self.datasets):
+            return None
+        return Dropped(_drain(self.values), _drain(self.iterators), _drain(self.datasets))
+
+
+def _drain(queue: collections.deque[int]) -> tuple[int, ...]:
     items = []
     while queue:
         items.append(queue.popleft())
-    return items
+    return tuple(items)

@@ -35,6 +35,19 @@ class Handle:
 
 
 @dataclass(frozen=True)
+class Dropped:
+    """Objects the coordinator dropped since its previous operation: freed before the
+    next one runs, in the same round trip (a free costs no call of its own)."""
+
+    values: tuple[int, ...] = ()
+    iterators: tuple[int, ...] = ()
+    datasets: tuple[int, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.values or self.iterators or self.datasets)
+
+
+@dataclass(frozen=True)
 class HandleInfo:
     """What the coordinator learns about a new value: enough to describe it."""
 
@@ -66,8 +79,10 @@ class RemoteError:
 
         try:
             pickled = cloudpickle.dumps(error)
-        except Exception:
-            pickled = None
+        except Exception as why:  # it could not travel at all: send its description
+            error = RuntimeError(f"{type(error).__qualname__}: {error} (this exception "
+                                 f"could not be pickled: {why})")
+            pickled = cloudpickle.dumps(error)
         return cls(error, tb, pickled)
 
 
@@ -132,6 +147,7 @@ class HostWorker:
         self._iterators: dict[int, Any] = {}
         self._datasets: dict[int, Any] = {}
         self._next_id = 1
+        self._channel: Any = None
 
     # ------------------------------------------------------------------ start/stop
     def node_address(self) -> str:
@@ -168,20 +184,31 @@ class HostWorker:
                 "local_devices": jax.local_device_count(),
                 "num_replicas": self._engine.num_replicas_in_sync}
 
+    def open_channel(self, key: bytes) -> tuple[str, int]:
+        """Starts serving operations over a direct socket (see
+        :mod:`jaxpod.worker.channel`); returns its address."""
+        from jaxpod.worker.channel import ChannelServer
+
+        self._channel = ChannelServer(self.node_address(), key, self.execute,
+                                      lambda e: RemoteError.of(e, traceback.format_exc()))
+        return self._channel.address
+
     def shutdown(self) -> None:
         """Leaves the group (called with a time limit by the coordinator)."""
         import jax
 
+        if self._channel is not None:
+            self._channel.close()
         self._iterators.clear()
         self._datasets.clear()
         if self.num_processes > 1:
             jax.distributed.shutdown()
 
     # ------------------------------------------------------------------ operations
-    def execute(self, seq: int, op: str, *args: Any, free: list[int] | None = None) -> Any:
+    def execute(self, seq: int, op: str, *args: Any, dropped: Dropped | None = None) -> Any:
         """Runs operation ``op`` if ``seq`` is the next in this group's sequence.
 
-        ``free`` lists value handles to drop before it (saves a round trip per call).
+        ``dropped``: values, iterators and datasets to free before it.
 
         Returns:
           The operation's result, or a :class:`RemoteError` carrying the exception.
@@ -194,11 +221,18 @@ class HostWorker:
                 "must be restarted."), "")
         self._expected_seq += 1
         try:
-            if free:
-                self._store.free(free)
+            if dropped:
+                self._drop(dropped)
             return getattr(self, f"_op_{op}")(*args)
         except BaseException as e:
             return RemoteError.of(e, traceback.format_exc())
+
+    def _drop(self, dropped: Dropped) -> None:
+        self._store.free(list(dropped.values))
+        for iterator_id in dropped.iterators:
+            self._iterators.pop(iterator_id, None)  # stops its infeed threads
+        for dataset_id in dropped.datasets:
+            self._datasets.pop(dataset_id, None)  # its iterators keep running
 
     def _resolve(self, tree: Any) -> Any:
         import jax
@@ -280,17 +314,8 @@ class HostWorker:
     def _op_fetch_parts(self, value: Handle) -> list[Any]:
         return self._engine.padded_parts(self._store.get(value.id))
 
-    def _op_free_dataset(self, dataset_id: int) -> None:
-        self._datasets.pop(dataset_id, None)
-
     def _op_local_results(self, value: Any) -> tuple[Any, ...]:
         return tuple(self._engine.experimental_local_results(self._resolve(value)))
-
-    def _op_free(self, ids: list[int]) -> int:
-        return int(self._store.free(ids))
-
-    def _op_free_iterator(self, iterator_id: int) -> None:
-        self._iterators.pop(iterator_id, None)
 
     def _op_stats(self) -> dict[str, int]:
         stats = self._store.stats()

@@ -1,8 +1,9 @@
 """``ReplicaGroup``: the coordinator's handle on one slice's host workers.
 
 It starts one :class:`~jaxpod.worker.host_worker.HostWorker` per host (pinned to the
-slice's placement-group bundles), makes them join one ``jax.distributed`` group, then
-sends every engine operation to all hosts concurrently and in the same order. Each
+slice's placement-group bundles), makes them join one ``jax.distributed`` group and
+opens an operation channel to each (:mod:`jaxpod.worker.channel`), then sends every
+engine operation to all hosts, one operation at a time and in the same order. Each
 operation carries a per-group sequence number that the workers check, so a skipped or
 reordered call fails loudly instead of deadlocking a collective. Every wait has a named
 time-out that the environment can override.
@@ -11,15 +12,17 @@ time-out that the environment can override.
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxpod.errors import JaxpodError, WorkerStartError
+from jaxpod.errors import JaxpodError, WorkerLostError, WorkerStartError
 from jaxpod.timeouts import Timeout
-from jaxpod.worker.host_worker import SIMULATED_PLATFORM, HostWorker, RemoteError
+from jaxpod.worker import channel
+from jaxpod.worker.host_worker import SIMULATED_PLATFORM, Dropped, HostWorker, RemoteError
 
 START_TIMEOUT = Timeout("JAXPOD_WORKER_START_TIMEOUT_S", 120.0)
 OPERATION_TIMEOUT = Timeout("JAXPOD_OPERATION_TIMEOUT_S", 600.0)
@@ -55,8 +58,10 @@ class HostPlacement:
 class ReplicaGroup:
     """Sends engine operations to every host of one slice, in one global order."""
 
-    def __init__(self, workers: list[Any], info: list[dict[str, int]]) -> None:
+    def __init__(self, workers: list[Any], info: list[dict[str, int]],
+                 channels: list[socket.socket]) -> None:
         self._workers = workers
+        self._channels = channels
         self.info = info
         self._seq = 0
         self._lock = threading.Lock()
@@ -95,6 +100,7 @@ class ReplicaGroup:
             ).remote(i, len(placements), devices_per_host, platform, p.env, p.unset_env)
             for i, p in enumerate(placements)
         ]
+        channels: list[socket.socket] = []
         try:
             address = ray.get(workers[0].node_address.remote(), timeout=limit)
             port = ray.get(workers[0].reserve_port.remote(), timeout=limit)
@@ -102,7 +108,15 @@ class ReplicaGroup:
             refs = [w.initialize.remote(coordinator, max(1.0, deadline - time.monotonic()))
                     for w in workers]
             info = _get_all(refs, deadline, "join the jax.distributed group", limit)
+            key = channel.new_key()
+            addresses = _get_all([w.open_channel.remote(key) for w in workers], deadline,
+                                 "open their operation channel", limit)
+            for host, port in addresses:
+                channels.append(channel.connect(
+                    (host, port), key, max(1.0, deadline - time.monotonic())))
         except BaseException as e:
+            for sock in channels:
+                sock.close()
             for w in workers:
                 ray.kill(w)
             if isinstance(e, WorkerStartError):
@@ -111,37 +125,35 @@ class ReplicaGroup:
                 f"The {len(placements)} host workers did not start within {limit:g}s "
                 f"({START_TIMEOUT.env_var}): {type(e).__name__}: {e}"
             ) from e
-        return cls(workers, info)
+        return cls(workers, info, channels)
 
     def call(self, op: str, *args: Any, timeout: float | None = None,
-             free: list[int] | None = None) -> list[Any]:
+             dropped: Dropped | None = None) -> list[Any]:
         """Runs ``op`` on every host; returns each host's result in host order.
 
         Args:
-          free: value handles to free first, in the same round trip (values the
-            caller dropped since its last call).
+          dropped: what to free first, in the same round trip (what the caller
+            dropped since its previous call).
 
         Raises:
           The first host's error (user exceptions keep their type; the remote
           traceback is attached as a note), or ``OperationTimeoutError``.
         """
-        import ray
-
         limit = OPERATION_TIMEOUT.resolve(timeout)
-        with self._lock:
+        deadline = time.monotonic() + limit
+        # One operation at a time: replies come back in the order they were asked for.
+        if not self._lock.acquire(timeout=limit):
+            raise OperationTimeoutError(
+                f"Operation {op!r} waited {limit:g}s ({OPERATION_TIMEOUT.env_var}) for "
+                "the group's previous operation to finish.")
+        try:
             if self._broken:
                 raise JaxpodError(f"This replica group is broken ({self._broken}); restart it.")
             seq, self._seq = self._seq, self._seq + 1
-            kwargs = {"free": free} if free else {}
-            refs = [w.execute.remote(seq, op, *args, **kwargs) for w in self._workers]
-        try:
-            results = ray.get(refs, timeout=limit)
-        except ray.exceptions.GetTimeoutError:
-            self._broken = f"operation {op!r} timed out after {limit:g}s"
-            raise OperationTimeoutError(
-                f"Operation {op!r} did not finish on every host within {limit:g}s "
-                f"({OPERATION_TIMEOUT.env_var}); the group is now unusable."
-            ) from None
+            kwargs = {"dropped": dropped} if dropped else {}
+            results = self._exchange(op, ((seq, op, *args), kwargs), deadline, limit)
+        finally:
+            self._lock.release()
         for host, result in enumerate(results):
             if isinstance(result, RemoteError):
                 error = result.error
@@ -152,11 +164,40 @@ class ReplicaGroup:
                 raise error
         return results
 
+    def _exchange(self, op: str, message: Any, deadline: float, limit: float) -> list[Any]:
+        """Sends ``message`` to every host; returns their replies in host order."""
+        results: list[Any] = []
+        try:
+            channel.broadcast(self._channels, message)
+            for sock in self._channels:
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                results.append(channel.receive(sock))
+                sock.settimeout(None)
+            return results
+        except TimeoutError:
+            host = len(results)
+            self._broken = f"operation {op!r} timed out after {limit:g}s"
+            raise OperationTimeoutError(
+                f"Operation {op!r} did not finish on host {host} within {limit:g}s "
+                f"({OPERATION_TIMEOUT.env_var}); the group is now unusable."
+            ) from None
+        except OSError as e:
+            host = len(results)
+            self._broken = f"host {host} went away during operation {op!r}"
+            raise WorkerLostError(
+                f"Host {host} stopped answering during operation {op!r} ({e}): its worker "
+                "process died or the group was stopped. The group is now unusable; "
+                "release the slice and acquire a new one.") from e
+
     def stop(self, timeout: float | None = None) -> None:
         """Shuts the group down (``jax.distributed.shutdown`` with a limit), then kills."""
         import ray
 
         limit = STOP_TIMEOUT.resolve(timeout)
+        for sock in self._channels:  # wakes a call waiting on a reply, too
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
         refs = [w.shutdown.remote() for w in self._workers]
         ray.wait(refs, num_returns=len(refs), timeout=limit)
         for w in self._workers:

@@ -547,7 +547,8 @@ def test_unsupported_arguments_name_their_path(strategy: RemoteStrategy,
 def test_freed_handle_is_refused(client: Any, strategy: RemoteStrategy) -> None:
     value = strategy.run(_affine, args=(np.ones(3, np.float32),))
     client.stub.Free(pb.FreeRequest(session_id=client.session_id,
-                                    slice_id=strategy.slice_id, value_ids=[value.id]),
+                                    slice_id=strategy.slice_id,
+                                    dropped=pb.Dropped(value_ids=[value.id])),
                      timeout=30, metadata=client.metadata)
     with pytest.raises(jaxpod.HandleError, match=f"Value #{value.id} is not held"):
         strategy.run(_affine, args=(value,))
