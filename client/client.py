@@ -79,7 +79,9 @@ class Client:
         self.address = address
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ())
-        self._channel = grpc.insecure_channel(address, options=channel_options())
+        # Result streams are read on the calling thread (no hand-off per message).
+        self._channel = grpc.insecure_channel(address, options=[
+            *channel_options(), (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)])
         self.stub = pb_grpc.CoordinatorStub(self._channel)
         from jaxpod.worker.functions import runtime_versions
 

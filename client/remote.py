@@ -390,12 +390,15 @@ class RemoteStrategy:
                 request.dropped.CopyFrom(self._dropped)
                 self._dropped.Clear()
 
-    def stats(self) -> list[dict[str, int]]:
-        """Each host's live values, device bytes and iterators (frees pending first)."""
+    def stats(self) -> list[dict[str, Any]]:
+        """Each host's live values, device bytes and iterators (frees pending first), and
+        the seconds it spent running operations (``busy_s``, over ``operations``): the
+        work measured inside the workers, without the time spent reaching them."""
         reply = self._call("SliceStats", pb.SliceRequest(**self._ids()), "stats",
                            idempotent=True)
         return [{"num_values": h.num_values, "device_bytes": h.device_bytes,
-                 "num_iterators": h.num_iterators} for h in reply.hosts]
+                 "num_iterators": h.num_iterators, "busy_s": h.busy_s,
+                 "operations": h.operations} for h in reply.hosts]
 
     def mark_closed(self) -> None:
         self._closed = True

@@ -182,16 +182,17 @@ def decode(tree: pb.Tree, leaf: LeafDecoder | None = None) -> Any:
 # ----------------------------------------------------------------- result streams
 @dataclass(frozen=True)
 class RowParts:
-    """A result sent as the concatenation of ``parts`` along axis 0, never joined on
-    the sending side: C-order rows concatenate as bytes do, so each part streams as
-    it is (a gather's per-replica parts)."""
+    """A result of ``shape`` and ``dtype`` sent as the concatenation of ``parts`` along
+    axis 0, never joined on the sending side: C-order rows concatenate as bytes do, so
+    each part streams as it is (a gather's per-replica parts). ``parts`` is read once,
+    as the stream goes (it may still be arriving)."""
 
-    parts: tuple[np.ndarray, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    parts: Iterable[np.ndarray]
 
     def meta(self) -> pb.Tensor:
-        first = self.parts[0]
-        rows = sum(p.shape[0] for p in self.parts)
-        return pb.Tensor(dtype=first.dtype.name, shape=(rows, *first.shape[1:]))
+        return pb.Tensor(dtype=self.dtype.name, shape=self.shape)
 
 
 def result_stream(value: Any, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.ResultChunk]:
@@ -204,19 +205,21 @@ def result_stream(value: Any, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Res
     skeleton, data = split_result(value, chunk_bytes)
     yield skeleton
     if data is not None:
-        yield from data
+        yield from map(pb.ResultChunk.FromString, data)
 
 
 def split_result(value: Any, chunk_bytes: int = CHUNK_BYTES
-                 ) -> tuple[pb.ResultChunk, Iterator[pb.ResultChunk] | None]:
+                 ) -> tuple[pb.ResultChunk, Iterator[bytes] | None]:
     """:func:`result_stream` as its first message and the data chunks that follow
     (``None`` when everything fits in the skeleton), so a server can copy the chunks
-    off its event loop."""
-    big: list[tuple[np.ndarray, ...]] = []
+    off its event loop. The data chunks come already serialized (one copy of the
+    bytes, where building ``ResultChunk`` messages would take three): send them with
+    :func:`serialize_chunk`."""
+    big: list[Iterable[np.ndarray]] = []
 
     def leaf(x: Any, path: str) -> Any:
         if isinstance(x, RowParts):
-            big.append(tuple(_little_endian(p) for p in x.parts))
+            big.append(x.parts)
             return pb.Tree(streamed=x.meta())
         if isinstance(x, np.ndarray | np.generic):
             array = _little_endian(np.asarray(x))
@@ -229,13 +232,32 @@ def split_result(value: Any, chunk_bytes: int = CHUNK_BYTES
     return skeleton, (_data_chunks(big, chunk_bytes) if big else None)
 
 
-def _data_chunks(big: list[tuple[np.ndarray, ...]], chunk_bytes: int
-                 ) -> Iterator[pb.ResultChunk]:
+def _data_chunks(big: list[Iterable[np.ndarray]], chunk_bytes: int) -> Iterator[bytes]:
     for parts in big:
-        for array in parts:
+        for part in parts:
+            array = _little_endian(part)
             flat = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
             for start in range(0, len(flat), chunk_bytes):
-                yield pb.ResultChunk(data=bytes(flat[start:start + chunk_bytes]))
+                data = flat[start:start + chunk_bytes]
+                yield b"".join((_DATA_FIELD, _varint(len(data)), data))
+
+
+#: The wire tag of ``ResultChunk.data`` (field 2, length-delimited).
+_DATA_FIELD = bytes([2 << 3 | 2])
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def serialize_chunk(chunk: pb.ResultChunk | bytes) -> bytes:
+    """A result stream message's wire form (data chunks are serialized already)."""
+    return chunk if isinstance(chunk, bytes) else chunk.SerializeToString()
 
 
 def read_result(chunks: Iterable[pb.ResultChunk]) -> Any:

@@ -33,6 +33,8 @@ from jaxpod.worker.group_engine import DefinedFunction, GatherParts, GroupValue,
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+#: A result stream: the skeleton message, then data chunks already serialized.
+ResultStream = AsyncIterator[pb.ResultChunk | bytes]
 #: The most bytes one Put may upload (a tensor argument); it streams in chunks.
 MAX_UPLOAD_BYTES = 4 * 1024 * 1024 * 1024
 
@@ -261,38 +263,39 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return self._refs(held, await self._blocking(next, iterator))
 
     # ------------------------------------------------------------------- results
-    async def _stream(self, compute: Callable[[], Any]) -> AsyncIterator[pb.ResultChunk]:
+    async def _stream(self, compute: Callable[[], Any]) -> ResultStream:
         skeleton, data = await self._blocking(lambda: tensors.split_result(compute()))
         yield skeleton
         while data is not None and (chunk := await self._blocking(next, data, None)):
             yield chunk  # each 4 MiB copy runs in a worker thread, not on the event loop
 
-    def Reduce(self, request: pb.ReduceRequest, context: Any) -> AsyncIterator[pb.ResultChunk]:
+    def Reduce(self, request: pb.ReduceRequest, context: Any) -> ResultStream:
         session, held = self._slice(request)
         value = self._args(session, held, request.value)
         op, axis = tensors.decode(request.reduce_op), tensors.decode(request.axis)
         return self._stream(lambda: held.engine.reduce(op, value, axis))
 
-    def Gather(self, request: pb.GatherRequest, context: Any) -> AsyncIterator[pb.ResultChunk]:
+    def Gather(self, request: pb.GatherRequest, context: Any) -> ResultStream:
         session, held = self._slice(request)
         value = self._args(session, held, request.value)
         axis = tensors.decode(request.axis)
 
         def gather() -> Any:  # rows stream part by part; other axes must be joined
             return jax.tree.map(
-                lambda g: tensors.RowParts(g.parts) if g.axis == 0 else g.join(),
+                lambda g: tensors.RowParts(g.shape, g.dtype, g.parts) if g.axis == 0
+                else g.join(),
                 held.engine.gather_parts(value, axis),
                 is_leaf=lambda x: isinstance(x, GatherParts))
 
         return self._stream(gather)
 
     def LocalResults(self, request: pb.ValueRequest, context: Any
-                     ) -> AsyncIterator[pb.ResultChunk]:
+                     ) -> ResultStream:
         session, held = self._slice(request)
         value = self._args(session, held, request.value)
         return self._stream(lambda: held.engine.experimental_local_results(value))
 
-    def Fetch(self, request: pb.ValueRequest, context: Any) -> AsyncIterator[pb.ResultChunk]:
+    def Fetch(self, request: pb.ValueRequest, context: Any) -> ResultStream:
         session, held = self._slice(request)
         value = self._args(session, held, request.value)
         return self._stream(lambda: held.engine.fetch(value))

@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from jaxpod.errors import AuthenticationError
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
+from jaxpod.proto import tensors
 from jaxpod.proto.tensors import channel_options
 from jaxpod.service.coordinator import CoordinatorService, SliceProvider
 from jaxpod.service.sessions import SessionManager
@@ -86,6 +87,27 @@ def _refuse(handler: Any) -> Any:
                 response_serializer=handler.response_serializer)
 
 
+def coordinator_handlers(service: pb_grpc.CoordinatorServicer) -> grpc.GenericRpcHandler:
+    """The ``Coordinator`` service's handlers, as the generated
+    ``add_CoordinatorServicer_to_server`` makes them, except that result streams may
+    yield data chunks already serialized (:func:`tensors.split_result`)."""
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler,
+             (True, True): grpc.stream_stream_rpc_method_handler}
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["Coordinator"].methods:
+        request, response = (getattr(pb, t.name) for t in (method.input_type,
+                                                           method.output_type))
+        serialize = (tensors.serialize_chunk if response is pb.ResultChunk
+                     else response.SerializeToString)
+        make = kinds[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(getattr(service, method.name),
+                                     request_deserializer=request.FromString,
+                                     response_serializer=serialize)
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
 def create_server(address: str, service: pb_grpc.CoordinatorServicer,
                   token: str | None = None
                   ) -> tuple[grpc.aio.Server, int, health_async.HealthServicer]:
@@ -102,7 +124,7 @@ def create_server(address: str, service: pb_grpc.CoordinatorServicer,
     """
     interceptors = [_TokenCheck(token)] if token else []
     server = grpc.aio.server(options=channel_options(), interceptors=interceptors)
-    pb_grpc.add_CoordinatorServicer_to_server(service, server)
+    server.add_generic_rpc_handlers((coordinator_handlers(service),))
     health = health_async.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(

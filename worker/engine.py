@@ -472,18 +472,23 @@ class Engine:
         return jax.tree.map(lambda v: self._gather_leaf(self._as_per_replica("gather", v), axis),
                             value, is_leaf=is_per_replica)
 
-    def gather_parts(self, value: PerReplica, axis: int) -> tuple[int, list[np.ndarray]]:
+    def gather_parts(self, value: PerReplica, axis: int,
+                     replicas: Sequence[int] | None = None) -> tuple[int, list[np.ndarray]]:
         """This host's share of ``gather``: the normalized axis and its replicas' parts.
 
         A multi-host caller concatenates every host's parts in replica order, so no
         single host holds the whole result.
+
+        Args:
+          replicas: only these replicas' parts (those held here), so a caller can
+            fetch a large result one part at a time.
         """
         value = self._as_per_replica("gather", value)
         ax = normalize_axis(axis, len(value.shape), "gather")
         valid = value.padding
         if valid is not None and ax != 0 and not np.all(valid == valid[0]):
             self._drop_equal_padding(f"gather with axis={axis}", value)  # raises
-        return ax, self._local_leaf(value)
+        return ax, self._local_leaf(value, replicas=replicas)
 
     def _gather_leaf(self, value: PerReplica, axis: int) -> np.ndarray:
         ax = normalize_axis(axis, len(value.shape), "gather")
@@ -507,15 +512,18 @@ class Engine:
         return tuple(jax.tree.unflatten(treedef, [p[i] for p in per_leaf])
                      for i in range(self.num_local_replicas))
 
-    def _local_leaf(self, value: PerReplica, padded: bool = False) -> list[np.ndarray]:
-        """This host's replicas' components, assembled from their devices' shards."""
-        local = {r: np.empty(value.shape, value.dtype) for r in self.local_replicas}
+    def _local_leaf(self, value: PerReplica, padded: bool = False,
+                    replicas: Sequence[int] | None = None) -> list[np.ndarray]:
+        """This host's replicas' components (of ``replicas`` only, if given), assembled
+        from their devices' shards."""
+        wanted = [r for r in self.local_replicas if replicas is None or r in replicas]
+        local = {r: np.empty(value.shape, value.dtype) for r in wanted}
         for shard in value.array.addressable_shards:
             replica = shard.index[0].start or 0
             if replica in local:  # a replica split over logical devices has several
                 local[replica][shard.index[1:]] = np.asarray(shard.data)[0]
         valid = None if padded else value.padding
-        return [local[r] if valid is None else local[r][:valid[r]] for r in self.local_replicas]
+        return [local[r] if valid is None else local[r][:valid[r]] for r in wanted]
 
     def padded_parts(self, value: PerReplica) -> list[np.ndarray]:
         """This host's replicas' components with their padding rows (``value.array``'s

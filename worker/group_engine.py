@@ -11,9 +11,10 @@ replica order.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,13 +69,20 @@ class StepItems:
 
 @dataclass(frozen=True)
 class GatherParts:
-    """One gathered leaf: the replicas' parts in replica order and the axis to join."""
+    """One gathered leaf: the replicas' parts in replica order, the axis to join them
+    on, and the joined result's shape and dtype.
+
+    ``parts`` may be fetched lazily, one replica ahead of its reader (see
+    :meth:`GroupEngine.gather_parts`): iterate it once.
+    """
 
     axis: int
-    parts: tuple[np.ndarray, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    parts: Iterable[np.ndarray]
 
     def join(self) -> np.ndarray:
-        return np.concatenate(self.parts, axis=self.axis)
+        return np.concatenate(list(self.parts), axis=self.axis)
 
 
 def _is_value(x: object) -> bool:
@@ -178,10 +186,30 @@ class GroupEngine:
 
     def gather_parts(self, value: Any, axis: int) -> Any:
         """``gather``'s result per leaf as the replicas' parts, not yet joined (a
-        caller that streams them never holds the joined copy)."""
-        def leaf(v: GroupValue) -> GatherParts:
-            per_host = self._call("gather_parts", self._to_handles(v), axis)
-            return GatherParts(per_host[0][0], tuple(p for _, parts in per_host for p in parts))
+        caller that streams them never holds the joined copy).
+
+        Rows of a value held here (``axis`` 0) come one replica per operation, the
+        next fetched while the caller reads the current one, so a streaming caller
+        overlaps the workers' transfer with its own. Anything else comes at once.
+        """
+        def fetch(v: Any, replicas: tuple[int, ...] | None) -> tuple[int, list[np.ndarray]]:
+            per_host = self._call("gather_parts", self._to_handles(v), axis, replicas)
+            return per_host[0][0], [p for _, parts in per_host for p in parts]
+
+        def leaf(v: Any) -> GatherParts:
+            n = self.num_replicas_in_sync
+            lazy = isinstance(v, GroupValue) and n > 1
+            ax, parts = fetch(v, (0,) if lazy else None)  # the first call checks the input
+            if lazy and ax == 0:
+                rows = v.info.valid_rows or (v.shape[0],) * n
+                return GatherParts(0, (sum(rows), *v.shape[1:]), parts[0].dtype,
+                                   _fetched_ahead(parts[0], lambda r: fetch(v, (r,))[1][0],
+                                                  range(1, n)))
+            if lazy:  # another axis: joining needs every part
+                ax, parts = fetch(v, None)
+            shape = list(parts[0].shape)
+            shape[ax] = sum(p.shape[ax] for p in parts)
+            return GatherParts(ax, tuple(shape), parts[0].dtype, parts)
 
         return jax.tree.map(leaf, value, is_leaf=_is_value)
 
@@ -210,8 +238,9 @@ class GroupEngine:
         return GroupDataset(self, self._call("distribute_datasets_from_function",
                                                   self._define(dataset_fn), options)[0])
 
-    def stats(self) -> list[dict[str, int]]:
-        """Each host's handle count and device bytes held."""
+    def stats(self) -> list[dict[str, Any]]:
+        """Each host's values, device bytes and iterators held, and the seconds it spent
+        running operations (``busy_s``, over ``operations`` of them)."""
         return list(self._call("stats"))
 
 
@@ -252,6 +281,24 @@ class GroupIterator(Iterator[Any]):
             raise
         except StopIteration as e:
             raise EndOfDataError(str(e)) from None
+
+
+def _fetched_ahead(first: np.ndarray, fetch: Callable[[int], np.ndarray],
+                   rest: Sequence[int]) -> Iterator[np.ndarray]:
+    """Yields ``first``, then ``fetch(r)`` for each of ``rest``, each fetched on a
+    helper thread while its predecessor is being read."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpod-gather")
+    try:
+        ahead = [pool.submit(fetch, r) for r in rest[:1]]
+        yield first
+        for r in rest[1:]:
+            current = ahead.pop().result()
+            ahead.append(pool.submit(fetch, r))
+            yield current
+        if ahead:
+            yield ahead.pop().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 class DropQueue:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
 from jaxpod.errors import JaxpodError
+from jaxpod.worker.busy_clock import BusyClock
 
 SIMULATED_PLATFORM = "cpu"
 
@@ -148,6 +150,9 @@ class HostWorker:
         self._datasets: dict[int, Any] = {}
         self._next_id = 1
         self._channel: Any = None
+        self._busy = BusyClock()
+        self._operations = 0
+        self._op_start = 0.0
 
     # ------------------------------------------------------------------ start/stop
     def node_address(self) -> str:
@@ -220,12 +225,17 @@ class HostWorker:
                 f"#{seq} ({op}); an operation was skipped or reordered. The replica group "
                 "must be restarted."), "")
         self._expected_seq += 1
+        start = self._op_start = time.perf_counter()
         try:
             if dropped:
                 self._drop(dropped)
             return getattr(self, f"_op_{op}")(*args)
         except BaseException as e:
             return RemoteError.of(e, traceback.format_exc())
+        finally:
+            if op != "stats":  # reading the figures must not move them
+                self._busy.add(start, time.perf_counter())
+                self._operations += 1
 
     def _drop(self, dropped: Dropped) -> None:
         self._store.free(list(dropped.values))
@@ -240,16 +250,24 @@ class HostWorker:
         return jax.tree.map(lambda x: self._store.get(x.id) if isinstance(x, Handle) else x,
                             tree, is_leaf=lambda x: isinstance(x, Handle))
 
-    def _store_tree(self, tree: Any) -> Any:
+    def _store_tree(self, tree: Any, watch: bool = False) -> Any:
+        """Keeps the tree's values; with ``watch``, the busy clock runs until they are
+        computed (they may still be being computed when the operation returns)."""
         import jax
 
         from jaxpod.worker.values import PerReplica, is_per_replica
 
+        arrays = []
+
         def keep(v: PerReplica) -> HandleInfo:
+            arrays.append(v.array)
             valid = None if v.valid_rows is None else tuple(int(c) for c in v.valid_rows)
             return HandleInfo(self._store.put(v), v.shape, str(v.dtype), valid)
 
-        return jax.tree.map(keep, tree, is_leaf=is_per_replica)
+        infos = jax.tree.map(keep, tree, is_leaf=is_per_replica)
+        if watch:
+            self._busy.watch(self._op_start, arrays)
+        return infos
 
     def _op_configure(self, steps_per_run: int, computation_shape: list[int] | None,
                       num_replicas: int | None) -> int:
@@ -272,7 +290,7 @@ class HostWorker:
     def _op_run(self, function_id: str, args: Any, kwargs: Any) -> Any:
         fn = self._functions.get(function_id)
         out = self._engine.run(fn, args=self._resolve(args), kwargs=self._resolve(kwargs))
-        return self._store_tree(out)
+        return self._store_tree(out, watch=True)
 
     def _op_run_steps(self, function_id: str, source: Any, steps: int | None,
                       state: Any) -> Any:
@@ -282,7 +300,7 @@ class HostWorker:
                     else iter(self._resolve(source.items)))
         result = self._engine.run_steps(fn, iterator, steps,
                                         initial_state=self._resolve(state))
-        return self._store_tree(result)
+        return self._store_tree(result, watch=True)
 
     def _op_values_from_function(self, function_id: str) -> Any:
         fn = self._functions.get(function_id)
@@ -308,8 +326,9 @@ class HostWorker:
         result = self._engine.reduce(op, self._resolve(value), axis)
         return result if self.process_id == 0 else None
 
-    def _op_gather_parts(self, value: Handle, axis: int) -> tuple[int, list[Any]]:
-        return self._engine.gather_parts(self._store.get(value.id), axis)
+    def _op_gather_parts(self, value: Handle, axis: int, replicas: Any = None
+                         ) -> tuple[int, list[Any]]:
+        return self._engine.gather_parts(self._store.get(value.id), axis, replicas)
 
     def _op_fetch_parts(self, value: Handle) -> list[Any]:
         return self._engine.padded_parts(self._store.get(value.id))
@@ -317,10 +336,14 @@ class HostWorker:
     def _op_local_results(self, value: Any) -> tuple[Any, ...]:
         return tuple(self._engine.experimental_local_results(self._resolve(value)))
 
-    def _op_stats(self) -> dict[str, int]:
+    def _op_stats(self) -> dict[str, Any]:
+        """Memory held, and the time spent working (operations other than ``stats``, and
+        the computations they dispatched): the work measured inside the worker,
+        without the time it took to reach it."""
         stats = self._store.stats()
         return {"num_values": stats.num_values, "device_bytes": stats.device_bytes,
-                "num_iterators": len(self._iterators)}
+                "num_iterators": len(self._iterators), "busy_s": self._busy.seconds(),
+                "operations": self._operations}
 
     def _keep(self, table: dict[int, Any], value: Any) -> int:
         key = self._next_id

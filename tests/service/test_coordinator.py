@@ -651,15 +651,33 @@ def test_user_exception_comes_back_as_its_own_class(strategy: RemoteStrategy) ->
 
 
 # ---------------------------------------------------------------------- memory
+def _memory(strategy: RemoteStrategy) -> list[dict[str, int]]:
+    return [{k: h[k] for k in ("num_values", "device_bytes", "num_iterators")}
+            for h in strategy.stats()]
+
+
+def test_stats_count_each_operation_and_its_time(strategy: RemoteStrategy) -> None:
+    x = np.ones(3, np.float32)
+    strategy.run(_affine, args=(x,))  # defines _affine first
+    before = strategy.stats()
+    out = strategy.run(_affine, args=(x,))
+    after = strategy.stats()
+    for b, a in zip(before, after, strict=True):
+        assert a["operations"] == b["operations"] + 1  # the run; stats do not count
+        assert a["busy_s"] > b["busy_s"]
+    np.testing.assert_allclose(out.array[:, 0], 3.0 + np.arange(strategy.num_replicas_in_sync),
+                               rtol=1e-6)
+
+
 def test_values_are_freed_when_garbage_collected(strategy: RemoteStrategy) -> None:
     gc.collect()
-    base = strategy.stats()
+    base = _memory(strategy)
     assert len(base) == strategy.num_hosts == 2
     x = np.arange(1024, dtype=np.float32)
 
     def back_to_base() -> bool:
         gc.collect()
-        return strategy.stats() == base
+        return _memory(strategy) == base
 
     for round_ in range(5):  # every round's frees must arrive, not just most
         values = [strategy.run(_affine, args=(x + i,)) for i in range(10)]
@@ -670,4 +688,4 @@ def test_values_are_freed_when_garbage_collected(strategy: RemoteStrategy) -> No
         np.testing.assert_allclose(strategy.reduce("SUM", values[-1]),
                                    8 * (x + 9) * 3.0 + sum(range(8)), rtol=1e-6)
         del values
-        assert wait_for(back_to_base, 30), (round_, base, strategy.stats())
+        assert wait_for(back_to_base, 30), (round_, base, _memory(strategy))

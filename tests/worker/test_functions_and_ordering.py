@@ -68,8 +68,10 @@ def test_version_mismatch_names_the_versions() -> None:
 def test_skipped_operation_is_detected_not_deadlocked() -> None:
     worker = HostWorker(0, 1, devices_per_host=8, platform="tpu")  # no JAX set-up needed
     worker._store = ValueStore()
-    assert worker.execute(0, "stats") == {"num_values": 0, "device_bytes": 0,
-                                          "num_iterators": 0}
+    first = worker.execute(0, "stats")
+    assert {k: first[k] for k in ("num_values", "device_bytes", "num_iterators",
+                                  "operations")} == {"num_values": 0, "device_bytes": 0,
+                                                     "num_iterators": 0, "operations": 0}
     skipped = worker.execute(2, "stats")  # #1 never arrived
     assert isinstance(skipped, RemoteError)
     assert isinstance(skipped.error, OperationOrderError)

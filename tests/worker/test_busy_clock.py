@@ -1,0 +1,32 @@
+"""The worker's busy clock: a union of intervals, with computations counted until ready."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpod.timeouts import wait_for
+from jaxpod.worker.busy_clock import BusyClock
+
+
+def test_overlapping_intervals_count_once() -> None:
+    rng = np.random.default_rng(0)
+    starts = rng.integers(0, 900, size=40)
+    ends = starts + rng.integers(1, 100, size=40)
+    clock = BusyClock()
+    for a, b in zip(starts, ends, strict=True):
+        clock.add(float(a), float(b))
+    covered = np.zeros(1000, bool)  # independent: unit cells covered by any interval
+    for a, b in zip(starts, ends, strict=True):
+        covered[a:b] = True
+    assert clock.seconds() == covered.sum()
+    clock.add(2000.0, 2010.0)  # folded earlier intervals still count
+    assert clock.seconds() == covered.sum() + 10
+
+
+def test_watched_computation_counts_until_its_outputs_are_ready() -> None:
+    clock = BusyClock()
+    clock.add(0.0, 1.0)
+    out = jnp.ones((64, 64)) @ jnp.ones((64, 64))
+    clock.watch(0.5, [out])  # overlaps the operation, so only what lies beyond counts
+    assert wait_for(lambda: clock.seconds() > 1.0, 30)  # the watcher closed its interval
