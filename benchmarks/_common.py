@@ -9,8 +9,16 @@ from collections.abc import Callable
 from typing import Any
 
 
-def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` in seconds over ``repeats`` runs after ``warmup``."""
+def use_cpu_devices(count: int) -> None:
+    """Makes JAX (not yet started) run on ``count`` simulated CPU devices."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def call_times(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall times of ``repeats`` calls of ``fn()`` in seconds, after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -18,7 +26,12 @@ def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in seconds over ``repeats`` runs after ``warmup``."""
+    return statistics.median(call_times(fn, repeats, warmup))
 
 
 def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1

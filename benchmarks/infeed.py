@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import median_time, report, target
+from _common import median_time, report, target, use_cpu_devices
 
 
 def main() -> None:
@@ -29,10 +29,8 @@ def main() -> None:
     parser.add_argument("--t-in-ms", type=float, default=20.0, help="producer time per batch")
     args = parser.parse_args()
 
+    use_cpu_devices(args.devices)
     import jax
-
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", args.devices)
     import jax.numpy as jnp
     import numpy as np
     from jax import lax

@@ -44,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import interleaved_medians, report, target
+from _common import call_times, interleaved_medians, report, target, use_cpu_devices
 
 FEATURES, HIDDEN, GLOBAL_BATCH, NUM_BATCHES = 128, 256, 256, 8
 GATHER_COLUMNS = 1024
@@ -106,17 +106,6 @@ def percentiles_ms(times: list[float]) -> tuple[float, float]:
     return (float(np.percentile(times, 50)) * 1e3, float(np.percentile(times, 99)) * 1e3)
 
 
-def call_latencies(call: Callable[[], Any], calls: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 # ------------------------------------------------------ in-process child process
 def inprocess_child(mode: str, devices: int, steps: int) -> None:
     """The in-process baseline, driven line by line over stdin/stdout.
@@ -124,10 +113,7 @@ def inprocess_child(mode: str, devices: int, steps: int) -> None:
     Commands: ``steps`` (one run_steps call; answers ``T <seconds>``), ``run N W``
     (N trivial runs after W warm-up; answers ``T <p50 s> <p99 s>``), ``quit``.
     """
-    import jax
-
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", devices)
+    use_cpu_devices(devices)
     import numpy as np
 
     import jaxpod
@@ -244,7 +230,7 @@ def measure_latency(strategy: Any, calls: int, warmup: int, block: bool = False
         if block:
             out.array.block_until_ready()
 
-    return call_latencies(trivial, calls, warmup)
+    return call_times(trivial, calls, warmup)
 
 
 def child_steps(child: Child) -> float:
@@ -332,7 +318,7 @@ def measure_gather(strategy: Any, total_bytes: int, repeats: int
                 out = strategy.gather(big, 0)
                 assert out.shape == expected and out.dtype == np.float32, out.shape
 
-            ping_times = call_latencies(lambda: ping(b"x"), 200, 50)
+            ping_times = call_times(lambda: ping(b"x"), 200, 50)
             # Steady state: the first transfers of this size also pay for the
             # processes' allocators growing, on both sides; two warm-ups each.
             medians = interleaved_medians({"jaxpod": jaxpod_gather, "raw": raw}, repeats,

@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from google.protobuf.message import Message
 
 from jaxpod.errors import HandleError, MessageTooLargeError, SessionError
 from jaxpod.proto import coordinator_pb2 as pb
@@ -381,9 +382,8 @@ class RemoteStrategy:
 
     def _attach_dropped(self, request: Any) -> None:
         """Moves what was dropped since the previous call into ``request`` (every slice
-        request has a ``dropped`` field; an upload stream has none)."""
-        if not hasattr(request, "DESCRIPTOR") or "dropped" not in \
-                request.DESCRIPTOR.fields_by_name:
+        request message has a ``dropped`` field; an upload stream is no message)."""
+        if not isinstance(request, Message):
             return
         with self._lock:
             if self._dropped.ByteSize():

@@ -195,25 +195,16 @@ class RowParts:
         return pb.Tensor(dtype=self.dtype.name, shape=self.shape)
 
 
-def result_stream(value: Any, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.ResultChunk]:
-    """A numpy nest as a result stream: the skeleton, then large tensors' bytes.
-
-    Tensors up to ``INLINE_BYTES`` travel inside the skeleton; larger ones (and every
-    :class:`RowParts`) are marked ``streamed`` and follow, in skeleton order, in chunks
-    of at most ``chunk_bytes``.
-    """
-    skeleton, data = split_result(value, chunk_bytes)
-    yield skeleton
-    if data is not None:
-        yield from map(pb.ResultChunk.FromString, data)
-
-
 def split_result(value: Any, chunk_bytes: int = CHUNK_BYTES
                  ) -> tuple[pb.ResultChunk, Iterator[bytes] | None]:
-    """:func:`result_stream` as its first message and the data chunks that follow
-    (``None`` when everything fits in the skeleton), so a server can copy the chunks
-    off its event loop. The data chunks come already serialized (one copy of the
-    bytes, where building ``ResultChunk`` messages would take three): send them with
+    """A numpy nest as a result stream: the skeleton message, then the bytes of large
+    tensors in chunks of at most ``chunk_bytes`` (``None`` when everything fits in the
+    skeleton), so a server can copy the chunks off its event loop.
+
+    Tensors up to ``INLINE_BYTES`` travel inside the skeleton; larger ones (and every
+    :class:`RowParts`) are marked ``streamed`` and follow, in skeleton order. The data
+    chunks come already serialized (one copy of the bytes, where building
+    ``ResultChunk`` messages would take three): send them with
     :func:`serialize_chunk`."""
     big: list[Iterable[np.ndarray]] = []
 
@@ -261,7 +252,7 @@ def serialize_chunk(chunk: pb.ResultChunk | bytes) -> bytes:
 
 
 def read_result(chunks: Iterable[pb.ResultChunk]) -> Any:
-    """Rebuilds the nest a :func:`result_stream` sent (arrays writable, no extra copy)."""
+    """Rebuilds the nest a :func:`split_result` stream sent (arrays writable, no extra copy)."""
     it = iter(chunks)
     first = next(it)
     buffers: list[tuple[np.ndarray, memoryview]] = []

@@ -45,16 +45,10 @@ class HeldSlice:
     values: dict[int, GroupValue] = field(default_factory=dict)
     datasets: dict[int, GroupDataset] = field(default_factory=dict)
     iterators: dict[int, GroupIterator] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def value(self, value_id: int) -> GroupValue:
-        try:
-            return self.values[value_id]
-        except KeyError:
-            raise HandleError(
-                f"Value #{value_id} is not held on slice {self.id}: it was freed, or it "
-                "belongs to another strategy. Use values returned by this strategy while "
-                "it is open.") from None
+        return _lookup(self.values, value_id, "Value", self.id,
+                       " Use values returned by this strategy while it is open.")
 
     def dataset(self, dataset_id: int) -> GroupDataset:
         return _lookup(self.datasets, dataset_id, "Dataset", self.id)
@@ -79,12 +73,13 @@ class HeldSlice:
                 dataset.free()
 
 
-def _lookup(table: dict[int, Any], key: int, what: str, slice_id: str) -> Any:
+def _lookup(table: dict[int, Any], key: int, what: str, slice_id: str,
+            advice: str = "") -> Any:
     try:
         return table[key]
     except KeyError:
-        raise HandleError(f"{what} #{key} is not held on slice {slice_id}: it was freed or "
-                          "belongs to another strategy.") from None
+        raise HandleError(f"{what} #{key} is not held on slice {slice_id}: it was freed, or "
+                          f"it belongs to another strategy.{advice}") from None
 
 
 class Session:

@@ -203,13 +203,21 @@ def test_leaf_callbacks_own_their_values() -> None:
         tensors.decode(tree)
 
 
+def _result_stream(value: Any, chunk_bytes: int = tensors.CHUNK_BYTES) -> list[Any]:
+    """The messages a client receives for ``value``: the skeleton, then the data
+    chunks the service serialized by hand, parsed as ``ResultChunk``."""
+    skeleton, data = tensors.split_result(value, chunk_bytes)
+    return [_wire(skeleton), *(pb.ResultChunk.FromString(tensors.serialize_chunk(c))
+                               for c in data or ())]
+
+
 def test_result_stream_round_trip_in_small_chunks() -> None:
     big = np.arange(tensors.INLINE_BYTES // 4 + 1001, dtype=np.float32)  # > INLINE_BYTES
     big_be = np.arange(70_000, dtype=">i8").reshape(700, 100)[:, ::2]  # 280 KB, strided
     small = np.arange(10, dtype=np.int16)
     value = {"big": big, "parts": (small, big_be), "n": 3, "none": None}
     chunk_bytes = 1000
-    chunks = [_wire(c) for c in tensors.result_stream(value, chunk_bytes=chunk_bytes)]
+    chunks = _result_stream(value, chunk_bytes)
 
     skeleton = chunks[0].skeleton
     assert not chunks[0].data
@@ -240,7 +248,7 @@ def test_result_stream_round_trip_in_small_chunks() -> None:
 
 
 def test_result_stream_of_small_values_is_one_message() -> None:
-    chunks = list(tensors.result_stream((np.ones(3), 2.0)))
+    chunks = _result_stream((np.ones(3), 2.0))
     assert len(chunks) == 1
     got = tensors.read_result(chunks)
     np.testing.assert_array_equal(got[0], np.ones(3))

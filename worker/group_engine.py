@@ -198,15 +198,13 @@ class GroupEngine:
 
         def leaf(v: Any) -> GatherParts:
             n = self.num_replicas_in_sync
-            lazy = isinstance(v, GroupValue) and n > 1
-            ax, parts = fetch(v, (0,) if lazy else None)  # the first call checks the input
-            if lazy and ax == 0:
+            if isinstance(v, GroupValue) and n > 1 and v.shape and axis in (0, -len(v.shape)):
+                _, first = fetch(v, (0,))  # the workers check the input first
                 rows = v.info.valid_rows or (v.shape[0],) * n
-                return GatherParts(0, (sum(rows), *v.shape[1:]), parts[0].dtype,
-                                   _fetched_ahead(parts[0], lambda r: fetch(v, (r,))[1][0],
+                return GatherParts(0, (sum(rows), *v.shape[1:]), first[0].dtype,
+                                   _fetched_ahead(first[0], lambda r: fetch(v, (r,))[1][0],
                                                   range(1, n)))
-            if lazy:  # another axis: joining needs every part
-                ax, parts = fetch(v, None)
+            ax, parts = fetch(v, None)
             shape = list(parts[0].shape)
             shape[ax] = sum(p.shape[ax] for p in parts)
             return GatherParts(ax, tuple(shape), parts[0].dtype, parts)
