@@ -25,7 +25,7 @@ from jaxpod.client.remote import RemoteStrategy
 from jaxpod.errors import SessionError
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
-from jaxpod.proto.tensors import PROTOCOL_VERSION, channel_options
+from jaxpod.proto.tensors import PROTOCOL_VERSION, channel_options, parse_chunk
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class Client:
         # Result streams are read on the calling thread (no hand-off per message).
         self._channel = grpc.insecure_channel(address, options=[
             *channel_options(), (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)])
-        self.stub = pb_grpc.CoordinatorStub(self._channel)
+        self.stub = _coordinator_stub(self._channel)
         from jaxpod.worker.functions import runtime_versions
 
         self.runtime_versions = runtime_versions()
@@ -218,6 +218,21 @@ class Client:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"session {self.session_id[:8]}"
         return f"Client({self.address!r}, {state})"
+
+
+def _coordinator_stub(channel: grpc.Channel) -> pb_grpc.CoordinatorStub:
+    """The generated stub, except that result streams hand data chunks over as views
+    of the received bytes (:func:`~jaxpod.proto.tensors.parse_chunk`)."""
+    stub = pb_grpc.CoordinatorStub(channel)
+    service = pb.DESCRIPTOR.services_by_name["Coordinator"]
+    for method in service.methods:
+        if method.server_streaming and method.output_type is pb.ResultChunk.DESCRIPTOR:
+            request = getattr(pb, method.input_type.name)
+            setattr(stub, method.name, channel.unary_stream(
+                f"/{service.full_name}/{method.name}",
+                request_serializer=request.SerializeToString,
+                response_deserializer=parse_chunk))
+    return stub
 
 
 def _close_session(stub: Any, session_id: str, metadata: Any, closed: threading.Event,

@@ -16,6 +16,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jaxpod.framing import Framed, Framing, varint
 from jaxpod.proto import coordinator_pb2 as pb
 
 #: Version of the protocol; a client and a service must agree on it.
@@ -185,11 +186,12 @@ class RowParts:
     """A result of ``shape`` and ``dtype`` sent as the concatenation of ``parts`` along
     axis 0, never joined on the sending side: C-order rows concatenate as bytes do, so
     each part streams as it is (a gather's per-replica parts). ``parts`` is read once,
-    as the stream goes (it may still be arriving)."""
+    as the stream goes (it may still be arriving). A part may come already cut into
+    data chunks (:data:`DATA_FRAMING`), which stream as they are."""
 
     shape: tuple[int, ...]
     dtype: np.dtype[Any]
-    parts: Iterable[np.ndarray]
+    parts: Iterable[np.ndarray | Framed]
 
     def meta(self) -> pb.Tensor:
         return pb.Tensor(dtype=self.dtype.name, shape=self.shape)
@@ -206,7 +208,7 @@ def split_result(value: Any, chunk_bytes: int = CHUNK_BYTES
     chunks come already serialized (one copy of the bytes, where building
     ``ResultChunk`` messages would take three): send them with
     :func:`serialize_chunk`."""
-    big: list[Iterable[np.ndarray]] = []
+    big: list[Iterable[np.ndarray | Framed]] = []
 
     def leaf(x: Any, path: str) -> Any:
         if isinstance(x, RowParts):
@@ -223,27 +225,25 @@ def split_result(value: Any, chunk_bytes: int = CHUNK_BYTES
     return skeleton, (_data_chunks(big, chunk_bytes) if big else None)
 
 
-def _data_chunks(big: list[Iterable[np.ndarray]], chunk_bytes: int) -> Iterator[bytes]:
+def _data_chunks(big: list[Iterable[np.ndarray | Framed]], chunk_bytes: int
+                 ) -> Iterator[bytes]:
     for parts in big:
         for part in parts:
+            if isinstance(part, Framed):
+                yield from part.pieces
+                continue
             array = _little_endian(part)
             flat = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
             for start in range(0, len(flat), chunk_bytes):
                 data = flat[start:start + chunk_bytes]
-                yield b"".join((_DATA_FIELD, _varint(len(data)), data))
+                yield b"".join((_DATA_FIELD, varint(len(data)), data))
 
 
 #: The wire tag of ``ResultChunk.data`` (field 2, length-delimited).
 _DATA_FIELD = bytes([2 << 3 | 2])
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+#: Result data chunks as a host worker can cut them (see :mod:`jaxpod.framing`): a
+#: ``RowParts`` part that comes framed this way streams without a copy.
+DATA_FRAMING = Framing(tag=_DATA_FIELD, piece_bytes=CHUNK_BYTES)
 
 
 def serialize_chunk(chunk: pb.ResultChunk | bytes) -> bytes:
@@ -251,10 +251,33 @@ def serialize_chunk(chunk: pb.ResultChunk | bytes) -> bytes:
     return chunk if isinstance(chunk, bytes) else chunk.SerializeToString()
 
 
-def read_result(chunks: Iterable[pb.ResultChunk]) -> Any:
-    """Rebuilds the nest a :func:`split_result` stream sent (arrays writable, no extra copy)."""
+def parse_chunk(message: bytes) -> pb.ResultChunk | memoryview:
+    """A received result stream message: a data chunk as a view of the message's own
+    bytes (parsing it as a ``ResultChunk`` would copy them twice), anything else parsed.
+
+    Only a message holding exactly one ``data`` field takes the short path, so the
+    wire form of a data chunk from any sender parses the same either way."""
+    if message[:1] == _DATA_FIELD:
+        length, shift, at = 0, 0, 1
+        while at < len(message) and at <= 10:
+            byte = message[at]
+            length |= (byte & 0x7F) << shift
+            shift, at = shift + 7, at + 1
+            if byte < 0x80:
+                if at + length == len(message):
+                    return memoryview(message)[at:]
+                break
+    return pb.ResultChunk.FromString(message)
+
+
+def read_result(chunks: Iterable[pb.ResultChunk | memoryview]) -> Any:
+    """Rebuilds the nest a :func:`split_result` stream sent (arrays writable, no extra
+    copy); data chunks may come as ``ResultChunk`` messages or as :func:`parse_chunk`
+    views."""
     it = iter(chunks)
-    first = next(it)
+    first = next(it, None)
+    if not isinstance(first, pb.ResultChunk) or not first.HasField("skeleton"):
+        raise ValueError("The result stream did not start with its skeleton.")
     buffers: list[tuple[np.ndarray, memoryview]] = []
 
     def leaf(node: pb.Tree) -> Any:
@@ -267,7 +290,7 @@ def read_result(chunks: Iterable[pb.ResultChunk]) -> Any:
     value = decode(first.skeleton, leaf)
     index, offset = 0, 0
     for chunk in it:
-        data = memoryview(chunk.data)
+        data = chunk if isinstance(chunk, memoryview) else memoryview(chunk.data)
         while data:
             while index < len(buffers) and offset == len(buffers[index][1]):
                 index, offset = index + 1, 0

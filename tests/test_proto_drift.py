@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxpod.framing import Framed, Framing
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import regen, tensors
 
@@ -245,6 +246,36 @@ def test_result_stream_round_trip_in_small_chunks() -> None:
         tensors.read_result(chunks[:-1])
     with pytest.raises(ValueError, match="more bytes than its skeleton"):
         tensors.read_result([*chunks, pb.ResultChunk(data=b"x")])
+
+
+def test_framed_parts_stream_as_they_are_and_parse_without_copies() -> None:
+    """Rows a worker framed with DATA_FRAMING are forwarded piece by piece; a client
+    reading them with parse_chunk gets views that match what protobuf parses."""
+    rng = np.random.default_rng(3)
+    parts = [rng.normal(size=(n, 300)).astype(ml_dtypes.bfloat16) for n in (5000, 1, 0, 3001)]
+    framing = Framing(tag=tensors.DATA_FRAMING.tag, piece_bytes=1 << 20)
+    framed = [framing.frame(p) for p in parts[:2]]
+    pieces = [bytes(p.raw()) for f in framed for p in f.pieces]
+    # as the coordinator receives them from the channel: bytes; mixed with plain parts
+    sent = [Framed([bytes(p.raw()) for p in f.pieces], f.nbytes) for f in framed] + parts[2:]
+    rows = tensors.RowParts((sum(len(p) for p in parts), 300), parts[0].dtype, sent)
+    skeleton, data = tensors.split_result({"rows": rows})
+    messages = [skeleton.SerializeToString(),
+                *(tensors.serialize_chunk(c) for c in data or ())]
+    assert pieces == messages[1:1 + len(pieces)]  # forwarded as they are
+
+    received = [tensors.parse_chunk(m) for m in messages]
+    assert isinstance(received[0], pb.ResultChunk)
+    assert all(isinstance(r, memoryview) for r in received[1:])
+    assert [bytes(r) for r in received[1:]] == [pb.ResultChunk.FromString(m).data
+                                                for m in messages[1:]]
+    np.testing.assert_array_equal(tensors.read_result(received)["rows"],
+                                  np.concatenate(parts))
+    # Anything but exactly one data field parses as a message.
+    odd = pb.ResultChunk(data=b"ab").SerializeToString() + b"\x12\x01c"
+    assert tensors.parse_chunk(odd).data == b"c"  # the last value of a field wins
+    with pytest.raises(ValueError, match="did not start with its skeleton"):
+        tensors.read_result(received[1:])
 
 
 def test_result_stream_of_small_values_is_one_message() -> None:

@@ -9,7 +9,9 @@ come straight back instead of through the object store.
 
 Both ends prove they hold the group's key (HMAC-SHA256 over each other's random
 challenge) before anything is unpickled. Messages are cloudpickle (protocol 5); large
-buffers (numpy arrays) travel out of band, each received straight into its own buffer.
+buffers (numpy arrays) travel out of band, each received straight into its own buffer:
+writable numpy memory on the worker's side, ``bytes`` on the coordinator's, which can
+forward a buffer it received (a framed piece of a gathered array) without a copy.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
+import numpy as np
 
 from jaxpod.errors import JaxpodError
 
@@ -32,6 +36,7 @@ from jaxpod.errors import JaxpodError
 OUT_OF_BAND_BYTES = 64 * 1024
 _CHALLENGE_BYTES = 32
 _COUNT = struct.Struct("<QQ")  # pickle length, number of out-of-band buffers
+_TIMEVAL = struct.Struct("@ll")  # SO_RCVTIMEO's struct timeval
 
 
 class ChannelClosedError(JaxpodError, ConnectionError):
@@ -76,31 +81,74 @@ def _send(sock: socket.socket, data: bytes, buffers: list[pickle.PickleBuffer]) 
         sock.sendall(buffer.raw())
 
 
-def receive(sock: socket.socket) -> Any:
-    """The next message (blocks; the socket's time-out applies to each read)."""
-    data, buffers = _receive(sock)
+def receive(sock: socket.socket, deadline: float | None = None) -> Any:
+    """The next reply (blocks; after ``deadline``, a ``time.monotonic()`` time, raises
+    ``TimeoutError``). Its out-of-band buffers come as ``bytes``, each received straight
+    into place, so arrays in it are read-only."""
+    try:
+        data, buffers = _receive(sock, deadline, writable=False)
+    except BlockingIOError:  # the kernel's receive limit (see _limit) ran out
+        raise TimeoutError("The operation channel's deadline passed.") from None
+    finally:
+        if deadline is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(0, 0))
     return pickle.loads(data, buffers=buffers)
 
 
-def _receive(sock: socket.socket) -> tuple[bytearray, list[bytearray]]:
+def _receive(sock: socket.socket, deadline: float | None, writable: bool
+             ) -> tuple[bytearray, list[Any]]:
     """One whole message's bytes, so a message that fails to unpickle leaves the
-    stream in step."""
-    length, count = _COUNT.unpack(_read(sock, _COUNT.size))
-    sizes = struct.unpack(f"<{count}Q", _read(sock, 8 * count)) if count else ()
-    data = _read(sock, length)
-    return data, [_read(sock, n) for n in sizes]
+    stream in step. Out-of-band buffers are ``writable`` numpy memory (not zeroed
+    first, unlike a bytearray, and on huge pages when large) or ``bytes``."""
+    length, count = _COUNT.unpack(_read(sock, _COUNT.size, deadline))
+    sizes = struct.unpack(f"<{count}Q", _read(sock, 8 * count, deadline)) if count else ()
+    data = _read(sock, length, deadline)
+    if writable:
+        return data, [_read(sock, n, deadline, np.empty(n, np.uint8)) for n in sizes]
+    return data, [_read_bytes(sock, n, deadline) for n in sizes]
 
 
-def _read(sock: socket.socket, n: int) -> bytearray:
-    buffer = bytearray(n)
-    view = memoryview(buffer)
+def _read(sock: socket.socket, n: int, deadline: float | None = None, into: Any = None
+          ) -> Any:
+    buffer = bytearray(n) if into is None else into
+    view = memoryview(buffer).cast("B")
     got = 0
     while got < n:
-        read = sock.recv_into(view[got:], n - got)
-        if read == 0:
-            raise ChannelClosedError("The operation channel was closed by the other end.")
-        got += read
+        _limit(sock, deadline)
+        got += _checked(sock.recv_into(view[got:], n - got))
     return buffer
+
+
+def _read_bytes(sock: socket.socket, n: int, deadline: float | None) -> bytes:
+    """``n`` bytes as one ``bytes`` object, received straight into it (a blocking
+    receive waits for all of them) when no time-out or signal cuts it short."""
+    pieces = []
+    while n > 0:
+        _limit(sock, deadline)
+        piece = sock.recv(n, socket.MSG_WAITALL)
+        n -= _checked(len(piece))
+        pieces.append(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def _checked(received: int) -> int:
+    if received == 0:
+        raise ChannelClosedError("The operation channel was closed by the other end.")
+    return received
+
+
+def _limit(sock: socket.socket, deadline: float | None) -> None:
+    """Bounds the next receive by ``deadline``. The socket stays blocking (a time-out
+    in Python would make it non-blocking, and a non-blocking receive returns whatever
+    has arrived instead of filling its buffer); the kernel applies the limit."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("The operation channel's deadline passed.")
+    seconds = int(left)
+    micros = max(int((left - seconds) * 1e6), 0 if seconds else 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(seconds, micros))
 
 
 def _prove(sock: socket.socket, key: bytes) -> None:
@@ -163,11 +211,11 @@ class ChannelServer:
                 try:
                     _prove(sock, self._key)
                     while True:
-                        _send(sock, *self._answer(*_receive(sock)))
+                        _send(sock, *self._answer(*_receive(sock, None, writable=True)))
                 except (ChannelClosedError, ChannelAuthError, OSError):
                     continue  # that client is gone; wait for the next
 
-    def _answer(self, data: bytearray, buffers: list[bytearray]
+    def _answer(self, data: bytearray, buffers: list[np.ndarray]
                 ) -> tuple[bytes, list[pickle.PickleBuffer]]:
         try:
             args, kwargs = pickle.loads(data, buffers=buffers)

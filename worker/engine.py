@@ -472,8 +472,8 @@ class Engine:
         return jax.tree.map(lambda v: self._gather_leaf(self._as_per_replica("gather", v), axis),
                             value, is_leaf=is_per_replica)
 
-    def gather_parts(self, value: PerReplica, axis: int,
-                     replicas: Sequence[int] | None = None) -> tuple[int, list[np.ndarray]]:
+    def gather_parts(self, value: PerReplica, axis: int, replicas: Sequence[int] | None = None,
+                     views: bool = False) -> tuple[int, list[np.ndarray]]:
         """This host's share of ``gather``: the normalized axis and its replicas' parts.
 
         A multi-host caller concatenates every host's parts in replica order, so no
@@ -482,13 +482,16 @@ class Engine:
         Args:
           replicas: only these replicas' parts (those held here), so a caller can
             fetch a large result one part at a time.
+          views: a part held whole by one device may be a read-only view of its
+            memory (no copy; valid while ``value`` lives), for a caller that copies
+            the parts at once.
         """
         value = self._as_per_replica("gather", value)
         ax = normalize_axis(axis, len(value.shape), "gather")
         valid = value.padding
         if valid is not None and ax != 0 and not np.all(valid == valid[0]):
             self._drop_equal_padding(f"gather with axis={axis}", value)  # raises
-        return ax, self._local_leaf(value, replicas=replicas)
+        return ax, self._local_leaf(value, replicas=replicas, views=views)
 
     def _gather_leaf(self, value: PerReplica, axis: int) -> np.ndarray:
         ax = normalize_axis(axis, len(value.shape), "gather")
@@ -513,15 +516,23 @@ class Engine:
                      for i in range(self.num_local_replicas))
 
     def _local_leaf(self, value: PerReplica, padded: bool = False,
-                    replicas: Sequence[int] | None = None) -> list[np.ndarray]:
+                    replicas: Sequence[int] | None = None, views: bool = False
+                    ) -> list[np.ndarray]:
         """This host's replicas' components (of ``replicas`` only, if given), assembled
-        from their devices' shards."""
+        from their devices' shards (with ``views``, a component one shard holds whole
+        is that shard's host view, not a copy)."""
         wanted = [r for r in self.local_replicas if replicas is None or r in replicas]
-        local = {r: np.empty(value.shape, value.dtype) for r in wanted}
+        local: dict[int, np.ndarray] = {}
         for shard in value.array.addressable_shards:
             replica = shard.index[0].start or 0
-            if replica in local:  # a replica split over logical devices has several
-                local[replica][shard.index[1:]] = np.asarray(shard.data)[0]
+            if replica not in wanted:
+                continue
+            data = np.asarray(shard.data)[0]
+            if views and data.shape == tuple(value.shape):
+                local[replica] = data  # one device holds the whole component
+            else:  # a replica split over logical devices has several shards
+                local.setdefault(replica, np.empty(value.shape, value.dtype))[
+                    shard.index[1:]] = data
         valid = None if padded else value.padding
         return [local[r] if valid is None else local[r][:valid[r]] for r in wanted]
 

@@ -16,12 +16,13 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 
 from jaxpod.errors import EndOfDataError
+from jaxpod.framing import Framed, Framing
 from jaxpod.types import InputOptions, ReduceOp
 from jaxpod.worker.functions import ShippedFunction, ship
 from jaxpod.worker.host_worker import Dropped, Handle, HandleInfo
@@ -72,14 +73,14 @@ class GatherParts:
     """One gathered leaf: the replicas' parts in replica order, the axis to join them
     on, and the joined result's shape and dtype.
 
-    ``parts`` may be fetched lazily, one replica ahead of its reader (see
-    :meth:`GroupEngine.gather_parts`): iterate it once.
+    ``parts`` may be fetched lazily, one replica ahead of its reader, and come framed
+    (see :meth:`GroupEngine.gather_parts`): iterate it once.
     """
 
     axis: int
     shape: tuple[int, ...]
     dtype: np.dtype[Any]
-    parts: Iterable[np.ndarray]
+    parts: Iterable[np.ndarray | Framed]
 
     def join(self) -> np.ndarray:
         return np.concatenate(list(self.parts), axis=self.axis)
@@ -184,25 +185,30 @@ class GroupEngine:
         return jax.tree.map(lambda parts: parts.join(), self.gather_parts(value, axis),
                             is_leaf=lambda x: isinstance(x, GatherParts))
 
-    def gather_parts(self, value: Any, axis: int) -> Any:
+    def gather_parts(self, value: Any, axis: int, framing: Framing | None = None) -> Any:
         """``gather``'s result per leaf as the replicas' parts, not yet joined (a
         caller that streams them never holds the joined copy).
 
         Rows of a value held here (``axis`` 0) come one replica per operation, the
         next fetched while the caller reads the current one, so a streaming caller
-        overlaps the workers' transfer with its own. Anything else comes at once.
+        overlaps the workers' transfer with its own; with ``framing`` those parts
+        come cut into framed pieces (``Framed``), ready to forward. Anything else
+        comes at once, as arrays.
         """
-        def fetch(v: Any, replicas: tuple[int, ...] | None) -> tuple[int, list[np.ndarray]]:
-            per_host = self._call("gather_parts", self._to_handles(v), axis, replicas)
+        def fetch(v: Any, replicas: tuple[int, ...] | None, framing: Framing | None = None
+                  ) -> tuple[int, list[Any]]:
+            per_host = self._call("gather_parts", self._to_handles(v), axis, replicas,
+                                  framing)
             return per_host[0][0], [p for _, parts in per_host for p in parts]
 
         def leaf(v: Any) -> GatherParts:
             n = self.num_replicas_in_sync
             if isinstance(v, GroupValue) and n > 1 and v.shape and axis in (0, -len(v.shape)):
-                _, first = fetch(v, (0,))  # the workers check the input first
+                _, first = fetch(v, (0,), framing)  # the workers check the input first
                 rows = v.info.valid_rows or (v.shape[0],) * n
-                return GatherParts(0, (sum(rows), *v.shape[1:]), first[0].dtype,
-                                   _fetched_ahead(first[0], lambda r: fetch(v, (r,))[1][0],
+                return GatherParts(0, (sum(rows), *v.shape[1:]), v.dtype,
+                                   _fetched_ahead(first[0],
+                                                  lambda r: fetch(v, (r,), framing)[1][0],
                                                   range(1, n)))
             ax, parts = fetch(v, None)
             shape = list(parts[0].shape)
@@ -281,8 +287,11 @@ class GroupIterator(Iterator[Any]):
             raise EndOfDataError(str(e)) from None
 
 
-def _fetched_ahead(first: np.ndarray, fetch: Callable[[int], np.ndarray],
-                   rest: Sequence[int]) -> Iterator[np.ndarray]:
+_Part = TypeVar("_Part")
+
+
+def _fetched_ahead(first: _Part, fetch: Callable[[int], _Part], rest: Sequence[int]
+                   ) -> Iterator[_Part]:
     """Yields ``first``, then ``fetch(r)`` for each of ``rest``, each fetched on a
     helper thread while its predecessor is being read."""
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpod-gather")

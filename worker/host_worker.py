@@ -17,10 +17,13 @@ import socket
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxpod.errors import JaxpodError
 from jaxpod.worker.busy_clock import BusyClock
+
+if TYPE_CHECKING:
+    from jaxpod.framing import Framing
 
 SIMULATED_PLATFORM = "cpu"
 
@@ -326,9 +329,15 @@ class HostWorker:
         result = self._engine.reduce(op, self._resolve(value), axis)
         return result if self.process_id == 0 else None
 
-    def _op_gather_parts(self, value: Handle, axis: int, replicas: Any = None
-                         ) -> tuple[int, list[Any]]:
-        return self._engine.gather_parts(self._store.get(value.id), axis, replicas)
+    def _op_gather_parts(self, value: Handle, axis: int, replicas: Any = None,
+                         framing: Framing | None = None) -> tuple[int, list[Any]]:
+        """With ``framing``, each part comes cut into framed pieces (``Framed``): the
+        one copy from device memory, and the caller forwards them as they are."""
+        if framing is None:
+            return self._engine.gather_parts(self._store.get(value.id), axis, replicas)
+        ax, parts = self._engine.gather_parts(self._store.get(value.id), axis, replicas,
+                                              views=True)
+        return ax, [framing.frame(p) for p in parts]
 
     def _op_fetch_parts(self, value: Handle) -> list[Any]:
         return self._engine.padded_parts(self._store.get(value.id))

@@ -170,9 +170,7 @@ class ReplicaGroup:
         try:
             channel.broadcast(self._channels, message)
             for sock in self._channels:
-                sock.settimeout(max(0.001, deadline - time.monotonic()))
-                results.append(channel.receive(sock))
-                sock.settimeout(None)
+                results.append(channel.receive(sock, deadline))
             return results
         except TimeoutError:
             host = len(results)

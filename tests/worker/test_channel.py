@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from typing import Any
 
 import numpy as np
 import pytest
 
+from jaxpod.framing import Framing, varint
 from jaxpod.worker import channel
 
 
-def _echo(*args: Any, **kwargs: Any) -> Any:
+def _echo(*args: Any, sleep_s: float = 0.0, **kwargs: Any) -> Any:
+    time.sleep(sleep_s)  # a slow operation, for the deadline test
+    for arg in args:  # arguments reach the worker as writable arrays of their own
+        if isinstance(arg, np.ndarray) and arg.ndim == 2:
+            arg[0, 0] = -arg[0, 0]
     return args, kwargs
 
 
@@ -32,10 +38,42 @@ def test_round_trip_keeps_small_and_large_arrays(server: Any) -> None:
         for n in range(3):  # several messages on one connection stay in step
             channel.broadcast([sock], ((big + n, small), {"n": n}))
             (got_big, got_small), kwargs = channel.receive(sock)
-            np.testing.assert_array_equal(got_big, big + n)
+            expected = big + n
+            expected[0, 0] = -expected[0, 0]  # written by the worker side
+            np.testing.assert_array_equal(got_big, expected)
             np.testing.assert_array_equal(got_small, small)
             assert kwargs == {"n": n}
-            got_big[0, 0] = 1.0  # received arrays are writable buffers of their own
+            # replies are received straight into bytes objects: read-only arrays
+            assert not got_big.flags.writeable
+
+
+def test_framed_pieces_arrive_as_bytes_in_order(server: Any) -> None:
+    srv, key = server
+    data = np.random.default_rng(1).integers(0, 255, size=(3 << 20) + 17, dtype=np.uint8)
+    framed = Framing(tag=b"\x12", piece_bytes=1 << 20).frame(data)
+    with channel.connect(srv.address, key, 10) as sock:
+        channel.broadcast([sock], ((framed,), {}))
+        (got,), _ = channel.receive(sock)
+    assert got.nbytes == data.nbytes and len(got.pieces) == 4
+    assert all(type(p) is bytes for p in got.pieces)
+    offset = 0
+    for piece in got.pieces:
+        size = min(1 << 20, data.nbytes - offset)
+        header = b"\x12" + varint(size)
+        assert piece[:len(header)] == header and len(piece) == len(header) + size
+        assert piece[len(header):] == data[offset:offset + size].tobytes()
+        offset += size
+    assert offset == data.nbytes
+
+
+def test_a_reply_that_does_not_come_in_time_raises_timeout(server: Any) -> None:
+    srv, key = server
+    with channel.connect(srv.address, key, 10) as sock:
+        channel.broadcast([sock], ((), {"sleep_s": 3.0}))
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            channel.receive(sock, deadline=start + 0.2)
+        assert time.monotonic() - start < 2.5  # gave up at the deadline, not at the reply
 
 
 def test_wrong_key_is_refused_and_the_server_keeps_serving(server: Any) -> None:
@@ -86,3 +124,14 @@ def test_peer_that_goes_away_mid_operation_raises_channel_closed() -> None:
     finally:
         thread.join(10)
         listener.close()
+
+
+def test_framing_rejects_bad_settings_and_frames_empty_arrays() -> None:
+    with pytest.raises(ValueError, match=r"piece_bytes must be a positive int\. Got 0"):
+        Framing(tag=b"\x12", piece_bytes=0)
+    with pytest.raises(ValueError, match=r"nonnegative int\. Got -1"):
+        varint(-1)
+    assert [varint(n) for n in (0, 127, 128, 300)] == [b"\x00", b"\x7f", b"\x80\x01",
+                                                       b"\xac\x02"]
+    empty = Framing(tag=b"\x12", piece_bytes=8).frame(np.zeros((0, 3), np.float32))
+    assert empty.pieces == [] and empty.nbytes == 0
