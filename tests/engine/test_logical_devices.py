@@ -13,6 +13,7 @@ import pytest
 from engine_np_reference import ATOL, RTOL, tf_rebatch
 
 import jaxpod
+from jaxpod.framing import Framing
 
 
 def np_tiling(mesh_shape: Sequence[int], computation_shape: Sequence[int]) -> list[list[int]]:
@@ -194,6 +195,30 @@ def test_local_results_of_a_value_split_over_logical_devices(
     for got, want in zip(results, xs * 2.0, strict=True):
         assert got.shape == want.shape
         np.testing.assert_array_equal(got, want)
+
+
+def test_gather_parts_as_views_and_framed(model_parallel_strategy: jaxpod.TPUStrategy
+                                         ) -> None:
+    """What a host worker frames for a remote gather: a component one device holds whole
+    is a view of its memory, a component split over logical devices is assembled, and
+    the framed pieces carry exactly the rows' bytes."""
+    strategy = model_parallel_strategy
+    xs = np.arange(4 * 4 * 6, dtype=np.float32).reshape(4, 4, 6) - 7.5
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: xs[ctx.replica_id_in_sync_group])
+    split = strategy.run(
+        lambda v: strategy.experimental_split_to_logical_devices(v * 2.0, [2, 1]),
+        args=(value,))
+    for source, want, whole in ((value, xs, True), (split, xs * 2.0, False)):
+        ax, parts = strategy.gather_parts(source, 0, replicas=(1, 3), views=True)
+        assert ax == 0 and len(parts) == 2
+        for got, expected in zip(parts, want[[1, 3]], strict=True):
+            np.testing.assert_array_equal(got, expected)
+            assert got.flags.owndata is not whole  # whole components are device views
+        framed = Framing(tag=b"\x12", piece_bytes=40).frame(parts[1])
+        body = b"".join(bytes(p.raw())[2:] for p in framed.pieces)  # 1-byte tag + length
+        assert framed.nbytes == len(body) == want[3].nbytes
+        assert body == want[3].tobytes()
 
 
 def test_model_parallel_partial_batches(model_parallel_strategy: jaxpod.TPUStrategy) -> None:
