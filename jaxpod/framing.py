@@ -50,13 +50,17 @@ class Framing:
         if self.piece_bytes <= 0:
             raise ValueError(f"piece_bytes must be a positive int. Got {self.piece_bytes}.")
 
+    def header(self, length: int) -> bytes:
+        """What precedes a piece of ``length`` bytes."""
+        return self.tag + varint(length)
+
     def frame(self, array: np.ndarray) -> Framed:
         """``array``'s C-order little-endian bytes, framed (one copy of the bytes)."""
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("<"))
         data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         starts = range(0, len(data), self.piece_bytes)
-        headers = [self.tag + varint(min(self.piece_bytes, len(data) - s)) for s in starts]
+        headers = [self.header(min(self.piece_bytes, len(data) - s)) for s in starts]
         out = np.empty(len(data) + sum(map(len, headers)), np.uint8)
         pieces, at = [], 0
         for start, header in zip(starts, headers, strict=True):

@@ -16,7 +16,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxpod.framing import Framed, Framing, varint
+from jaxpod.framing import Framed, Framing
 from jaxpod.proto import coordinator_pb2 as pb
 
 #: Version of the protocol; a client and a service must agree on it.
@@ -236,7 +236,7 @@ def _data_chunks(big: list[Iterable[np.ndarray | Framed]], chunk_bytes: int
             flat = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
             for start in range(0, len(flat), chunk_bytes):
                 data = flat[start:start + chunk_bytes]
-                yield b"".join((_DATA_FIELD, varint(len(data)), data))
+                yield b"".join((DATA_FRAMING.header(len(data)), data))
 
 
 #: The wire tag of ``ResultChunk.data`` (field 2, length-delimited).

@@ -333,11 +333,9 @@ class HostWorker:
                          framing: Framing | None = None) -> tuple[int, list[Any]]:
         """With ``framing``, each part comes cut into framed pieces (``Framed``): the
         one copy from device memory, and the caller forwards them as they are."""
-        if framing is None:
-            return self._engine.gather_parts(self._store.get(value.id), axis, replicas)
         ax, parts = self._engine.gather_parts(self._store.get(value.id), axis, replicas,
-                                              views=True)
-        return ax, [framing.frame(p) for p in parts]
+                                              views=framing is not None)
+        return ax, parts if framing is None else [framing.frame(p) for p in parts]
 
     def _op_fetch_parts(self, value: Handle) -> list[Any]:
         return self._engine.padded_parts(self._store.get(value.id))
