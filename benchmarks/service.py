@@ -24,7 +24,11 @@ v6e-8 host (8 CPU devices):
    one preallocated numpy buffer, the least work that ends with an array, as jaxpod's
    client does). Target: jaxpod GB/s / raw GB/s >= 0.7. Also reported, for context:
    the same stream joined into one ``bytes`` object (``b"".join``), the obvious client,
-   which spends much of its time faulting in the fresh 256 MiB.
+   which spends much of its time faulting in the fresh 256 MiB; and the CPU time the
+   whole machine spent per call of each (``/proc/stat``). jaxpod's path keeps three
+   processes busy (client, service, host worker) where the raw stream keeps two, so
+   ``gather_vs_raw_ratio_cpu_ceiling`` (raw time / (jaxpod CPU / cores)) is the best
+   ratio that perfect overlap could reach on this machine.
 
 The last line of output is the JSON report.
 
@@ -47,7 +51,14 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import call_times, interleaved_medians, report, target, use_cpu_devices
+from _common import (
+    call_times,
+    interleaved_medians,
+    report,
+    target,
+    use_cpu_devices,
+    with_machine_cpu,
+)
 
 FEATURES, HIDDEN, GLOBAL_BATCH, NUM_BATCHES = 128, 256, 256, 8
 GATHER_COLUMNS = 1024
@@ -282,8 +293,9 @@ def measure_steps(strategy: Any, children: list[Child], steps: int, repeats: int
 
 
 def measure_gather(strategy: Any, total_bytes: int, repeats: int
-                   ) -> tuple[dict[str, float], float]:
-    """Median seconds for jaxpod's gather and the raw stream; raw ping p50 (s)."""
+                   ) -> tuple[dict[str, float], dict[str, float], float]:
+    """Median seconds for jaxpod's gather and the raw streams; the median CPU seconds
+    the whole machine spent per call of each; raw ping p50 (s)."""
     import grpc
     import numpy as np
 
@@ -330,18 +342,22 @@ def measure_gather(strategy: Any, total_bytes: int, repeats: int
                 assert out.shape == expected and out.dtype == np.float32, out.shape
 
             ping_times = call_times(lambda: ping(b"x"), 200, 50)
+            candidates = {"jaxpod": jaxpod_gather, "raw": raw, "raw_joined": raw_joined}
+            spent: dict[str, list[float]] = {name: [] for name in candidates}
             # Steady state: the first transfers of this size also pay for the
             # processes' allocators growing, on both sides; two warm-ups each.
+            warmup = 2
             medians = interleaved_medians(
-                {"jaxpod": jaxpod_gather, "raw": raw, "raw_joined": raw_joined}, repeats,
-                warmup=2)
+                {name: with_machine_cpu(fn, spent[name]) for name, fn in candidates.items()},
+                repeats, warmup=warmup)
         parent.send("stop")
         server.join(30)
     finally:
         if server.is_alive():
             server.kill()
             server.join()
-    return medians, statistics.median(ping_times)
+    cpu = {name: statistics.median(used[warmup:]) for name, used in spent.items()}
+    return medians, cpu, statistics.median(ping_times)
 
 
 # -------------------------------------------------------------------------- main
@@ -394,11 +410,18 @@ def main() -> None:
 
         # 3. gather against a raw gRPC stream
         total = gather_mib << 20
-        gather, ping_s = measure_gather(strategy, total, gather_repeats)
+        gather, gather_cpu, ping_s = measure_gather(strategy, total, gather_repeats)
         gbps = {name: total / t / 1e9 for name, t in gather.items()}
         print(f"gather {gather_mib} MiB: jaxpod {gbps['jaxpod']:.3f} GB/s, raw gRPC "
               f"{gbps['raw']:.3f} GB/s (joined into bytes: {gbps['raw_joined']:.3f}); raw "
               f"gRPC unary p50 {1e3 * ping_s:.3f} ms", flush=True)
+        cores = os.cpu_count() or 1
+        # However well the processes overlap, a call takes at least its CPU time
+        # spread over every core: the best ratio this machine allows.
+        ceiling = gather["raw"] / (gather_cpu["jaxpod"] / cores)
+        print("gather CPU per call, whole machine: " + ", ".join(
+            f"{n} {1e3 * c:.0f} ms" for n, c in gather_cpu.items())
+            + f"; ratio ceiling on {cores} cores {ceiling:.2f}", flush=True)
     finally:
         for child in children:
             child.close()
@@ -426,6 +449,10 @@ def main() -> None:
         "raw_grpc_joined_gbps": round(gbps["raw_joined"], 4),
         "gather_vs_raw_ratio": round(gather_ratio, 4),
         "gather_vs_raw_joined_ratio": round(gbps["jaxpod"] / gbps["raw_joined"], 4),
+        "gather_machine_cpu_ms": round(1e3 * gather_cpu["jaxpod"], 1),
+        "raw_grpc_machine_cpu_ms": round(1e3 * gather_cpu["raw"], 1),
+        "cores": cores,
+        "gather_vs_raw_ratio_cpu_ceiling": round(ceiling, 4),
         "gather_repeats": gather_repeats,
     }
     report("service", figures, {

@@ -1,15 +1,17 @@
 """Length-prefixed pieces: an array's bytes cut into pieces that each start with a tag
-and their length, laid out in one buffer so that every piece can be sent as it is.
+and their length, so that every piece can be forwarded as it is.
 
 A host worker cuts gathered rows this way, in the form the coordinator's result
 streams carry (a ``ResultChunk.data`` field: tag ``0x12``, then the length as a
 varint), so the coordinator forwards each piece it receives without copying it. The
-format is plain data here because workers do not import the wire protocol.
+worker copies nothing either: a piece is its header and a view of the rows
+(:class:`Segments`), which the operation channel sends back to back and the other end
+receives as one ``bytes`` object. The format is plain data here because workers do not
+import the wire protocol.
 """
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +30,32 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
+class Segments:
+    """Buffers that travel as one: the operation channel sends them back to back,
+    without joining them, and the other end receives their concatenation as a single
+    buffer. Pickled any other way, they become that concatenation as ``bytes``."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, *parts: Any) -> None:
+        self.parts = tuple(memoryview(p).cast("B") for p in parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def tobytes(self) -> bytes:
+        return b"".join(self.parts)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return bytes, (self.tobytes(),)
+
+
 @dataclass(frozen=True)
 class Framed:
     """An array's bytes as framed pieces, in order. A worker builds them as
-    ``pickle.PickleBuffer`` views of one buffer (sent out of band, no copy); the
-    receiver of an operation channel gets each as ``bytes``."""
+    :class:`Segments` (a header and a view of the array: no copy); the receiver of
+    an operation channel gets each as one ``bytes`` object."""
 
     pieces: list[Any]
     nbytes: int  # the array's bytes, without the frames
@@ -55,20 +78,13 @@ class Framing:
         return self.tag + varint(length)
 
     def frame(self, array: np.ndarray) -> Framed:
-        """``array``'s C-order little-endian bytes, framed (one copy of the bytes)."""
+        """``array``'s C-order little-endian bytes, framed: the pieces are views of
+        ``array`` (copied only if it is not C-contiguous or little-endian)."""
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("<"))
-        data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        starts = range(0, len(data), self.piece_bytes)
-        headers = [self.header(min(self.piece_bytes, len(data) - s)) for s in starts]
-        out = np.empty(len(data) + sum(map(len, headers)), np.uint8)
-        pieces, at = [], 0
-        for start, header in zip(starts, headers, strict=True):
-            body = data[start:start + self.piece_bytes]
-            end = at + len(header) + len(body)
-            out[at:at + len(header)] = np.frombuffer(header, np.uint8)
-            out[at + len(header):end] = body
-            piece = memoryview(out[at:end]).toreadonly()  # type: ignore[arg-type]
-            pieces.append(pickle.PickleBuffer(piece))
-            at = end
+        flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        data = memoryview(flat).toreadonly()  # type: ignore[arg-type]
+        pieces = [Segments(self.header(len(body)), body)
+                  for body in (data[s:s + self.piece_bytes]
+                               for s in range(0, len(data), self.piece_bytes))]
         return Framed(pieces, len(data))

@@ -278,30 +278,30 @@ def read_result(chunks: Iterable[pb.ResultChunk | memoryview]) -> Any:
     first = next(it, None)
     if not isinstance(first, pb.ResultChunk) or not first.HasField("skeleton"):
         raise ValueError("The result stream did not start with its skeleton.")
-    buffers: list[tuple[np.ndarray, memoryview]] = []
+    buffers: list[np.ndarray] = []  # each tensor's bytes, flat
 
     def leaf(node: pb.Tree) -> Any:
         meta = node.streamed
         array = np.empty(tuple(meta.shape), dtype=dtype_from_name(meta.dtype))
-        view = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-        buffers.append((array, view))
+        buffers.append(array.reshape(-1).view(np.uint8))
         return array
 
     value = decode(first.skeleton, leaf)
     index, offset = 0, 0
     for chunk in it:
-        data = chunk if isinstance(chunk, memoryview) else memoryview(chunk.data)
-        while data:
-            while index < len(buffers) and offset == len(buffers[index][1]):
+        # numpy copies without holding the GIL: gRPC's receiving thread goes on meanwhile
+        data = np.frombuffer(chunk if isinstance(chunk, memoryview) else chunk.data, np.uint8)
+        while len(data):
+            while index < len(buffers) and offset == len(buffers[index]):
                 index, offset = index + 1, 0
             if index == len(buffers):
                 raise ValueError("The result stream carried more bytes than its skeleton.")
-            view = buffers[index][1]
-            n = min(len(data), len(view) - offset)
-            view[offset:offset + n] = data[:n]
+            flat = buffers[index]
+            n = min(len(data), len(flat) - offset)
+            flat[offset:offset + n] = data[:n]
             offset += n
             data = data[n:]
-    while index < len(buffers) and offset == len(buffers[index][1]):
+    while index < len(buffers) and offset == len(buffers[index]):
         index, offset = index + 1, 0
     if index != len(buffers):
         raise ValueError("The result stream ended before all its tensors arrived.")

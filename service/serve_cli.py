@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Entry point of ``jaxpod serve``."""
+    from jaxpod.malloc import tune_malloc
+
+    tuned = tune_malloc()  # first: before gRPC and Ray start their threads
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     address = args.address or DEFAULT_ADDRESS
@@ -43,6 +46,7 @@ def run_serve(args: argparse.Namespace) -> int:
         address = f"{address.rsplit(':', 1)[0]}:{args.port}"
     if args.slices and not args.local:
         raise ValueError("--slices needs --local (it describes the simulated cluster).")
+    logging.getLogger(__name__).debug("malloc tuned for large buffers: %s", tuned)
     token = os.environ.get("JAXPOD_TOKEN") or None
     cluster: Any = None
 

@@ -255,9 +255,9 @@ def test_framed_parts_stream_as_they_are_and_parse_without_copies() -> None:
     parts = [rng.normal(size=(n, 300)).astype(ml_dtypes.bfloat16) for n in (5000, 1, 0, 3001)]
     framing = Framing(tag=tensors.DATA_FRAMING.tag, piece_bytes=1 << 20)
     framed = [framing.frame(p) for p in parts[:2]]
-    pieces = [bytes(p.raw()) for f in framed for p in f.pieces]
+    pieces = [p.tobytes() for f in framed for p in f.pieces]
     # as the coordinator receives them from the channel: bytes; mixed with plain parts
-    sent = [Framed([bytes(p.raw()) for p in f.pieces], f.nbytes) for f in framed] + parts[2:]
+    sent = [Framed([p.tobytes() for p in f.pieces], f.nbytes) for f in framed] + parts[2:]
     rows = tensors.RowParts((sum(len(p) for p in parts), 300), parts[0].dtype, sent)
     skeleton, data = tensors.split_result({"rows": rows})
     messages = [skeleton.SerializeToString(),

@@ -12,12 +12,15 @@ challenge) before anything is unpickled. Messages are cloudpickle (protocol 5); 
 buffers (numpy arrays) travel out of band, each received straight into its own buffer:
 writable numpy memory on the worker's side, ``bytes`` on the coordinator's, which can
 forward a buffer it received (a framed piece of a gathered array) without a copy.
+:class:`~jaxpod.framing.Segments` travel out of band too, as one buffer sent from
+several (a piece's header and a view of the rows), so neither end copies them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import pickle
 import secrets
 import socket
@@ -31,11 +34,13 @@ import cloudpickle
 import numpy as np
 
 from jaxpod.errors import JaxpodError
+from jaxpod.framing import Segments
 
 #: Buffers at least this large travel out of band (no copy into the pickle).
 OUT_OF_BAND_BYTES = 64 * 1024
 _CHALLENGE_BYTES = 32
-_COUNT = struct.Struct("<QQ")  # pickle length, number of out-of-band buffers
+#: pickle length, number of out-of-band buffers: pickle's own, then Segments
+_COUNT = struct.Struct("<QQQ")
 _TIMEVAL = struct.Struct("@ll")  # SO_RCVTIMEO's struct timeval
 
 
@@ -60,25 +65,60 @@ def broadcast(socks: Sequence[socket.socket], message: Any) -> None:
         _send(sock, data, buffers)
 
 
-def _encode(message: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
-    buffers: list[pickle.PickleBuffer] = []
+class _Pickler(cloudpickle.Pickler):
+    """Takes :class:`Segments` out of the pickle (as persistent ids, resolved by the
+    receiving :class:`_Unpickler`) so that they travel out of band, unjoined."""
 
-    def out_of_band(buffer: pickle.PickleBuffer) -> bool:
-        if buffer.raw().nbytes < OUT_OF_BAND_BYTES:
-            return True  # in band
-        buffers.append(buffer)
-        return False
+    def __init__(self, file: io.BytesIO, buffers: list[Any]) -> None:
+        def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+            if buffer.raw().nbytes < OUT_OF_BAND_BYTES:
+                return True  # in band
+            buffers.append(buffer.raw())
+            return False
 
-    data = cloudpickle.dumps(message, protocol=5, buffer_callback=out_of_band)
-    sizes = [b.raw().nbytes for b in buffers]
-    header = _COUNT.pack(len(data), len(sizes)) + struct.pack(f"<{len(sizes)}Q", *sizes)
-    return header + data, buffers
+        super().__init__(file, protocol=5, buffer_callback=out_of_band)
+        self.segmented: list[Segments] = []
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if type(obj) is not Segments:
+            return None
+        self.segmented.append(obj)
+        return len(self.segmented) - 1
 
 
-def _send(sock: socket.socket, data: bytes, buffers: list[pickle.PickleBuffer]) -> None:
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: Any, buffers: list[Any], segmented: list[Any]) -> None:
+        super().__init__(io.BytesIO(data), buffers=buffers)
+        self._segmented = segmented
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._segmented[pid]
+
+
+def _encode(message: Any) -> tuple[bytes, list[Any]]:
+    """The message's header and pickle; then what travels out of band, in order:
+    pickle's buffers (memoryviews) and :class:`Segments`."""
+    file, buffers = io.BytesIO(), []  # type: tuple[io.BytesIO, list[Any]]
+    pickler = _Pickler(file, buffers)
+    pickler.dump(message)
+    data = file.getvalue()
+    sizes = [b.nbytes for b in buffers] + [s.nbytes for s in pickler.segmented]
+    header = (_COUNT.pack(len(data), len(buffers), len(pickler.segmented))
+              + struct.pack(f"<{len(sizes)}Q", *sizes))
+    return header + data, buffers + pickler.segmented
+
+
+def _send(sock: socket.socket, data: bytes, buffers: list[Any]) -> None:
     sock.sendall(data)
     for buffer in buffers:
-        sock.sendall(buffer.raw())
+        for part in buffer.parts if type(buffer) is Segments else (buffer,):
+            sock.sendall(part)
+
+
+def _loads(data: Any, buffers: list[Any], segmented: int) -> Any:
+    """Unpickles a received message; its last ``segmented`` buffers were Segments."""
+    split = len(buffers) - segmented
+    return _Unpickler(data, buffers[:split], buffers[split:]).load()
 
 
 def receive(sock: socket.socket, deadline: float | None = None) -> Any:
@@ -86,26 +126,30 @@ def receive(sock: socket.socket, deadline: float | None = None) -> Any:
     ``TimeoutError``). Its out-of-band buffers come as ``bytes``, each received straight
     into place, so arrays in it are read-only."""
     try:
-        data, buffers = _receive(sock, deadline, writable=False)
+        received = _receive(sock, deadline, writable=False)
     except BlockingIOError:  # the kernel's receive limit (see _limit) ran out
         raise TimeoutError("The operation channel's deadline passed.") from None
     finally:
         if deadline is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(0, 0))
-    return pickle.loads(data, buffers=buffers)
+    return _loads(*received)
 
 
 def _receive(sock: socket.socket, deadline: float | None, writable: bool
-             ) -> tuple[bytearray, list[Any]]:
+             ) -> tuple[bytearray, list[Any], int]:
     """One whole message's bytes, so a message that fails to unpickle leaves the
-    stream in step. Out-of-band buffers are ``writable`` numpy memory (not zeroed
-    first, unlike a bytearray, and on huge pages when large) or ``bytes``."""
-    length, count = _COUNT.unpack(_read(sock, _COUNT.size, deadline))
+    stream in step: the pickle, the out-of-band buffers, how many of those (the last
+    ones) were Segments. Out-of-band buffers are ``writable`` numpy memory (not
+    zeroed first, unlike a bytearray, and on huge pages when large) or ``bytes``."""
+    length, plain, segmented = _COUNT.unpack(_read(sock, _COUNT.size, deadline))
+    count = plain + segmented
     sizes = struct.unpack(f"<{count}Q", _read(sock, 8 * count, deadline)) if count else ()
     data = _read(sock, length, deadline)
     if writable:
-        return data, [_read(sock, n, deadline, np.empty(n, np.uint8)) for n in sizes]
-    return data, [_read_bytes(sock, n, deadline) for n in sizes]
+        buffers = [_read(sock, n, deadline, np.empty(n, np.uint8)) for n in sizes]
+    else:
+        buffers = [_read_bytes(sock, n, deadline) for n in sizes]
+    return data, buffers, segmented
 
 
 def _read(sock: socket.socket, n: int, deadline: float | None = None, into: Any = None
@@ -215,10 +259,10 @@ class ChannelServer:
                 except (ChannelClosedError, ChannelAuthError, OSError):
                     continue  # that client is gone; wait for the next
 
-    def _answer(self, data: bytearray, buffers: list[np.ndarray]
-                ) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    def _answer(self, data: bytearray, buffers: list[np.ndarray], segmented: int
+                ) -> tuple[bytes, list[Any]]:
         try:
-            args, kwargs = pickle.loads(data, buffers=buffers)
+            args, kwargs = _loads(data, buffers, segmented)
             return _encode(self._handle(*args, **kwargs))
         except Exception as e:
             return _encode(self._failed(e))

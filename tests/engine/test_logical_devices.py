@@ -216,7 +216,7 @@ def test_gather_parts_as_views_and_framed(model_parallel_strategy: jaxpod.TPUStr
             np.testing.assert_array_equal(got, expected)
             assert got.flags.owndata is not whole  # whole components are device views
         framed = Framing(tag=b"\x12", piece_bytes=40).frame(parts[1])
-        body = b"".join(bytes(p.raw())[2:] for p in framed.pieces)  # 1-byte tag + length
+        body = b"".join(p.tobytes()[2:] for p in framed.pieces)  # 1-byte tag + length
         assert framed.nbytes == len(body) == want[3].nbytes
         assert body == want[3].tobytes()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import socket
 import threading
 import time
@@ -10,12 +11,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from jaxpod.framing import Framing, varint
+from jaxpod.framing import Framing, Segments, varint
 from jaxpod.worker import channel
 
 
-def _echo(*args: Any, sleep_s: float = 0.0, **kwargs: Any) -> Any:
+def _echo(*args: Any, sleep_s: float = 0.0, frame: int = 0, **kwargs: Any) -> Any:
     time.sleep(sleep_s)  # a slow operation, for the deadline test
+    if frame:  # as a worker answers a gather: its first argument, framed (views of it)
+        framed = Framing(tag=b"\x12", piece_bytes=frame).frame(args[0])
+        assert all(np.shares_memory(args[0], np.asarray(p.parts[1])) for p in framed.pieces)
+        return (framed,), kwargs
     for arg in args:  # arguments reach the worker as writable arrays of their own
         if isinstance(arg, np.ndarray) and arg.ndim == 2:
             arg[0, 0] = -arg[0, 0]
@@ -50,10 +55,15 @@ def test_round_trip_keeps_small_and_large_arrays(server: Any) -> None:
 def test_framed_pieces_arrive_as_bytes_in_order(server: Any) -> None:
     srv, key = server
     data = np.random.default_rng(1).integers(0, 255, size=(3 << 20) + 17, dtype=np.uint8)
-    framed = Framing(tag=b"\x12", piece_bytes=1 << 20).frame(data)
     with channel.connect(srv.address, key, 10) as sock:
-        channel.broadcast([sock], ((framed,), {}))
-        (got,), _ = channel.receive(sock)
+        channel.broadcast([sock], ((data,), {"frame": 1 << 20}))
+        reply = channel.receive(sock)
+        # the other way, segments reach the worker as one buffer of their own
+        channel.broadcast([sock], ((Segments(b"head", data[:100]),), {}))
+        (echoed,), _ = channel.receive(sock)
+    assert bytes(echoed) == b"head" + data[:100].tobytes()
+    assert not isinstance(reply, tuple) or reply[0] != "failed", reply
+    (got,), _ = reply
     assert got.nbytes == data.nbytes and len(got.pieces) == 4
     assert all(type(p) is bytes for p in got.pieces)
     offset = 0
@@ -135,3 +145,7 @@ def test_framing_rejects_bad_settings_and_frames_empty_arrays() -> None:
                                                        b"\xac\x02"]
     empty = Framing(tag=b"\x12", piece_bytes=8).frame(np.zeros((0, 3), np.float32))
     assert empty.pieces == [] and empty.nbytes == 0
+    # Pickled other than by the channel, segments become their concatenation.
+    segments = Segments(b"ab", np.arange(3, dtype=np.uint8))
+    assert segments.nbytes == 5
+    assert pickle.loads(pickle.dumps(segments)) == segments.tobytes() == b"ab\x00\x01\x02"
