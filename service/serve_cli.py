@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Entry point of ``jaxpod serve``."""
-    from jaxpod.malloc import tune_malloc
+    from jaxpod.service.malloc import tune_malloc
 
     tuned = tune_malloc()  # first: before gRPC and Ray start their threads
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,

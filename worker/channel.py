@@ -98,7 +98,8 @@ class _Unpickler(pickle.Unpickler):
 def _encode(message: Any) -> tuple[bytes, list[Any]]:
     """The message's header and pickle; then what travels out of band, in order:
     pickle's buffers (memoryviews) and :class:`Segments`."""
-    file, buffers = io.BytesIO(), []  # type: tuple[io.BytesIO, list[Any]]
+    buffers: list[Any] = []
+    file = io.BytesIO()
     pickler = _Pickler(file, buffers)
     pickler.dump(message)
     data = file.getvalue()

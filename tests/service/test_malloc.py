@@ -8,7 +8,7 @@ import platform
 import subprocess
 import sys
 
-from jaxpod.malloc import TUNE_ENV
+from jaxpod.service.malloc import TUNE_ENV
 
 
 def _tune(switch: str | None) -> subprocess.CompletedProcess[str]:
@@ -16,7 +16,8 @@ def _tune(switch: str | None) -> subprocess.CompletedProcess[str]:
     if switch is not None:
         env[TUNE_ENV] = switch
     return subprocess.run(
-        [sys.executable, "-c", "from jaxpod.malloc import tune_malloc; print(tune_malloc())"],
+        [sys.executable, "-c",
+         "from jaxpod.service.malloc import tune_malloc; print(tune_malloc())"],
         env=env, capture_output=True, text=True, timeout=120, check=False)
 
 
