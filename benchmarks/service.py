@@ -375,7 +375,7 @@ def main() -> None:
     calls = 60 if args.quick else 300
     step_repeats = 5 if args.quick else 15
     gather_mib = 64 if args.quick else 256
-    gather_repeats = 3 if args.quick else 7
+    gather_repeats = 3 if args.quick else 11
     accelerator = f"v6e-{args.devices}"
     os.environ["JAXPOD_LOCAL_SLICES"] = accelerator
 
