@@ -7,7 +7,7 @@ top back to the kernel once 128 KiB (or, as it adapts, twice the largest block f
 sits there. The service receives a gathered array from a host worker into a new 4 MiB
 ``bytes`` object per piece, forwards it and frees it a moment later: with the defaults
 almost every page of every piece was fresh memory, faulted in and zeroed by the kernel
-(about 30,000 page faults per 256 MiB gather, a quarter of the service's CPU time).
+(about 30,000 page faults per 256 MiB gather, a fifth of the service's CPU time).
 With few arenas and fixed thresholds, freed pieces are reused instead.
 
 Turn it off with ``JAXPOD_TUNE_MALLOC=0``. A C library other than glibc is left alone.
