@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (
     call_times,
     interleaved_medians,
+    median_time,
     report,
     target,
     use_cpu_devices,
@@ -121,7 +122,7 @@ def percentiles_ms(times: list[float]) -> tuple[float, float]:
 
 
 # ------------------------------------------------------ in-process child process
-def inprocess_child(mode: str, devices: int, steps: int) -> None:
+def inprocess_child(devices: int, steps: int) -> None:
     """The in-process baseline, driven line by line over stdin/stdout.
 
     Commands: ``steps`` (one run_steps call; answers ``T <seconds>``), ``run N W``
@@ -157,12 +158,11 @@ def inprocess_child(mode: str, devices: int, steps: int) -> None:
 class Child:
     """A running :func:`inprocess_child`."""
 
-    def __init__(self, mode: str, devices: int, steps: int) -> None:
+    def __init__(self, devices: int, steps: int) -> None:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("JAXPOD_", "XLA_FLAGS"))}
-        self.mode = mode
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--_inprocess", mode,
+            [sys.executable, os.path.abspath(__file__), "--_inprocess",
              "--devices", str(devices), "--steps", str(steps)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
 
@@ -171,8 +171,7 @@ class Child:
         for line in self.proc.stdout:
             if line.startswith(prefix):
                 return line.split()[1:]
-        raise RuntimeError(f"in-process child ({self.mode}) exited with "
-                           f"status {self.proc.wait()}")
+        raise RuntimeError(f"in-process child exited with status {self.proc.wait()}")
 
     def wait_ready(self) -> None:
         self._answer("READY")
@@ -256,11 +255,12 @@ def workers_busy_s(strategy: Any) -> list[float]:
     return [host["busy_s"] for host in strategy.stats()]
 
 
-def measure_steps(strategy: Any, children: list[Child], steps: int, repeats: int
+def measure_steps(strategy: Any, child: Child, steps: int, repeats: int
                   ) -> dict[str, float]:
     """Median seconds per run_steps call: remote (timed here), the same remote calls
-    inside the workers (``workers``: the busiest host's time running them), and each
-    child (timed inside the child, without the pipe), alternating call by call."""
+    inside the workers (``workers``: the busiest host's time running them), and the
+    in-process child (``plain``: timed inside the child, without the pipe),
+    alternating call by call."""
     batches, params = make_inputs()
     iterator = iter(strategy.experimental_distribute_dataset(RepeatingDataset(batches)))
     carried = {"state": params}
@@ -277,9 +277,8 @@ def measure_steps(strategy: Any, children: list[Child], steps: int, repeats: int
         inside.append(max(b - a for a, b in zip(busy, workers_busy_s(strategy), strict=True)))
         return elapsed
 
-    candidates: dict[str, Callable[[], float]] = {"remote": remote}
-    for child in children:
-        candidates[child.mode] = functools.partial(child_steps, child)
+    candidates: dict[str, Callable[[], float]] = {
+        "remote": remote, "plain": functools.partial(child_steps, child)}
     for call in candidates.values():  # warm-up: compiles, starts the infeeds
         for _ in range(2):
             call()
@@ -341,7 +340,7 @@ def measure_gather(strategy: Any, total_bytes: int, repeats: int
                 out = strategy.gather(big, 0)
                 assert out.shape == expected and out.dtype == np.float32, out.shape
 
-            ping_times = call_times(lambda: ping(b"x"), 200, 50)
+            ping_s = median_time(lambda: ping(b"x"), 200, 50)
             candidates = {"jaxpod": jaxpod_gather, "raw": raw, "raw_joined": raw_joined}
             spent: dict[str, list[float]] = {name: [] for name in candidates}
             # Steady state: the first transfers of this size also pay for the
@@ -357,7 +356,7 @@ def measure_gather(strategy: Any, total_bytes: int, repeats: int
             server.kill()
             server.join()
     cpu = {name: statistics.median(used[warmup:]) for name, used in spent.items()}
-    return medians, cpu, statistics.median(ping_times)
+    return medians, cpu, ping_s
 
 
 # -------------------------------------------------------------------------- main
@@ -366,10 +365,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repeats (CI smoke run)")
     parser.add_argument("--devices", type=int, default=8, help="simulated chips (v6e-N)")
     parser.add_argument("--steps", type=int, default=100, help="steps per run_steps call")
-    parser.add_argument("--_inprocess", choices=("plain",), help=argparse.SUPPRESS)
+    parser.add_argument("--_inprocess", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._inprocess:
-        inprocess_child(args._inprocess, args.devices, args.steps)
+        inprocess_child(args.devices, args.steps)
         return
 
     calls = 60 if args.quick else 300
@@ -386,24 +385,22 @@ def main() -> None:
     strategy = client.strategy(accelerator, steps_per_run=args.steps)
     startup_s = time.perf_counter() - start
     print(f"service + slice ready in {startup_s:.1f} s: {strategy!r}", flush=True)
-    children: list[Child] = []
+    child: Child | None = None
     try:
         # 1. trivial run round trips
         p50, p99 = percentiles_ms(measure_latency(strategy, calls, warmup=max(20, calls // 5)))
         print(f"remote run round trip: p50 {p50:.2f} ms, p99 {p99:.2f} ms ({calls} calls)",
               flush=True)
 
-        # 2. run_steps against the in-process baselines (children started now, so their
+        # 2. run_steps against the in-process baseline (the child started now, so its
         # start-up does not disturb the latency figures)
-        children = [Child("plain", args.devices, args.steps)]
-        for child in children:
-            child.wait_ready()
-        local_p50, local_p99 = (1e3 * t for t in children[0].ask(f"run {calls} 20"))
+        child = Child(args.devices, args.steps)
+        child.wait_ready()
+        local_p50, local_p99 = (1e3 * t for t in child.ask(f"run {calls} 20"))
         print(f"in-process run: p50 {local_p50:.3f} ms, "
               f"p99 {local_p99:.3f} ms", flush=True)
-        steps = measure_steps(strategy, children, args.steps, step_repeats)
-        for child in children:
-            child.close()
+        steps = measure_steps(strategy, child, args.steps, step_repeats)
+        child.close()
         per_step = {name: 1e3 * t / args.steps for name, t in steps.items()}
         print("run_steps ms/step: " + ", ".join(f"{n} {v:.3f}" for n, v in per_step.items())
               + f" ({args.steps} steps/call, median of {step_repeats})", flush=True)
@@ -423,7 +420,7 @@ def main() -> None:
             f"{n} {1e3 * c:.0f} ms" for n, c in gather_cpu.items())
             + f"; ratio ceiling on {cores} cores {ceiling:.2f}", flush=True)
     finally:
-        for child in children:
+        if child is not None:
             child.close()
         strategy.close()
         client.close()

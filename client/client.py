@@ -26,6 +26,7 @@ from jaxpod.errors import SessionError
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
 from jaxpod.proto.tensors import PROTOCOL_VERSION, channel_options, parse_chunk
+from jaxpod.timeouts import Timeout
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class Client:
             reply = self.call(self.stub.OpenSession, pb.OpenSessionRequest(
                 client_version=jaxpod.__version__, protocol_version=PROTOCOL_VERSION,
                 lease_s=lease_s or 0.0, runtime_versions=self.runtime_versions),
-                what="connect", idempotent=True, timeout_s=rpc.CONTROL_TIMEOUT.seconds())
+                what="connect", idempotent=True, timeout=rpc.CONTROL_TIMEOUT)
         except BaseException:
             self._channel.close()
             raise
@@ -98,7 +99,6 @@ class Client:
         self.lease_s = reply.lease_s
         self.server_version = reply.server_version
         self._closed = threading.Event()
-        self._strategies: weakref.WeakSet[RemoteStrategy] = weakref.WeakSet()
         self._heartbeat = threading.Thread(target=self._beat, name="jaxpod-heartbeat",
                                            daemon=True)
         self._heartbeat.start()
@@ -118,14 +118,13 @@ class Client:
                                "jaxpod.connect() again.")
 
     def call(self, method: Any, request: Any, *, what: str, idempotent: bool = False,
-             timeout_s: float | None = None) -> Any:
+             timeout: Timeout = rpc.CALL_TIMEOUT) -> Any:
         return rpc.call(method, request, what=what, metadata=self._metadata,
-                        timeout_s=timeout_s or rpc.CALL_TIMEOUT.seconds(),
-                        idempotent=idempotent)
+                        timeout=timeout, idempotent=idempotent)
 
     def stream(self, method: Any, request: Any, consume: Any, *, what: str) -> Any:
         return rpc.stream(method, request, consume, what=what, metadata=self._metadata,
-                          timeout_s=rpc.CALL_TIMEOUT.seconds())
+                          timeout=rpc.CALL_TIMEOUT)
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -178,12 +177,8 @@ class Client:
             num_slices=num_slices, steps_per_run=steps_per_run,
             computation_shape=list(computation_shape or ()),
             num_replicas=num_replicas or 0, timeout_s=timeout_s or 0.0),
-            what=f"strategy({accelerator_type!r})",
-            timeout_s=rpc.ACQUIRE_TIMEOUT.seconds())
-        strategy = RemoteStrategy(self, info, steps_per_run,
-                                  computation_shape=computation_shape)
-        self._strategies.add(strategy)
-        return strategy
+            what=f"strategy({accelerator_type!r})", timeout=rpc.ACQUIRE_TIMEOUT)
+        return RemoteStrategy(self, info, steps_per_run, computation_shape=computation_shape)
 
     def _idle_type(self) -> str:
         slices = self.cluster()
@@ -198,14 +193,13 @@ class Client:
         """The service's slices: name, accelerator type, hosts and holding session."""
         self.check_open("cluster")
         reply = self.call(self.stub.ClusterStatus, pb.Empty(), what="cluster",
-                          idempotent=True, timeout_s=rpc.CONTROL_TIMEOUT.seconds())
+                          idempotent=True, timeout=rpc.CONTROL_TIMEOUT)
         return [{"name": s.name, "accelerator_type": s.accelerator_type,
                  "num_hosts": s.num_hosts, "holder": s.holder} for s in reply.slices]
 
     def close(self) -> None:
-        """Closes the session: every slice it holds is released. Idempotent."""
-        for strategy in list(self._strategies):
-            strategy.mark_closed()
+        """Closes the session: every slice it holds is released (its strategies see
+        the client closed and stop). Idempotent."""
         self._finalizer()
 
     def __enter__(self) -> Client:

@@ -18,14 +18,14 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxpod.errors import ServiceUnavailableError
-from jaxpod.timeouts import Deadline, Timeout
+from jaxpod.timeouts import Deadline, Timeout, wait_for
 
 START_TIMEOUT = Timeout("JAXPOD_EMBEDDED_START_TIMEOUT_S", 300.0)
 STOP_TIMEOUT = Timeout("JAXPOD_EMBEDDED_STOP_TIMEOUT_S", 60.0)
@@ -117,15 +117,16 @@ def _read_address(proc: subprocess.Popen[bytes], deadline: Deadline, log_path: s
     assert proc.stdout is not None
     selector = selectors.DefaultSelector()
     selector.register(proc.stdout, selectors.EVENT_READ)
-    buffer = b""
+    partial = b""  # the last line read, until its newline arrives
     try:
         while not deadline.expired():
             if selector.select(timeout=min(1.0, deadline.remaining())):
                 chunk = os.read(proc.stdout.fileno(), 4096)
                 if not chunk:
                     break
-                buffer += chunk
-                for line in buffer.decode(errors="replace").splitlines():
+                *lines, partial = (partial + chunk).split(b"\n")
+                for raw in lines:
+                    line = raw.decode(errors="replace")
                     if line.startswith(_LISTENING):
                         return str(json.loads(line[len(_LISTENING):])["address"])
             elif proc.poll() is not None:
@@ -138,18 +139,20 @@ def _read_address(proc: subprocess.Popen[bytes], deadline: Deadline, log_path: s
 def _wait_serving(service: EmbeddedService, deadline: Deadline, log_path: str) -> None:
     with grpc.insecure_channel(service.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        while not deadline.expired():
+
+        def outcome() -> Literal["serving", "exited"] | None:
             if service.process.poll() is not None:
-                break
+                return "exited"
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=""),
                                    timeout=min(5.0, max(0.1, deadline.remaining())))
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
             except grpc.RpcError:
-                pass
-            # The health service answers at once; pace the polls.
-            time.sleep(min(0.2, max(0.0, deadline.remaining())))
+                return None
+            return "serving" if reply.status == health_pb2.HealthCheckResponse.SERVING else None
+
+        # The health service answers at once; pace the polls.
+        if wait_for(outcome, deadline.remaining(), max_poll_s=0.2) == "serving":
+            return
     raise _failed(service.process, "did not become ready", log_path)
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from google.protobuf.message import Message
 
+from jaxpod.client import rpc
 from jaxpod.errors import HandleError, MessageTooLargeError, SessionError
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
@@ -185,8 +186,8 @@ class RemoteStrategy:
             if isinstance(x, ReduceOp):
                 return pb.Tree(str_value=x.value)
             if (isinstance(x, np.ndarray) or tensors._is_jax_array(x)) and \
-                    np.asarray(x).nbytes > UPLOAD_BYTES:
-                blob = self._put(np.asarray(x))
+                    x.nbytes > UPLOAD_BYTES:
+                blob = self._put(tensors.wire_array(x, where))
                 blobs.append(blob)
                 return pb.Tree(blob=blob)
             return tensors.NOT_HANDLED
@@ -198,11 +199,11 @@ class RemoteStrategy:
             raise
 
     def _put(self, array: np.ndarray) -> int:
-        data = array.astype(array.dtype.newbyteorder("<"), order="C", copy=False)
-        flat = memoryview(data.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+        """Uploads ``array`` (in the wire's layout: :func:`tensors.wire_array`)."""
+        flat = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
         def chunks() -> Iterator[pb.TensorChunk]:
-            yield pb.TensorChunk(session_id=self._client.session_id, dtype=data.dtype.name,
+            yield pb.TensorChunk(session_id=self._client.session_id, dtype=array.dtype.name,
                                  shape=array.shape, data=bytes(flat[:tensors.CHUNK_BYTES]))
             for start in range(tensors.CHUNK_BYTES, len(flat), tensors.CHUNK_BYTES):
                 yield pb.TensorChunk(data=bytes(flat[start:start + tensors.CHUNK_BYTES]))
@@ -213,7 +214,7 @@ class RemoteStrategy:
     def _release_blobs(self, blobs: list[int]) -> None:
         if blobs and not self.closed:
             self._client.call(self._client.stub.Free, pb.FreeRequest(**self._ids(), blobs=blobs),
-                              what="free", idempotent=True)
+                              what="free", idempotent=True, timeout=rpc.CONTROL_TIMEOUT)
 
     def _values(self, tree: pb.Tree) -> Any:
         def leaf(node: pb.Tree) -> Any:
@@ -399,9 +400,6 @@ class RemoteStrategy:
         return [{"num_values": h.num_values, "device_bytes": h.device_bytes,
                  "num_iterators": h.num_iterators, "busy_s": h.busy_s,
                  "operations": h.operations} for h in reply.hosts]
-
-    def mark_closed(self) -> None:
-        self._closed = True
 
     def close(self) -> None:
         """Releases the slice (every value on it goes with it). Idempotent."""

@@ -42,12 +42,14 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.JaxpodError]] = {
 }
 
 
-def error_from(e: grpc.RpcError, what: str) -> BaseException:
+def error_from(e: grpc.RpcError, what: str, timeout: Timeout = CALL_TIMEOUT
+               ) -> BaseException:
     """The exception a failed call stands for.
 
     Args:
       e: the gRPC error (a ``grpc.Call`` too).
       what: the operation, for messages of errors the transport produced.
+      timeout: the call's time-out, named when its deadline was exceeded.
     """
     call: Any = e
     trailers = dict(call.trailing_metadata() or ())
@@ -61,7 +63,8 @@ def error_from(e: grpc.RpcError, what: str) -> BaseException:
         except Exception:
             error = None
     if error is None:
-        error = _BY_CODE.get(code, errors.JaxpodError)(_transport_message(code, details, what))
+        message = _transport_message(code, details, what, timeout)
+        error = _BY_CODE.get(code, errors.JaxpodError)(message)
     traceback = trailers.get(TRACEBACK_TRAILER)
     if traceback:
         error.add_note("Remote traceback (from the jaxpod workers):\n"
@@ -69,7 +72,8 @@ def error_from(e: grpc.RpcError, what: str) -> BaseException:
     return error
 
 
-def _transport_message(code: grpc.StatusCode, details: str, what: str) -> str:
+def _transport_message(code: grpc.StatusCode, details: str, what: str,
+                       timeout: Timeout) -> str:
     if code == grpc.StatusCode.CANCELLED:
         return (f"{what} was cancelled ({details}); the jaxpod service is probably "
                 "stopping. Connect again once it is back.")
@@ -83,31 +87,38 @@ def _transport_message(code: grpc.StatusCode, details: str, what: str) -> str:
                 "functions or datasets.")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return (f"{what} did not finish within its deadline ({details}); raise "
-                f"{CALL_TIMEOUT.env_var} if steps legitimately take longer.")
+                f"{timeout.env_var} (default {timeout.default_s:g}s) if it legitimately "
+                "takes longer.")
     return f"{what} failed: {code.name}: {details}"
 
 
 def call(method: Callable[..., _T], request: Any, *, what: str, metadata: Any,
-         timeout_s: float, idempotent: bool = False) -> _T:
+         timeout: Timeout, idempotent: bool = False) -> _T:
     """Makes a unary call; returns its response or raises the reported exception."""
+    timeout_s = timeout.seconds()
     for attempt in range(len(_RETRY_DELAYS_S) + 1):
         try:
             return method(request, timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as e:
             if not _retry(e, idempotent, attempt):
-                raise error_from(e, what) from None
+                raise error_from(e, what, timeout) from None
     raise AssertionError("unreachable")
 
 
 def stream(method: Callable[..., Any], request: Any, consume: Callable[[Iterator[Any]], _T],
-           *, what: str, metadata: Any, timeout_s: float, idempotent: bool = True) -> _T:
-    """Makes a server-streaming call and hands the stream to ``consume``."""
+           *, what: str, metadata: Any, timeout: Timeout) -> _T:
+    """Makes a server-streaming call and hands the stream to ``consume``.
+
+    Result streams (reduce, gather, fetch...) only read values, so they are retried
+    like idempotent calls.
+    """
+    timeout_s = timeout.seconds()
     for attempt in range(len(_RETRY_DELAYS_S) + 1):
         try:
             return consume(method(request, timeout=timeout_s, metadata=metadata))
         except grpc.RpcError as e:
-            if not _retry(e, idempotent, attempt):
-                raise error_from(e, what) from None
+            if not _retry(e, True, attempt):
+                raise error_from(e, what, timeout) from None
     raise AssertionError("unreachable")
 
 

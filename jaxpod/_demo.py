@@ -1,9 +1,10 @@
 """``jaxpod demo``: a small data-parallel training loop through ``jaxpod.connect()``.
 
 Fits a linear model to noisy synthetic data with SGD on a slice the jaxpod service
-holds: by default the embedded local service on a simulated v4-16 (2 hosts x 4
-chips, one JAX process per host). The per-replica gradients are all-reduced across
-both hosts, and the loss is reduced over the true (unpadded) rows of every batch.
+holds: by default the first free slice of the embedded local service, a simulated
+v4-16 (2 hosts x 4 chips, one JAX process per host) unless ``$JAXPOD_LOCAL_SLICES``
+says otherwise. The per-replica gradients are all-reduced across the slice's hosts,
+and the loss is reduced over the true (unpadded) rows of every batch.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import time
 from typing import Any
 
 
-def run_demo(steps: int = 20, accelerator_type: str = "v4-16",
+def run_demo(steps: int = 20, accelerator_type: str | None = None,
              address: str | None = None) -> int:
     """Trains for ``steps`` steps; prints the loss per step.
 
     Args:
       steps: training steps.
-      accelerator_type: the slice to train on.
+      accelerator_type: the slice type to train on (``None``: the type of the
+        service's first free slice).
       address: a running ``jaxpod serve`` (default ``$JAXPOD_ADDRESS``, else the
         embedded local service).
 

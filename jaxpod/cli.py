@@ -19,8 +19,10 @@ def _build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a small model data-parallel on a slice of the "
                                        "(embedded) service and print the loss")
     demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    demo.add_argument("--accelerator-type", default="v4-16",
-                      help="slice to train on (default v4-16: 2 simulated hosts)")
+    demo.add_argument("--accelerator-type", default=None,
+                      help="slice type to train on (default: the type of the service's "
+                           "first free slice; the embedded service's is a v4-16, 2 "
+                           "simulated hosts, unless $JAXPOD_LOCAL_SLICES says otherwise)")
     demo.add_argument("--address", default=None,
                       help="a running `jaxpod serve` (default $JAXPOD_ADDRESS, else start "
                            "the embedded local service)")

@@ -30,6 +30,15 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
+def little_endian(array: np.ndarray) -> np.ndarray:
+    """``array`` in C order with little-endian items (the wire's layout), copied only
+    when it is not already."""
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    # Not np.ascontiguousarray: it turns 0-d arrays into 1-d ones.
+    return array if array.flags.c_contiguous else array.copy(order="C")
+
+
 class Segments:
     """Buffers that travel as one: the operation channel sends them back to back,
     without joining them, and the other end receives their concatenation as a single
@@ -80,9 +89,7 @@ class Framing:
     def frame(self, array: np.ndarray) -> Framed:
         """``array``'s C-order little-endian bytes, framed: the pieces are views of
         ``array`` (copied only if it is not C-contiguous or little-endian)."""
-        if array.dtype.byteorder == ">":
-            array = array.astype(array.dtype.newbyteorder("<"))
-        flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        flat = little_endian(array).reshape(-1).view(np.uint8)
         data = memoryview(flat).toreadonly()  # type: ignore[arg-type]
         pieces = [Segments(self.header(len(body)), body)
                   for body in (data[s:s + self.piece_bytes]

@@ -9,6 +9,7 @@ decides what they mean. Large results stream as a skeleton followed by byte chun
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxpod.framing import Framed, Framing
+from jaxpod.framing import Framed, Framing, little_endian
 from jaxpod.proto import coordinator_pb2 as pb
 
 #: Version of the protocol; a client and a service must agree on it.
@@ -32,6 +33,12 @@ MAX_METADATA_BYTES = 1024 * 1024
 #: Trailers of an error status: the exception (cloudpickle) and the remote traceback.
 ERROR_TRAILER = "jaxpod-error-bin"
 TRACEBACK_TRAILER = "jaxpod-traceback-bin"
+
+
+def holder_label(session_id: str) -> str:
+    """How cluster status names the session holding a slice: a digest of its id, which
+    cannot stand in for the id (the id is what authorizes a session's calls)."""
+    return hashlib.sha256(session_id.encode()).hexdigest()[:16]
 
 
 def channel_options() -> list[tuple[str, int]]:
@@ -65,20 +72,20 @@ def dtype_from_name(name: str) -> np.dtype[Any]:
     return dtype
 
 
-def _little_endian(array: np.ndarray) -> np.ndarray:
-    if array.dtype.byteorder == ">":
-        array = array.astype(array.dtype.newbyteorder("<"))
-    # Not np.ascontiguousarray: it turns 0-d arrays into 1-d ones.
-    return array if array.flags.c_contiguous else array.copy(order="C")
-
-
-def to_tensor(value: Any) -> pb.Tensor:
-    """``value`` (numpy, jax or anything ``np.asarray`` takes) as a ``Tensor``."""
-    array = _little_endian(np.asarray(value))
+def wire_array(value: Any, path: str = "value") -> np.ndarray:
+    """``value`` (numpy, jax or anything ``np.asarray`` takes) as numpy in the wire's
+    layout; ``path`` names it in the error for arrays that cannot travel."""
+    array = little_endian(np.asarray(value))
     if array.dtype.hasobject:
         raise UnsupportedValueError(
-            f"Arrays of dtype object cannot be sent (got shape {array.shape}); convert "
-            "them to a numeric dtype first.")
+            f"{path}: arrays of dtype object cannot be sent (got shape {array.shape}); "
+            "convert them to a numeric dtype first.")
+    return array
+
+
+def to_tensor(value: Any, path: str = "value") -> pb.Tensor:
+    """``value`` as a ``Tensor`` (see :func:`wire_array`)."""
+    array = wire_array(value, path)
     return pb.Tensor(dtype=array.dtype.name, shape=array.shape, data=array.tobytes())
 
 
@@ -146,7 +153,7 @@ def encode(value: Any, leaf: LeafEncoder | None = None, path: str = "args") -> p
             keys=[encode(k, None, f"{path} key") for k in keys],
             values=[encode(value[k], leaf, f"{path}[{k!r}]") for k in keys]))
     if isinstance(value, np.ndarray | np.generic) or _is_jax_array(value):
-        return pb.Tree(tensor=to_tensor(value))
+        return pb.Tree(tensor=to_tensor(value, path))
     raise UnsupportedValueError(
         f"{path}: values of type {type(value).__module__}.{type(value).__qualname__} cannot "
         "be sent to the workers. Send numpy or jax arrays, Python numbers, strings, None, "
@@ -215,8 +222,8 @@ def split_result(value: Any, chunk_bytes: int = CHUNK_BYTES
             big.append(x.parts)
             return pb.Tree(streamed=x.meta())
         if isinstance(x, np.ndarray | np.generic):
-            array = _little_endian(np.asarray(x))
-            if array.nbytes > INLINE_BYTES:
+            array = np.asarray(x)
+            if array.nbytes > INLINE_BYTES:  # framed little-endian as it streams
                 big.append((array,))
                 return pb.Tree(streamed=pb.Tensor(dtype=array.dtype.name, shape=array.shape))
         return NOT_HANDLED
@@ -227,16 +234,13 @@ def split_result(value: Any, chunk_bytes: int = CHUNK_BYTES
 
 def _data_chunks(big: list[Iterable[np.ndarray | Framed]], chunk_bytes: int
                  ) -> Iterator[bytes]:
+    framing = Framing(_DATA_FIELD, chunk_bytes)
     for parts in big:
         for part in parts:
-            if isinstance(part, Framed):
+            if isinstance(part, Framed):  # framed by a worker: received as bytes
                 yield from part.pieces
-                continue
-            array = _little_endian(part)
-            flat = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-            for start in range(0, len(flat), chunk_bytes):
-                data = flat[start:start + chunk_bytes]
-                yield b"".join((DATA_FRAMING.header(len(data)), data))
+            else:  # one copy: each piece's header and view joined
+                yield from (piece.tobytes() for piece in framing.frame(part).pieces)
 
 
 #: The wire tag of ``ResultChunk.data`` (field 2, length-delimited).

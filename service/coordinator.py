@@ -21,7 +21,13 @@ import grpc
 import jax
 
 import jaxpod
-from jaxpod.errors import EndOfDataError, HandleError, MessageTooLargeError, VersionMismatchError
+from jaxpod.errors import (
+    EndOfDataError,
+    HandleError,
+    MessageTooLargeError,
+    SessionError,
+    VersionMismatchError,
+)
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
 from jaxpod.proto import tensors
@@ -122,7 +128,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         session = self.sessions.get(request.session_id)
         slice_id = f"slice-{secrets.token_hex(4)}"
         held = await self._blocking(self.slices.acquire, request, slice_id)
-        session.add_slice(held)
+        try:
+            session.add_slice(held)
+        except SessionError:
+            await self._blocking(held.release)
+            raise
         d = held.description
         return pb.SliceInfo(slice_id=held.id, accelerator_type=d["accelerator_type"],
                             num_slices=d["num_slices"], num_hosts=d["num_hosts"],
@@ -317,7 +327,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def ClusterStatus(self, request: pb.Empty, context: Any) -> pb.ClusterStatusResponse:
         slices = await self._blocking(self.slices.cluster)
-        holders = {name: s.id for s in self.sessions.all() for h in s.slices.values()
+        holders = {name: tensors.holder_label(s.id) for s in self.sessions.all()
+                   for h in s.slices.values()
                    for name in h.description["slice_names"]}
         for s in slices:
             s.holder = holders.get(s.name, "")
@@ -392,12 +403,10 @@ async def _abort(context: grpc.aio.ServicerContext, error: Exception, rpc: str) 
 
 
 def _install_error_mapping(cls: type[CoordinatorService]) -> None:
-    streaming = {"Reduce", "Gather", "LocalResults", "Fetch", "WatchJob"}
-    for name in dir(pb_grpc.CoordinatorServicer):
-        if name.startswith("_"):
-            continue
-        handler = getattr(cls, name)
-        setattr(cls, name, _streaming(handler) if name in streaming else _unary(handler))
+    for method in pb.DESCRIPTOR.services_by_name["Coordinator"].methods:
+        handler = getattr(cls, method.name)
+        wrap = _streaming if method.server_streaming else _unary
+        setattr(cls, method.name, wrap(handler))
 
 
 _install_error_mapping(CoordinatorService)

@@ -62,6 +62,13 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
         return _refuse(handler)
 
 
+#: gRPC's method handler factory by (request streaming, response streaming).
+_HANDLER_KINDS = {(False, False): grpc.unary_unary_rpc_method_handler,
+                  (False, True): grpc.unary_stream_rpc_method_handler,
+                  (True, False): grpc.stream_unary_rpc_method_handler,
+                  (True, True): grpc.stream_stream_rpc_method_handler}
+
+
 def _refuse(handler: Any) -> Any:
     error = AuthenticationError(
         "The jaxpod service requires a token: pass jaxpod.connect(token=...) or set "
@@ -76,13 +83,8 @@ def _refuse(handler: Any) -> Any:
         await abort(request, context)
         yield  # pragma: no cover
 
-    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
-             (True, False): grpc.stream_unary_rpc_method_handler,
-             (False, True): grpc.unary_stream_rpc_method_handler,
-             (True, True): grpc.stream_stream_rpc_method_handler}
-    streaming = (handler.request_streaming, handler.response_streaming)
-    make = kinds[streaming]
-    return make(abort_stream if streaming[1] else abort,
+    make = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
+    return make(abort_stream if handler.response_streaming else abort,
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
 
@@ -91,17 +93,13 @@ def coordinator_handlers(service: pb_grpc.CoordinatorServicer) -> grpc.GenericRp
     """The ``Coordinator`` service's handlers, as the generated
     ``add_CoordinatorServicer_to_server`` makes them, except that result streams may
     yield data chunks already serialized (:func:`tensors.split_result`)."""
-    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
-             (False, True): grpc.unary_stream_rpc_method_handler,
-             (True, False): grpc.stream_unary_rpc_method_handler,
-             (True, True): grpc.stream_stream_rpc_method_handler}
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["Coordinator"].methods:
         request, response = (getattr(pb, t.name) for t in (method.input_type,
                                                            method.output_type))
         serialize = (tensors.serialize_chunk if response is pb.ResultChunk
                      else response.SerializeToString)
-        make = kinds[(method.client_streaming, method.server_streaming)]
+        make = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(getattr(service, method.name),
                                      request_deserializer=request.FromString,
                                      response_serializer=serialize)

@@ -110,9 +110,10 @@ class Session:
                 "belongs to another client.") from None
 
     def add_slice(self, held: HeldSlice) -> None:
+        """Raises ``SessionError`` if the session closed meanwhile (the caller then
+        releases ``held``: releasing blocks, and must not under this lock)."""
         with self._lock:
             if self.closed:
-                held.release()
                 raise SessionError(f"Session {self.id} closed while its slice was starting.")
             self.slices[held.id] = held
 

@@ -145,6 +145,12 @@ def test_from_tensor_rejects_bad_messages() -> None:
         tensors.dtype_from_name("object")
     with pytest.raises(tensors.UnsupportedValueError, match="dtype object"):
         tensors.to_tensor(np.array([1, "a"], dtype=object))
+    # inside a nest, and on the way to an upload, the error names where it sits
+    with pytest.raises(tensors.UnsupportedValueError,
+                       match=r"^args\[1\]\['x'\]: arrays of dtype object"):
+        tensors.encode((1, {"x": np.array([1, "a"], dtype=object)}))
+    with pytest.raises(tensors.UnsupportedValueError, match=r"^args\[0\]: arrays of dtype"):
+        tensors.wire_array(np.empty(3, dtype=object), "args[0]")
 
 
 def test_nested_tree_round_trip() -> None:

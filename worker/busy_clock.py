@@ -15,6 +15,9 @@ import threading
 import time
 from typing import Any
 
+#: Intervals kept before they are summed (each operation adds one).
+_FOLD_AT = 1024
+
 
 class BusyClock:
     """The union of the intervals a worker was busy, in seconds."""
@@ -31,6 +34,8 @@ class BusyClock:
         """Counts ``[start, end]`` (``time.perf_counter`` readings)."""
         with self._lock:
             self._intervals.append((start, end))
+            if len(self._intervals) >= _FOLD_AT and not self._watching:
+                self._fold()  # bounded, whether or not anyone reads the stats
 
     def watch(self, start: float, arrays: list[Any]) -> None:
         """Counts ``[start, the moment every one of arrays is ready]``, once it is."""
@@ -61,11 +66,16 @@ class BusyClock:
         """Busy time so far. Call between operations (intervals still open are not
         counted until they close)."""
         with self._lock:
-            total = self._folded_s + _union_length(self._intervals)
-            if not self._watching:  # later intervals all start after these end
-                self._folded_s = total
-                self._intervals.clear()
-            return total
+            return self._fold()
+
+    def _fold(self) -> float:
+        """The total so far; the intervals are summed into it and dropped when no
+        watched computation is open (later intervals all start after these end)."""
+        total = self._folded_s + _union_length(self._intervals)
+        if not self._watching:
+            self._folded_s = total
+            self._intervals.clear()
+        return total
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:

@@ -35,7 +35,10 @@ import numpy as np
 
 from jaxpod.errors import JaxpodError
 from jaxpod.framing import Segments
+from jaxpod.timeouts import Timeout
 
+#: How long a connecting peer has to answer the key challenge.
+HANDSHAKE_TIMEOUT = Timeout("JAXPOD_CHANNEL_HANDSHAKE_TIMEOUT_S", 10.0)
 #: Buffers at least this large travel out of band (no copy into the pickle).
 OUT_OF_BAND_BYTES = 64 * 1024
 _CHALLENGE_BYTES = 32
@@ -60,9 +63,13 @@ def new_key() -> bytes:
 
 def broadcast(socks: Sequence[socket.socket], message: Any) -> None:
     """Sends ``message`` (anything cloudpickle takes) on each socket, pickled once."""
-    data, buffers = _encode(message)
+    send(socks, encode(message))
+
+
+def send(socks: Sequence[socket.socket], encoded: tuple[bytes, list[Any]]) -> None:
+    """Sends a message :func:`encode` made on each socket."""
     for sock in socks:
-        _send(sock, data, buffers)
+        _send(sock, *encoded)
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -95,9 +102,10 @@ class _Unpickler(pickle.Unpickler):
         return self._segmented[pid]
 
 
-def _encode(message: Any) -> tuple[bytes, list[Any]]:
+def encode(message: Any) -> tuple[bytes, list[Any]]:
     """The message's header and pickle; then what travels out of band, in order:
-    pickle's buffers (memoryviews) and :class:`Segments`."""
+    pickle's buffers (memoryviews) and :class:`Segments`. Raises whatever pickling
+    raises, before anything is sent."""
     buffers: list[Any] = []
     file = io.BytesIO()
     pickler = _Pickler(file, buffers)
@@ -254,7 +262,10 @@ class ChannelServer:
             with sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 try:
+                    # A connection that never proves itself must not hold the server.
+                    sock.settimeout(HANDSHAKE_TIMEOUT.seconds())
                     _prove(sock, self._key)
+                    sock.settimeout(None)
                     while True:
                         _send(sock, *self._answer(*_receive(sock, None, writable=True)))
                 except (ChannelClosedError, ChannelAuthError, OSError):
@@ -264,9 +275,9 @@ class ChannelServer:
                 ) -> tuple[bytes, list[Any]]:
         try:
             args, kwargs = _loads(data, buffers, segmented)
-            return _encode(self._handle(*args, **kwargs))
+            return encode(self._handle(*args, **kwargs))
         except Exception as e:
-            return _encode(self._failed(e))
+            return encode(self._failed(e))
 
     def close(self) -> None:
         self._listener.close()

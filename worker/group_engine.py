@@ -101,7 +101,7 @@ class GroupEngine:
         self._num_replicas: int | None = None
 
     def _call(self, op: str, *args: Any) -> list[Any]:
-        return self.group.call(op, *args, dropped=self.dropped.take())
+        return self.group.call(op, *args, drops=self.dropped)
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -305,7 +305,7 @@ def _fetched_ahead(first: _Part, fetch: Callable[[int], _Part], rest: Sequence[i
         if ahead:
             yield ahead.pop().result()
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=False, cancel_futures=True)  # a cancelled reader need not wait
 
 
 class DropQueue:
@@ -322,6 +322,12 @@ class DropQueue:
         if not (self.values or self.iterators or self.datasets):
             return None
         return Dropped(_drain(self.values), _drain(self.iterators), _drain(self.datasets))
+
+    def restore(self, dropped: Dropped) -> None:
+        """Puts back what :meth:`take` gave, for an operation that was not sent."""
+        self.values.extend(dropped.values)
+        self.iterators.extend(dropped.iterators)
+        self.datasets.extend(dropped.datasets)
 
 
 def _drain(queue: collections.deque[int]) -> tuple[int, ...]:

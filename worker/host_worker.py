@@ -84,9 +84,10 @@ class RemoteError:
 
         try:
             pickled = cloudpickle.dumps(error)
+            cloudpickle.loads(pickled)  # e.g. an __init__ that pickle cannot call again
         except Exception as why:  # it could not travel at all: send its description
             error = RuntimeError(f"{type(error).__qualname__}: {error} (this exception "
-                                 f"could not be pickled: {why})")
+                                 f"could not be pickled and unpickled: {why})")
             pickled = cloudpickle.dumps(error)
         return cls(error, tb, pickled)
 

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from jaxpod.errors import JaxpodError, WorkerLostError, WorkerStartError
 from jaxpod.timeouts import Timeout
@@ -128,30 +128,40 @@ class ReplicaGroup:
         return cls(workers, info, channels)
 
     def call(self, op: str, *args: Any, timeout: float | None = None,
-             dropped: Dropped | None = None) -> list[Any]:
+             drops: DropSource | None = None) -> list[Any]:
         """Runs ``op`` on every host; returns each host's result in host order.
 
         Args:
-          dropped: what to free first, in the same round trip (what the caller
-            dropped since its previous call).
+          timeout: the operation's limit, counted from when it has the group (waiting
+            for the previous operation may take as long again).
+          drops: what to free first, in the same round trip (what the caller dropped
+            since its previous call); taken once the operation is about to be sent,
+            given back if it is not.
 
         Raises:
           The first host's error (user exceptions keep their type; the remote
           traceback is attached as a note), or ``OperationTimeoutError``.
         """
         limit = OPERATION_TIMEOUT.resolve(timeout)
-        deadline = time.monotonic() + limit
         # One operation at a time: replies come back in the order they were asked for.
         if not self._lock.acquire(timeout=limit):
             raise OperationTimeoutError(
                 f"Operation {op!r} waited {limit:g}s ({OPERATION_TIMEOUT.env_var}) for "
                 "the group's previous operation to finish.")
         try:
+            deadline = time.monotonic() + limit
             if self._broken:
                 raise JaxpodError(f"This replica group is broken ({self._broken}); restart it.")
-            seq, self._seq = self._seq, self._seq + 1
+            dropped = drops.take() if drops is not None else None
             kwargs = {"dropped": dropped} if dropped else {}
-            results = self._exchange(op, ((seq, op, *args), kwargs), deadline, limit)
+            try:  # a message that does not pickle is not sent, and uses no number
+                encoded = channel.encode(((self._seq, op, *args), kwargs))
+            except BaseException:
+                if dropped and drops is not None:
+                    drops.restore(dropped)
+                raise
+            self._seq += 1
+            results = self._exchange(op, encoded, deadline, limit)
         finally:
             self._lock.release()
         for host, result in enumerate(results):
@@ -164,14 +174,23 @@ class ReplicaGroup:
                 raise error
         return results
 
-    def _exchange(self, op: str, message: Any, deadline: float, limit: float) -> list[Any]:
-        """Sends ``message`` to every host; returns their replies in host order."""
+    def _exchange(self, op: str, encoded: tuple[bytes, list[Any]], deadline: float,
+                  limit: float) -> list[Any]:
+        """Sends the message to every host; returns their replies in host order. Every
+        host's reply is read, even after one fails to unpickle, so that the next
+        operation's replies are its own."""
         results: list[Any] = []
+        unreadable: list[tuple[int, Exception]] = []
         try:
-            channel.broadcast(self._channels, message)
-            for sock in self._channels:
-                results.append(channel.receive(sock, deadline))
-            return results
+            channel.send(self._channels, encoded)
+            for host, sock in enumerate(self._channels):
+                try:
+                    results.append(channel.receive(sock, deadline))
+                except (TimeoutError, OSError):
+                    raise
+                except Exception as e:  # the whole reply was read: the stream is in step
+                    results.append(None)
+                    unreadable.append((host, e))
         except TimeoutError:
             host = len(results)
             self._broken = f"operation {op!r} timed out after {limit:g}s"
@@ -186,6 +205,13 @@ class ReplicaGroup:
                 f"Host {host} stopped answering during operation {op!r} ({e}): its worker "
                 "process died or the group was stopped. The group is now unusable; "
                 "release the slice and acquire a new one.") from e
+        if unreadable:
+            host, why = unreadable[0]
+            raise JaxpodError(
+                f"Host {host}'s reply to operation {op!r} could not be unpickled here: "
+                f"{type(why).__name__}: {why}. The coordinator and the workers must run "
+                "the same versions of the packages whose objects the reply holds.") from why
+        return results
 
     def stop(self, timeout: float | None = None) -> None:
         """Shuts the group down (``jax.distributed.shutdown`` with a limit), then kills."""
@@ -201,6 +227,14 @@ class ReplicaGroup:
         for w in self._workers:
             ray.kill(w)
         self._broken = "stopped"
+
+
+class DropSource(Protocol):
+    """Where a caller's dropped handles wait for its next operation."""
+
+    def take(self) -> Dropped | None: ...
+
+    def restore(self, dropped: Dropped) -> None: ...
 
 
 def _get_all(refs: list[Any], deadline: float, what: str, limit: float) -> list[Any]:

@@ -34,25 +34,30 @@ class _Remote:
     def __init__(self) -> None:
         self._service: Any = None
         self._client: Any = None
-        self._strategies: dict[tuple[int, int], Any] = {}
+        #: The strategies that own each slice, by replica count (``steps_per_run`` 1).
+        self._bases: dict[int, Any] = {}
+        #: Copies of those with other ``steps_per_run``, sharing their slices.
+        self._copies: dict[tuple[int, int], Any] = {}
 
     def strategy(self, num_replicas: int, steps_per_run: int = 1) -> Any:
-        key = (num_replicas, steps_per_run)
-        if key in self._strategies:
-            return self._strategies[key]
-        if (num_replicas, 1) not in self._strategies:
+        base = self._bases.get(num_replicas)
+        if base is None:
             if self._client is None:
                 from jaxpod.client import embedded
 
                 self._service = embedded.start(",".join(REMOTE_SLICES.values()))
                 self._client = jaxpod.connect(self._service.address, token=self._service.token)
-            self._strategies[(num_replicas, 1)] = self._client.strategy(
+            base = self._bases[num_replicas] = self._client.strategy(
                 REMOTE_SLICES[num_replicas], num_replicas=num_replicas)
-        self._strategies[key] = self._strategies[(num_replicas, 1)].with_steps_per_run(
-            steps_per_run)
-        return self._strategies[key]
+        if steps_per_run == 1:
+            return base
+        key = (num_replicas, steps_per_run)
+        if key not in self._copies:
+            self._copies[key] = base.with_steps_per_run(steps_per_run)
+        return self._copies[key]
 
     def close(self) -> None:
+        # Closing the session releases every slice and marks the strategies closed.
         if self._client is not None:
             self._client.close()
         if self._service is not None:
@@ -108,15 +113,9 @@ def _of(backend: str, request: pytest.FixtureRequest) -> Callable[..., Any]:
     return remote.strategy
 
 
-@pytest.fixture(params=[1, 2, 8], ids=lambda n: f"{n}replicas")
-def strategy(request: pytest.FixtureRequest, backend: str) -> Any:
-    n = request.param
-    return make_strategy(n) if backend == "local" else _of(backend, request)(n)
-
-
 @pytest.fixture(scope="session", params=[1, 2, 8], ids=lambda n: f"{n}replicas")
 def sstrategy(request: pytest.FixtureRequest, backend: str) -> Any:
-    """Like ``strategy`` (1, 2 and 8 replicas) but shared for the whole session."""
+    """A strategy over 1, 2 and 8 replicas, shared for the whole session."""
     return _of(backend, request)(request.param)
 
 

@@ -13,7 +13,7 @@ import pytest
 from engine_np_reference import ATOL, RTOL, tf_rebatch
 
 import jaxpod
-from jaxpod.framing import Framing
+from jaxpod.framing import Framing, varint
 
 
 def np_tiling(mesh_shape: Sequence[int], computation_shape: Sequence[int]) -> list[list[int]]:
@@ -216,7 +216,10 @@ def test_gather_parts_as_views_and_framed(model_parallel_strategy: jaxpod.TPUStr
             np.testing.assert_array_equal(got, expected)
             assert got.flags.owndata is not whole  # whole components are device views
         framed = Framing(tag=b"\x12", piece_bytes=40).frame(parts[1])
-        body = b"".join(p.tobytes()[2:] for p in framed.pieces)  # 1-byte tag + length
+        for p in framed.pieces:  # each piece: its header (tag, length), then its rows
+            assert len(p.parts) == 2
+            assert bytes(p.parts[0]) == b"\x12" + varint(p.parts[1].nbytes)
+        body = b"".join(bytes(p.parts[1]) for p in framed.pieces)
         assert framed.nbytes == len(body) == want[3].nbytes
         assert body == want[3].tobytes()
 

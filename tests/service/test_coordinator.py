@@ -255,6 +255,10 @@ def _assert_serving(strategy: RemoteStrategy, seed: int = 0) -> None:
         np.testing.assert_allclose(part, x * 3.0 + replica, rtol=1e-6)
 
 
+def _label(client: Any) -> str:
+    return tensors.holder_label(client.session_id)
+
+
 def _holders(client: Any) -> dict[str, str]:
     return {s["name"]: s["holder"] for s in client.cluster()}
 
@@ -461,8 +465,10 @@ def test_concurrent_clients_are_isolated(service: Service, client: Any,
 
         holders = _holders(client)
         v6e = {name: h for name, h in holders.items() if "v6e-8" in name}
-        assert sorted(v6e.values()) == sorted([ca.session_id, cb.session_id])
-        assert [h for name, h in holders.items() if "v4-16" in name] == [client.session_id]
+        assert sorted(v6e.values()) == sorted([_label(ca), _label(cb)])
+        assert [h for name, h in holders.items() if "v4-16" in name] == [_label(client)]
+        # status names holders without giving away their session ids (which authorize)
+        assert not {c.session_id for c in (client, ca, cb)} & set(holders.values())
         assert holders == _holders(ca) == _holders(cb)
     finally:
         for c in clients:
@@ -480,7 +486,7 @@ def test_lease_expiry_releases_the_slice(service: Service, client: Any) -> None:
         assert doomed.lease_s == pytest.approx(1.5)
         s = doomed.strategy("v6e-8", num_replicas=2, timeout_s=120)
         _assert_serving(s)
-        held = [n for n, h in _holders(client).items() if h == doomed.session_id]
+        held = [n for n, h in _holders(client).items() if h == _label(doomed)]
         assert len(held) == 1 and "v6e-8" in held[0]
         name = held[0]
         assert all(h for n, h in _holders(client).items() if "v6e-8" in n)  # none free
@@ -500,7 +506,7 @@ def test_lease_expiry_releases_the_slice(service: Service, client: Any) -> None:
 
         # The only free v6e-8 is the released one: another client gets it and runs.
         replacement = client.strategy("v6e-8", num_replicas=2, timeout_s=60)
-        assert _holders(client)[name] == client.session_id
+        assert _holders(client)[name] == _label(client)
         _assert_serving(replacement, seed=3)
     finally:
         doomed._channel.close()

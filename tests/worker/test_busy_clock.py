@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -26,7 +28,12 @@ def test_overlapping_intervals_count_once() -> None:
 
 def test_watched_computation_counts_until_its_outputs_are_ready() -> None:
     clock = BusyClock()
-    clock.add(0.0, 1.0)
+    t0 = time.perf_counter()
+    clock.add(t0 - 1.0, t0)  # an operation that took a second and just ended
     out = jnp.ones((64, 64)) @ jnp.ones((64, 64))
-    clock.watch(0.5, [out])  # overlaps the operation, so only what lies beyond counts
+    clock.watch(t0 - 0.5, [out])  # overlaps the operation, so only what lies beyond counts
     assert wait_for(lambda: clock.seconds() > 1.0, 30)  # the watcher closed its interval
+    t1 = time.perf_counter()
+    # The union runs from t0 - 1.0 to when the outputs were ready, no later than t1:
+    # counting the overlap [t0 - 0.5, t0] twice would exceed that.
+    assert 1.0 < clock.seconds() <= t1 - (t0 - 1.0)
