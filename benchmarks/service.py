@@ -25,8 +25,9 @@ v6e-8 host (8 CPU devices):
    client does). Target: jaxpod GB/s / raw GB/s >= 0.7. Also reported, for context:
    the same stream joined into one ``bytes`` object (``b"".join``), the obvious client,
    which spends much of its time faulting in the fresh 256 MiB; and the CPU time the
-   whole machine spent per call of each (``/proc/stat``). jaxpod's path keeps three
-   processes busy (client, service, host worker) where the raw stream keeps two, so
+   whole machine spent per call of each (``/proc/stat``). jaxpod's path has a hop
+   the raw stream does not (host worker to service; here, on one machine, the service
+   copies the rows out of the worker's memory, ``jaxpod.worker.process_memory``), so
    ``gather_vs_raw_ratio_cpu_ceiling`` (raw time / (jaxpod CPU / cores)) is the best
    ratio that perfect overlap could reach on this machine.
 

@@ -14,6 +14,12 @@ writable numpy memory on the worker's side, ``bytes`` on the coordinator's, whic
 forward a buffer it received (a framed piece of a gathered array) without a copy.
 :class:`~jaxpod.framing.Segments` travel out of band too, as one buffer sent from
 several (a piece's header and a view of the rows), so neither end copies them.
+
+When the worker runs on the coordinator's machine (the handshake checks that the
+coordinator can read the worker's memory), a reply's large buffers do not travel at
+all: the worker sends where they are and keeps them until its next message arrives,
+and the coordinator copies them straight into its ``bytes`` objects
+(:mod:`~jaxpod.worker.process_memory`). ``JAXPOD_CHANNEL_LEND=0`` turns that off.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import io
+import os
 import pickle
 import secrets
 import socket
@@ -36,6 +43,7 @@ import numpy as np
 from jaxpod.errors import JaxpodError
 from jaxpod.framing import Segments
 from jaxpod.timeouts import Timeout
+from jaxpod.worker import process_memory
 
 #: How long a connecting peer has to answer the key challenge.
 HANDSHAKE_TIMEOUT = Timeout("JAXPOD_CHANNEL_HANDSHAKE_TIMEOUT_S", 10.0)
@@ -44,6 +52,9 @@ OUT_OF_BAND_BYTES = 64 * 1024
 _CHALLENGE_BYTES = 32
 #: pickle length, number of out-of-band buffers: pickle's own, then Segments
 _COUNT = struct.Struct("<QQQ")
+_PID = struct.Struct("<Q")
+_OFFER = struct.Struct("<QQ")  # the worker's pid, the address of its token
+_LENT = struct.Struct("<QQQQ")  # buffer index, offset in it, address, length
 _TIMEVAL = struct.Struct("@ll")  # SO_RCVTIMEO's struct timeval
 
 
@@ -54,6 +65,13 @@ class ChannelClosedError(JaxpodError, ConnectionError):
 
 class ChannelAuthError(JaxpodError, PermissionError):
     """The other end of an operation channel does not hold the group's key."""
+
+
+class Connection(socket.socket):
+    """An authenticated channel socket, as :func:`connect` opens it."""
+
+    #: The worker's pid where it lends its replies' large buffers in place, else 0.
+    lender: int = 0
 
 
 def new_key() -> bytes:
@@ -117,11 +135,31 @@ def encode(message: Any) -> tuple[bytes, list[Any]]:
     return header + data, buffers + pickler.segmented
 
 
-def _send(sock: socket.socket, data: bytes, buffers: list[Any]) -> None:
+def _send(sock: socket.socket, data: bytes, buffers: list[Any], lend: bool = False
+          ) -> None:
+    """Sends an encoded message. With ``lend``, large parts of its buffers go as
+    where they are (the receiver reads them in place; the caller keeps them)."""
     sock.sendall(data)
-    for buffer in buffers:
-        for part in buffer.parts if type(buffer) is Segments else (buffer,):
-            sock.sendall(part)
+    parts = [(i, buffer.parts if type(buffer) is Segments else (buffer,))
+             for i, buffer in enumerate(buffers)]
+    if lend:
+        lent, inline = [], []
+        for i, pieces in parts:
+            offset = 0
+            for piece in pieces:
+                if piece.nbytes >= OUT_OF_BAND_BYTES:
+                    lent.append(_LENT.pack(i, offset, process_memory.address_of(piece),
+                                           piece.nbytes))
+                else:
+                    inline.append(piece)
+                offset += piece.nbytes
+        sock.sendall(_PID.pack(len(lent)) + b"".join(lent))
+        for piece in inline:
+            sock.sendall(piece)
+        return
+    for _, pieces in parts:
+        for piece in pieces:
+            sock.sendall(piece)
 
 
 def _loads(data: Any, buffers: list[Any], segmented: int) -> Any:
@@ -135,7 +173,8 @@ def receive(sock: socket.socket, deadline: float | None = None) -> Any:
     ``TimeoutError``). Its out-of-band buffers come as ``bytes``, each received straight
     into place, so arrays in it are read-only."""
     try:
-        received = _receive(sock, deadline, writable=False)
+        received = _receive(sock, deadline, writable=False,
+                            lender=getattr(sock, "lender", 0))
     except BlockingIOError:  # the kernel's receive limit (see _limit) ran out
         raise TimeoutError("The operation channel's deadline passed.") from None
     finally:
@@ -144,21 +183,40 @@ def receive(sock: socket.socket, deadline: float | None = None) -> Any:
     return _loads(*received)
 
 
-def _receive(sock: socket.socket, deadline: float | None, writable: bool
+def _receive(sock: socket.socket, deadline: float | None, writable: bool, lender: int = 0
              ) -> tuple[bytearray, list[Any], int]:
     """One whole message's bytes, so a message that fails to unpickle leaves the
     stream in step: the pickle, the out-of-band buffers, how many of those (the last
     ones) were Segments. Out-of-band buffers are ``writable`` numpy memory (not
-    zeroed first, unlike a bytearray, and on huge pages when large) or ``bytes``."""
+    zeroed first, unlike a bytearray, and on huge pages when large) or ``bytes``;
+    from a ``lender`` (its pid), ``bytes`` with their large parts read in place."""
     length, plain, segmented = _COUNT.unpack(_read(sock, _COUNT.size, deadline))
     count = plain + segmented
     sizes = struct.unpack(f"<{count}Q", _read(sock, 8 * count, deadline)) if count else ()
     data = _read(sock, length, deadline)
     if writable:
-        buffers = [_read(sock, n, deadline, np.empty(n, np.uint8)) for n in sizes]
-    else:
-        buffers = [_read_bytes(sock, n, deadline) for n in sizes]
-    return data, buffers, segmented
+        return data, [_read(sock, n, deadline, np.empty(n, np.uint8)) for n in sizes], \
+            segmented
+    if not lender:
+        return data, [_read_bytes(sock, n, deadline) for n in sizes], segmented
+    (lent_count,) = _PID.unpack(_read(sock, _PID.size, deadline))
+    lent: list[list[tuple[int, int, int]]] = [[] for _ in sizes]
+    for i, offset, address, n in _LENT.iter_unpack(_read(sock, _LENT.size * lent_count,
+                                                          deadline)):
+        lent[i].append((offset, address, n))
+    buffers = [process_memory.new_bytes(n) for n in sizes]
+    for (_, view), spans in zip(buffers, lent, strict=True):  # the rest came inline
+        at = 0
+        for offset, _, n in [*spans, (view.nbytes, 0, 0)]:
+            _read(sock, offset - at, deadline, view[at:offset])
+            at = offset + n
+    for (_, view), spans in zip(buffers, lent, strict=True):
+        try:
+            process_memory.read(lender, view, 0, spans)
+        except OSError as e:  # the stream is in step; the worker is most likely gone
+            raise ChannelClosedError(
+                f"Could not read the reply's buffers in the worker's memory: {e}.") from e
+    return data, [b for b, _ in buffers], segmented
 
 
 def _read(sock: socket.socket, n: int, deadline: float | None = None, into: Any = None
@@ -216,17 +274,45 @@ def _prove(sock: socket.socket, key: bytes) -> None:
                                "challenge: it does not hold this group's key.")
 
 
-def connect(address: tuple[str, int], key: bytes, timeout_s: float) -> socket.socket:
+def _borrow(sock: socket.socket) -> int:
+    """The coordinator's half of the same-host check: the worker's pid if this
+    process can read the worker's memory (it read the worker's token), else 0."""
+    sock.sendall(_PID.pack(os.getpid()))
+    pid, address = _OFFER.unpack(_read(sock, _OFFER.size))
+    token = bytes(_read(sock, _CHALLENGE_BYTES))
+    can = process_memory.enabled() and process_memory.reads_back(pid, address, token)
+    sock.sendall(b"\x01" if can else b"\x00")
+    return pid if can else 0
+
+
+def _lend(sock: socket.socket) -> bool:
+    """The worker's half of the same-host check: whether the coordinator reads its
+    replies' large buffers in place."""
+    (reader,) = _PID.unpack(_read(sock, _PID.size))
+    token = np.frombuffer(secrets.token_bytes(_CHALLENGE_BYTES), np.uint8).copy()
+    offered = process_memory.enabled()
+    if offered:
+        process_memory.allow_reader(reader)
+    sock.sendall(_OFFER.pack(os.getpid() if offered else 0, token.ctypes.data)
+                 + token.tobytes())
+    return _read(sock, 1) == b"\x01"
+
+
+def connect(address: tuple[str, int], key: bytes, timeout_s: float) -> Connection:
     """Opens and authenticates a channel to a worker's :class:`ChannelServer`."""
     sock = socket.create_connection(address, timeout=timeout_s)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _prove(sock, key)
+        lender = _borrow(sock)
         sock.settimeout(None)
     except BaseException:
         sock.close()
         raise
-    return sock
+    conn = Connection(fileno=sock.detach())
+    conn.setblocking(True)
+    conn.lender = lender
+    return conn
 
 
 class ChannelServer:
@@ -261,13 +347,20 @@ class ChannelServer:
                 return  # closed
             with sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                reply: tuple[bytes, list[Any]] | None = None
                 try:
                     # A connection that never proves itself must not hold the server.
                     sock.settimeout(HANDSHAKE_TIMEOUT.seconds())
                     _prove(sock, self._key)
+                    lend = _lend(sock)
                     sock.settimeout(None)
                     while True:
-                        _send(sock, *self._answer(*_receive(sock, None, writable=True)))
+                        message = _receive(sock, None, writable=True)
+                        # A lent reply lives until the coordinator has read it, which
+                        # it has once its next message arrives.
+                        reply = None
+                        reply = self._answer(*message)
+                        _send(sock, reply[0], reply[1], lend=lend)
                 except (ChannelClosedError, ChannelAuthError, OSError):
                     continue  # that client is gone; wait for the next
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import threading
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxpod.framing import Framing, Segments, varint
-from jaxpod.worker import channel
+from jaxpod.worker import channel, process_memory
 
 
 def _echo(*args: Any, sleep_s: float = 0.0, frame: int = 0, **kwargs: Any) -> Any:
@@ -27,8 +28,11 @@ def _echo(*args: Any, sleep_s: float = 0.0, frame: int = 0, **kwargs: Any) -> An
     return args, kwargs
 
 
-@pytest.fixture()
-def server() -> Any:
+@pytest.fixture(params=["lent", "socket"])
+def server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A channel server in this process: replies' large buffers read in place (a
+    worker on this machine) or sent through the socket (``JAXPOD_CHANNEL_LEND=0``)."""
+    monkeypatch.setenv(process_memory.LEND_ENV, "1" if request.param == "lent" else "0")
     key = channel.new_key()
     srv = channel.ChannelServer("127.0.0.1", key, _echo, lambda e: ("failed", repr(e)))
     yield srv, key
@@ -40,6 +44,8 @@ def test_round_trip_keeps_small_and_large_arrays(server: Any) -> None:
     big = np.random.default_rng(0).normal(size=(300, 1000)).astype(np.float32)  # out of band
     small = np.arange(5, dtype=np.int16)
     with channel.connect(srv.address, key, 10) as sock:
+        lending = os.environ[process_memory.LEND_ENV] == "1"
+        assert sock.lender == (os.getpid() if lending else 0)
         for n in range(3):  # several messages on one connection stay in step
             channel.broadcast([sock], ((big + n, small), {"n": n}))
             (got_big, got_small), kwargs = channel.receive(sock)
@@ -122,6 +128,7 @@ def test_peer_that_goes_away_mid_operation_raises_channel_closed() -> None:
         conn, _ = listener.accept()
         with conn:
             channel._prove(conn, key)
+            channel._lend(conn)
             channel.receive(conn)
 
     thread = threading.Thread(target=peer_that_dies, daemon=True)
@@ -149,3 +156,62 @@ def test_framing_rejects_bad_settings_and_frames_empty_arrays() -> None:
     segments = Segments(b"ab", np.arange(3, dtype=np.uint8))
     assert segments.nbytes == 5
     assert pickle.loads(pickle.dumps(segments)) == segments.tobytes() == b"ab\x00\x01\x02"
+
+
+def _peer(key: bytes, serve: Any) -> tuple[socket.socket, threading.Thread]:
+    """A hand-written worker end on a thread: answers the key challenge, then runs
+    ``serve(conn)``."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def run() -> None:
+        with listener, listener.accept()[0] as conn:
+            channel._prove(conn, key)
+            serve(conn)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+def test_a_worker_whose_token_does_not_read_back_sends_through_the_socket() -> None:
+    key = channel.new_key()
+    big = np.arange(1 << 18, dtype=np.float64)
+    answers: list[bytes] = []
+
+    def serve(conn: socket.socket) -> None:
+        channel._read(conn, 8)  # the coordinator's pid
+        elsewhere = np.zeros(32, np.uint8)  # not the token it is sent with
+        conn.sendall(channel._OFFER.pack(os.getpid(), elsewhere.ctypes.data) + b"t" * 32)
+        answers.append(bytes(channel._read(conn, 1)))
+        channel.receive(conn)
+        channel._send(conn, *channel.encode(big))
+
+    listener, thread = _peer(key, serve)
+    with channel.connect(listener.getsockname(), key, 10) as sock:
+        assert sock.lender == 0
+        channel.broadcast([sock], ())
+        np.testing.assert_array_equal(channel.receive(sock), big)
+    thread.join(10)
+    assert answers == [b"\x00"]
+
+
+def test_a_lent_buffer_that_cannot_be_read_raises_channel_closed() -> None:
+    key = channel.new_key()
+
+    def serve(conn: socket.socket) -> None:
+        channel._lend(conn)
+        channel.receive(conn)
+        data, buffers = channel.encode(np.zeros(1 << 17, np.uint8))
+        conn.sendall(data + channel._PID.pack(1)
+                     + channel._LENT.pack(0, 0, 8, buffers[0].nbytes))  # nothing at 8
+        with pytest.raises(channel.ChannelClosedError):
+            channel._read(conn, 1)  # until the coordinator hangs up
+
+    listener, thread = _peer(key, serve)
+    with channel.connect(listener.getsockname(), key, 10) as sock:
+        assert sock.lender == os.getpid()
+        channel.broadcast([sock], ())
+        with pytest.raises(channel.ChannelClosedError,
+                           match="Could not read the reply's buffers in the worker's memory"):
+            channel.receive(sock)
+    thread.join(10)

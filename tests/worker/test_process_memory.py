@@ -1,0 +1,75 @@
+"""Reading another process's memory: a real second process holding known data, read in
+many spans; tokens that read back and ones that do not; the switch's bad values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from jaxpod.worker import process_memory
+
+# A process that holds 1 MiB of known bytes and says where they are.
+_HOLDER = """
+import os, sys
+import numpy as np
+data = (np.arange(1 << 20) * 7 % 251).astype(np.uint8)
+print(os.getpid(), data.ctypes.data, flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture()
+def holder() -> Iterator[tuple[int, int, np.ndarray]]:
+    with subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            pid, address = (int(x) for x in proc.stdout.readline().split())
+            yield pid, address, (np.arange(1 << 20) * 7 % 251).astype(np.uint8)
+        finally:
+            proc.kill()
+
+
+def test_reads_spans_of_another_process_into_bytes(holder: tuple[int, int, np.ndarray]
+                                                   ) -> None:
+    pid, address, expected = holder
+    # More spans than one system call takes (IOV_MAX), gaps left unread between them.
+    spans = [(i * 600, address + i * 512, 500) for i in range(1500)]
+    out, view = process_memory.new_bytes(1500 * 600 + 3)
+    view[:] = b"\xff" * view.nbytes
+    process_memory.read(pid, view, 3, spans)
+    assert type(out) is bytes and len(out) == 1500 * 600 + 3
+    got = np.frombuffer(out, np.uint8)
+    for at, remote, n in spans[::97] + spans[-1:]:
+        np.testing.assert_array_equal(got[3 + at:3 + at + n],
+                                      expected[remote - address:remote - address + n])
+        assert got[3 + at + n:3 + at + 600].tolist() == [255] * (600 - n)  # gap untouched
+
+
+def test_a_token_reads_back_only_where_it_is(holder: tuple[int, int, np.ndarray]) -> None:
+    pid, address, expected = holder
+    assert process_memory.reads_back(pid, address + 64, expected[64:96].tobytes())
+    assert not process_memory.reads_back(pid, address + 64, expected[65:97].tobytes())
+    assert not process_memory.reads_back(pid, 8, b"\0" * 32)  # not mapped there
+    assert not process_memory.reads_back(0, address, b"\0" * 32)
+
+
+def test_reading_memory_that_is_not_there_raises_oserror(
+        holder: tuple[int, int, np.ndarray]) -> None:
+    pid, _, _ = holder
+    _, view = process_memory.new_bytes(16)
+    with pytest.raises(OSError, match=f"reading process {pid}'s memory"):
+        process_memory.read(pid, view, 0, [(0, 8, 16)])
+
+
+def test_the_switch_takes_0_or_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(process_memory.LEND_ENV, "0")
+    assert not process_memory.enabled()
+    monkeypatch.setenv(process_memory.LEND_ENV, "yes")
+    with pytest.raises(ValueError, match=r"JAXPOD_CHANNEL_LEND must be 0 .* or 1 .* "
+                                         r"Got 'yes'\."):
+        process_memory.enabled()

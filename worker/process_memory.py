@@ -1,0 +1,137 @@
+"""Reading another process's memory (Linux ``process_vm_readv``), for the operation
+channel's same-host path.
+
+When the coordinator and a host worker run on one machine, moving a large reply
+through a loopback socket costs a copy into the kernel on the worker's side, a copy
+out of it on the coordinator's, and the TCP stack and wake-ups in between, on CPUs
+that the computation and the client share. Instead the worker sends where its buffers
+are, and the coordinator copies them straight into its own ``bytes`` objects: one
+copy, and none of the worker's time. Whether it may is not assumed: the channel's
+handshake has the coordinator read a random token at an address the worker names
+(:func:`reads_back`), which proves the same machine, the same pid namespace and the
+permission to read, and falls back to the socket otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+#: Set to ``0`` to send every reply through the channel's socket.
+LEND_ENV = "JAXPOD_CHANNEL_LEND"
+_PR_SET_PTRACER = 0x59616D61  # prctl option of the Yama security module
+_IOV_MAX = 1024
+
+
+class _IOVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+def _libc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        read = libc.process_vm_readv
+    except (OSError, AttributeError):
+        return None
+    read.restype = ctypes.c_ssize_t
+    read.argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.c_ulong,
+                     ctypes.POINTER(_IOVec), ctypes.c_ulong, ctypes.c_ulong]
+    return libc
+
+
+_LIBC = _libc()
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+_bytes_address = ctypes.pythonapi.PyBytes_AsString
+_bytes_address.restype = ctypes.c_void_p
+_bytes_address.argtypes = [ctypes.py_object]
+
+
+def enabled() -> bool:
+    """Whether this process should try the same-host path (``JAXPOD_CHANNEL_LEND``)."""
+    wanted = os.environ.get(LEND_ENV, "1")
+    if wanted not in ("0", "1"):
+        raise ValueError(f"{LEND_ENV} must be 0 (replies always travel through the "
+                         f"channel's socket) or 1 (a worker on the same machine lends "
+                         f"large buffers, read in place). Got {wanted!r}.")
+    return wanted == "1" and _LIBC is not None
+
+
+def address_of(buffer: Any) -> int:
+    """Where a C-contiguous buffer (read-only ones included) starts in memory."""
+    return int(np.frombuffer(buffer, np.uint8).ctypes.data)
+
+
+def new_bytes(size: int) -> tuple[bytes, memoryview]:
+    """A ``bytes`` object of ``size`` bytes not yet filled, and a writable view of it.
+
+    The view is for filling it before anyone else sees it; afterwards, the object is
+    as immutable as any other ``bytes``.
+    """
+    data = _new_bytes(None, size)
+    if size == 0:
+        return data, memoryview(bytearray())
+    return data, memoryview((ctypes.c_char * size).from_address(_bytes_address(data))
+                            ).cast("B")
+
+
+def allow_reader(pid: int) -> None:
+    """Lets process ``pid`` read this one's memory where the Yama security module would
+    otherwise allow only this process's ancestors to. Best effort: the handshake's
+    test read finds out whether reading works."""
+    if _LIBC is not None and os.path.exists("/proc/sys/kernel/yama/ptrace_scope"):
+        _LIBC.prctl(_PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0)
+
+
+def read(pid: int, into: memoryview, offset: int, spans: Sequence[tuple[int, int, int]]
+         ) -> None:
+    """Copies spans of process ``pid``'s memory into ``into``.
+
+    Args:
+      spans: ``(offset in into, address in pid, length)`` each, ``offset`` added to
+        the first.
+    Raises:
+      OSError: the process is gone or its memory cannot be read (``errno`` says why).
+    """
+    if _LIBC is None:
+        raise OSError(errno.ENOSYS, "process_vm_readv is not available here")
+    base = address_of(into) + offset
+    pending = [(base + at, address, length) for at, address, length in spans if length]
+    while pending:
+        batch, pending = pending[:_IOV_MAX], pending[_IOV_MAX:]
+        local = (_IOVec * len(batch))(*[_IOVec(at, n) for at, _, n in batch])
+        remote = (_IOVec * len(batch))(*[_IOVec(address, n) for _, address, n in batch])
+        got = _LIBC.process_vm_readv(pid, local, len(batch), remote, len(batch), 0)
+        if got <= 0:  # 0: nothing readable where something was asked for
+            code = ctypes.get_errno() if got < 0 else errno.EFAULT
+            raise OSError(code, f"reading process {pid}'s memory: {os.strerror(code)}")
+        # A partial read stops at a span's edge or within it: go on from there.
+        for i, (at, address, n) in enumerate(batch):
+            if got >= n:
+                got -= n
+                continue
+            pending = [(at + got, address + got, n - got), *batch[i + 1:], *pending]
+            break
+
+
+def reads_back(pid: int, address: int, expected: bytes) -> bool:
+    """Whether ``expected`` is what this process reads at ``address`` in process
+    ``pid``: false where the process is elsewhere, in another pid namespace, or not
+    readable from here."""
+    if _LIBC is None or pid <= 0:
+        return False
+    out = bytearray(len(expected))
+    try:
+        read(pid, memoryview(out), 0, [(0, address, len(expected))])
+    except OSError:
+        return False
+    return bytes(out) == expected
