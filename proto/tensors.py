@@ -205,10 +205,12 @@ class RowParts:
 
 
 def split_result(value: Any, chunk_bytes: int = CHUNK_BYTES
-                 ) -> tuple[pb.ResultChunk, Iterator[bytes] | None]:
+                 ) -> tuple[pb.ResultChunk, Iterator[list[bytes]] | None]:
     """A numpy nest as a result stream: the skeleton message, then the bytes of large
     tensors in chunks of at most ``chunk_bytes`` (``None`` when everything fits in the
-    skeleton), so a server can copy the chunks off its event loop.
+    skeleton). The chunks come in runs, each ready once the iterator yields it: a
+    server takes each run off its event loop (the iterator copies, or waits for the
+    workers), then sends its chunks.
 
     Tensors up to ``INLINE_BYTES`` travel inside the skeleton; larger ones (and every
     :class:`RowParts`) are marked ``streamed`` and follow, in skeleton order. The data
@@ -233,14 +235,14 @@ def split_result(value: Any, chunk_bytes: int = CHUNK_BYTES
 
 
 def _data_chunks(big: list[Iterable[np.ndarray | Framed]], chunk_bytes: int
-                 ) -> Iterator[bytes]:
+                 ) -> Iterator[list[bytes]]:
     framing = Framing(_DATA_FIELD, chunk_bytes)
     for parts in big:
         for part in parts:
             if isinstance(part, Framed):  # framed by a worker: received as bytes
-                yield from part.pieces
+                yield part.pieces
             else:  # one copy: each piece's header and view joined
-                yield from (piece.tobytes() for piece in framing.frame(part).pieces)
+                yield from ([piece.tobytes()] for piece in framing.frame(part).pieces)
 
 
 #: The wire tag of ``ResultChunk.data`` (field 2, length-delimited).

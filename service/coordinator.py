@@ -276,8 +276,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def _stream(self, compute: Callable[[], Any]) -> ResultStream:
         skeleton, data = await self._blocking(lambda: tensors.split_result(compute()))
         yield skeleton
-        while data is not None and (chunk := await self._blocking(next, data, None)):
-            yield chunk  # each 4 MiB copy runs in a worker thread, not on the event loop
+        # Copies and waits for the workers run in a thread, not on the event loop.
+        while data is not None and (
+                chunks := await self._blocking(next, data, None)) is not None:
+            for chunk in chunks:  # an empty part is an empty run
+                yield chunk
 
     def Reduce(self, request: pb.ReduceRequest, context: Any) -> ResultStream:
         session, held = self._slice(request)

@@ -215,7 +215,7 @@ def _result_stream(value: Any, chunk_bytes: int = tensors.CHUNK_BYTES) -> list[A
     chunks the service serialized by hand, parsed as ``ResultChunk``."""
     skeleton, data = tensors.split_result(value, chunk_bytes)
     return [_wire(skeleton), *(pb.ResultChunk.FromString(tensors.serialize_chunk(c))
-                               for c in data or ())]
+                               for run in data or () for c in run)]
 
 
 def test_result_stream_round_trip_in_small_chunks() -> None:
@@ -267,7 +267,7 @@ def test_framed_parts_stream_as_they_are_and_parse_without_copies() -> None:
     rows = tensors.RowParts((sum(len(p) for p in parts), 300), parts[0].dtype, sent)
     skeleton, data = tensors.split_result({"rows": rows})
     messages = [skeleton.SerializeToString(),
-                *(tensors.serialize_chunk(c) for c in data or ())]
+                *(tensors.serialize_chunk(c) for run in data or () for c in run)]
     assert pieces == messages[1:1 + len(pieces)]  # forwarded as they are
 
     received = [tensors.parse_chunk(m) for m in messages]

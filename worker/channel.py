@@ -153,9 +153,8 @@ def _send(sock: socket.socket, data: bytes, buffers: list[Any], lend: bool = Fal
                 else:
                     inline.append(piece)
                 offset += piece.nbytes
-        sock.sendall(_PID.pack(len(lent)) + b"".join(lent))
-        for piece in inline:
-            sock.sendall(piece)
+        # Inline parts are small (a piece's header, a short last piece): one send.
+        sock.sendall(b"".join([_PID.pack(len(lent)), *lent, *inline]))
         return
     for _, pieces in parts:
         for piece in pieces:
