@@ -207,6 +207,10 @@ def _receive(sock: socket.socket, deadline: float | None, writable: bool, lender
     for (_, view), spans in zip(buffers, lent, strict=True):  # the rest came inline
         at = 0
         for offset, _, n in [*spans, (view.nbytes, 0, 0)]:
+            if not at <= offset <= offset + n <= view.nbytes:
+                raise ChannelClosedError(  # the stream cannot be in step after this
+                    f"The worker lent a span of {n} bytes at offset {offset} of a "
+                    f"{view.nbytes}-byte buffer, after offset {at}.")
             _read(sock, offset - at, deadline, view[at:offset])
             at = offset + n
     for (_, view), spans in zip(buffers, lent, strict=True):

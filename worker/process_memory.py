@@ -100,10 +100,15 @@ def read(pid: int, into: memoryview, offset: int, spans: Sequence[tuple[int, int
       spans: ``(offset in into, address in pid, length)`` each, ``offset`` added to
         the first.
     Raises:
+      ValueError: a span does not fit in ``into``.
       OSError: the process is gone or its memory cannot be read (``errno`` says why).
     """
     if _LIBC is None:
         raise OSError(errno.ENOSYS, "process_vm_readv is not available here")
+    for at, _, length in spans:
+        if at < 0 or length < 0 or offset + at + length > into.nbytes:
+            raise ValueError(f"A span of {length} bytes at {offset} + {at} does not fit "
+                             f"in the {into.nbytes} bytes it is read into.")
     base = address_of(into) + offset
     pending = [(base + at, address, length) for at, address, length in spans if length]
     while pending:

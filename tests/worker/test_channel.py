@@ -195,15 +195,22 @@ def test_a_worker_whose_token_does_not_read_back_sends_through_the_socket() -> N
     assert answers == [b"\x00"]
 
 
-def test_a_lent_buffer_that_cannot_be_read_raises_channel_closed() -> None:
+@pytest.mark.parametrize(("offset", "address", "error"), [
+    (0, 8, "Could not read the reply's buffers in the worker's memory"),  # nothing at 8
+    (100, None, "lent a span of 131072 bytes at offset 100 of a 131072-byte buffer"),
+])
+def test_a_lent_buffer_that_cannot_be_read_raises_channel_closed(
+        offset: int, address: int | None, error: str) -> None:
     key = channel.new_key()
+    lent = np.zeros(1 << 17, np.uint8)
 
     def serve(conn: socket.socket) -> None:
         channel._lend(conn)
         channel.receive(conn)
-        data, buffers = channel.encode(np.zeros(1 << 17, np.uint8))
+        data, buffers = channel.encode(lent)
+        where = lent.ctypes.data if address is None else address
         conn.sendall(data + channel._PID.pack(1)
-                     + channel._LENT.pack(0, 0, 8, buffers[0].nbytes))  # nothing at 8
+                     + channel._LENT.pack(0, offset, where, buffers[0].nbytes))
         with pytest.raises(channel.ChannelClosedError):
             channel._read(conn, 1)  # until the coordinator hangs up
 
@@ -211,7 +218,6 @@ def test_a_lent_buffer_that_cannot_be_read_raises_channel_closed() -> None:
     with channel.connect(listener.getsockname(), key, 10) as sock:
         assert sock.lender == os.getpid()
         channel.broadcast([sock], ())
-        with pytest.raises(channel.ChannelClosedError,
-                           match="Could not read the reply's buffers in the worker's memory"):
+        with pytest.raises(channel.ChannelClosedError, match=error):
             channel.receive(sock)
     thread.join(10)

@@ -66,6 +66,15 @@ def test_reading_memory_that_is_not_there_raises_oserror(
         process_memory.read(pid, view, 0, [(0, 8, 16)])
 
 
+def test_a_span_that_does_not_fit_is_refused_before_reading(
+        holder: tuple[int, int, np.ndarray]) -> None:
+    pid, address, _ = holder
+    _, view = process_memory.new_bytes(100)
+    with pytest.raises(ValueError, match="A span of 60 bytes at 50 \\+ 0 does not fit "
+                                         "in the 100 bytes"):
+        process_memory.read(pid, view, 50, [(0, address, 60)])
+
+
 def test_the_switch_takes_0_or_1(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(process_memory.LEND_ENV, "0")
     assert not process_memory.enabled()
