@@ -190,7 +190,8 @@ class Client:
         return str(idle[0]["accelerator_type"])
 
     def cluster(self) -> list[dict[str, Any]]:
-        """The service's slices: name, accelerator type, hosts and holding session."""
+        """The service's slices: name, accelerator type, hosts and holder (a digest of
+        the holding session's id, never the id itself)."""
         self.check_open("cluster")
         reply = self.call(self.stub.ClusterStatus, pb.Empty(), what="cluster",
                           idempotent=True, timeout=rpc.CONTROL_TIMEOUT)

@@ -141,15 +141,15 @@ class RemoteStrategy:
 
     def _call(self, method: str, request: Any, what: str, idempotent: bool = False) -> Any:
         self._check_open(what)
-        self._attach_dropped(request)
-        return self._client.call(getattr(self._client.stub, method), request, what=what,
-                                 idempotent=idempotent)
+        with self._dropped_riding(request):
+            return self._client.call(getattr(self._client.stub, method), request,
+                                     what=what, idempotent=idempotent)
 
     def _result(self, method: str, request: Any, what: str) -> Any:
         self._check_open(what)
-        self._attach_dropped(request)
-        return self._client.stream(getattr(self._client.stub, method), request,
-                                   tensors.read_result, what=what)
+        with self._dropped_riding(request):
+            return self._client.stream(getattr(self._client.stub, method), request,
+                                       tensors.read_result, what=what)
 
     def _ids(self) -> Any:  # the two ids every slice request starts with
         return {"session_id": self._client.session_id, "slice_id": self.slice_id}
@@ -381,15 +381,25 @@ class RemoteStrategy:
         with self._lock:
             getattr(self._dropped, kind).append(object_id)
 
-    def _attach_dropped(self, request: Any) -> None:
+    @contextlib.contextmanager
+    def _dropped_riding(self, request: Any) -> Iterator[None]:
         """Moves what was dropped since the previous call into ``request`` (every slice
-        request message has a ``dropped`` field; an upload stream is no message)."""
+        request message has a ``dropped`` field; an upload stream is no message), and
+        back if the call fails: it may not have reached the service, and dropping the
+        same ids twice is harmless there."""
         if not isinstance(request, Message):
+            yield
             return
         with self._lock:
             if self._dropped.ByteSize():
                 request.dropped.CopyFrom(self._dropped)
                 self._dropped.Clear()
+        try:
+            yield
+        except BaseException:
+            with self._lock:
+                self._dropped.MergeFrom(request.dropped)
+            raise
 
     def stats(self) -> list[dict[str, Any]]:
         """Each host's live values, device bytes and iterators (frees pending first), and

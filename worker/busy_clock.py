@@ -34,8 +34,7 @@ class BusyClock:
         """Counts ``[start, end]`` (``time.perf_counter`` readings)."""
         with self._lock:
             self._intervals.append((start, end))
-            if len(self._intervals) >= _FOLD_AT and not self._watching:
-                self._fold()  # bounded, whether or not anyone reads the stats
+            self._fold_if_long()
 
     def watch(self, start: float, arrays: list[Any]) -> None:
         """Counts ``[start, the moment every one of arrays is ready]``, once it is."""
@@ -61,12 +60,18 @@ class BusyClock:
             with self._lock:
                 self._intervals.append((start, end))
                 self._watching -= 1
+                self._fold_if_long()  # an operation's own add ran while it was watched
 
     def seconds(self) -> float:
         """Busy time so far. Call between operations (intervals still open are not
         counted until they close)."""
         with self._lock:
             return self._fold()
+
+    def _fold_if_long(self) -> None:
+        """Keeps the intervals bounded, whether or not anyone reads the stats."""
+        if len(self._intervals) >= _FOLD_AT and not self._watching:
+            self._fold()
 
     def _fold(self) -> float:
         """The total so far; the intervals are summed into it and dropped when no

@@ -24,6 +24,7 @@ and the coordinator copies them straight into its ``bytes`` objects
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import io
@@ -176,6 +177,10 @@ def receive(sock: socket.socket, deadline: float | None = None) -> Any:
                             lender=getattr(sock, "lender", 0))
     except BlockingIOError:  # the kernel's receive limit (see _limit) ran out
         raise TimeoutError("The operation channel's deadline passed.") from None
+    except (ValueError, IndexError, struct.error, MemoryError) as e:
+        # Part of a message is still unread: what follows is out of step.
+        raise ChannelClosedError(f"The operation channel's message was malformed or "
+                                 f"too large to receive: {e!r}.") from e
     finally:
         if deadline is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(0, 0))
@@ -364,8 +369,8 @@ class ChannelServer:
                         reply = None
                         reply = self._answer(*message)
                         _send(sock, reply[0], reply[1], lend=lend)
-                except (ChannelClosedError, ChannelAuthError, OSError):
-                    continue  # that client is gone; wait for the next
+                except Exception:  # one bad connection must not end the serving
+                    continue  # that client is gone or out of step; wait for the next
 
     def _answer(self, data: bytearray, buffers: list[np.ndarray], segmented: int
                 ) -> tuple[bytes, list[Any]]:
@@ -376,4 +381,8 @@ class ChannelServer:
             return encode(self._failed(e))
 
     def close(self) -> None:
+        """Stops accepting (closing alone does not wake a thread blocked in accept);
+        a connection being served ends when its coordinator closes it."""
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()

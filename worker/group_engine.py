@@ -182,8 +182,17 @@ class GroupEngine:
         return self._call("reduce", reduce_op, self._to_handles(value), axis)[0]
 
     def gather(self, value: Any, axis: int) -> Any:
-        return jax.tree.map(lambda parts: parts.join(), self.gather_parts(value, axis),
-                            is_leaf=lambda x: isinstance(x, GatherParts))
+        def leaf(v: Any) -> np.ndarray:  # every part in one operation: joined at once
+            ax, parts = self._gather_call(v, axis)
+            return np.concatenate(parts, axis=ax)
+
+        return jax.tree.map(leaf, value, is_leaf=_is_value)
+
+    def _gather_call(self, v: Any, axis: int, replicas: tuple[int, ...] | None = None,
+                     framing: Framing | None = None) -> tuple[int, list[Any]]:
+        """One ``gather_parts`` operation: the normalized axis, every host's parts."""
+        per_host = self._call("gather_parts", self._to_handles(v), axis, replicas, framing)
+        return per_host[0][0], [p for _, parts in per_host for p in parts]
 
     def gather_parts(self, value: Any, axis: int, framing: Framing | None = None) -> Any:
         """``gather``'s result per leaf as the replicas' parts, not yet joined (a
@@ -195,22 +204,16 @@ class GroupEngine:
         come cut into framed pieces (``Framed``), ready to forward. Anything else
         comes at once, as arrays.
         """
-        def fetch(v: Any, replicas: tuple[int, ...] | None, framing: Framing | None = None
-                  ) -> tuple[int, list[Any]]:
-            per_host = self._call("gather_parts", self._to_handles(v), axis, replicas,
-                                  framing)
-            return per_host[0][0], [p for _, parts in per_host for p in parts]
-
         def leaf(v: Any) -> GatherParts:
             n = self.num_replicas_in_sync
             if isinstance(v, GroupValue) and n > 1 and v.shape and axis in (0, -len(v.shape)):
-                _, first = fetch(v, (0,), framing)  # the workers check the input first
+                # the workers check the input first
+                _, first = self._gather_call(v, axis, (0,), framing)
                 rows = v.info.valid_rows or (v.shape[0],) * n
-                return GatherParts(0, (sum(rows), *v.shape[1:]), v.dtype,
-                                   _fetched_ahead(first[0],
-                                                  lambda r: fetch(v, (r,), framing)[1][0],
-                                                  range(1, n)))
-            ax, parts = fetch(v, None)
+                return GatherParts(0, (sum(rows), *v.shape[1:]), v.dtype, _fetched_ahead(
+                    first[0], lambda r: self._gather_call(v, axis, (r,), framing)[1][0],
+                    range(1, n)))
+            ax, parts = self._gather_call(v, axis)
             shape = list(parts[0].shape)
             shape[ax] = sum(p.shape[ax] for p in parts)
             return GatherParts(ax, tuple(shape), parts[0].dtype, parts)

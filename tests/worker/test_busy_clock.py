@@ -37,3 +37,18 @@ def test_watched_computation_counts_until_its_outputs_are_ready() -> None:
     # The union runs from t0 - 1.0 to when the outputs were ready, no later than t1:
     # counting the overlap [t0 - 0.5, t0] twice would exceed that.
     assert 1.0 < clock.seconds() <= t1 - (t0 - 1.0)
+
+
+def test_operations_that_watch_their_outputs_stay_bounded() -> None:
+    # As run and run_steps do: the operation watches its outputs, then its own
+    # interval is added while the watch is still open.
+    clock = BusyClock()
+    out = jnp.ones((4,)) + 1
+    t0 = time.perf_counter() - 4000.0  # operations that started in the past, one a second
+    for i in range(3000):
+        clock.watch(t0 + i, [out])
+        clock.add(t0 + i, t0 + i + 0.5)
+    assert wait_for(lambda: clock._watching == 0, 30)
+    assert len(clock._intervals) < 1024  # folded as the watches closed
+    # Every watch runs from its start until now, so the union is [t0, its last end].
+    assert 4000.0 <= clock.seconds() <= time.perf_counter() - t0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import socket
@@ -16,8 +17,10 @@ from jaxpod.framing import Framing, Segments, varint
 from jaxpod.worker import channel, process_memory
 
 
-def _echo(*args: Any, sleep_s: float = 0.0, frame: int = 0, **kwargs: Any) -> Any:
-    time.sleep(sleep_s)  # a slow operation, for the deadline test
+def _echo(*args: Any, release: threading.Event, slow: bool = False, frame: int = 0,
+          **kwargs: Any) -> Any:
+    if slow:  # an operation that lasts until the test ends, for the deadline test
+        release.wait(30)
     if frame:  # as a worker answers a gather: its first argument, framed (views of it)
         framed = Framing(tag=b"\x12", piece_bytes=frame).frame(args[0])
         assert all(np.shares_memory(args[0], np.asarray(p.parts[1])) for p in framed.pieces)
@@ -34,9 +37,14 @@ def server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> A
     worker on this machine) or sent through the socket (``JAXPOD_CHANNEL_LEND=0``)."""
     monkeypatch.setenv(process_memory.LEND_ENV, "1" if request.param == "lent" else "0")
     key = channel.new_key()
-    srv = channel.ChannelServer("127.0.0.1", key, _echo, lambda e: ("failed", repr(e)))
+    release = threading.Event()
+    srv = channel.ChannelServer("127.0.0.1", key, functools.partial(_echo, release=release),
+                                lambda e: ("failed", repr(e)))
     yield srv, key
+    release.set()
     srv.close()
+    srv._thread.join(10)  # its last client hung up: closing ends the serving thread
+    assert not srv._thread.is_alive()
 
 
 def test_round_trip_keeps_small_and_large_arrays(server: Any) -> None:
@@ -68,7 +76,7 @@ def test_framed_pieces_arrive_as_bytes_in_order(server: Any) -> None:
         channel.broadcast([sock], ((Segments(b"head", data[:100]),), {}))
         (echoed,), _ = channel.receive(sock)
     assert bytes(echoed) == b"head" + data[:100].tobytes()
-    assert not isinstance(reply, tuple) or reply[0] != "failed", reply
+    assert reply[0] != "failed", reply
     (got,), _ = reply
     assert got.nbytes == data.nbytes and len(got.pieces) == 4
     assert all(type(p) is bytes for p in got.pieces)
@@ -85,11 +93,11 @@ def test_framed_pieces_arrive_as_bytes_in_order(server: Any) -> None:
 def test_a_reply_that_does_not_come_in_time_raises_timeout(server: Any) -> None:
     srv, key = server
     with channel.connect(srv.address, key, 10) as sock:
-        channel.broadcast([sock], ((), {"sleep_s": 3.0}))
+        channel.broadcast([sock], ((), {"slow": True}))
         start = time.monotonic()
         with pytest.raises(TimeoutError):
             channel.receive(sock, deadline=start + 0.2)
-        assert time.monotonic() - start < 2.5  # gave up at the deadline, not at the reply
+        assert time.monotonic() - start < 2.5  # gave up at the deadline
 
 
 def test_wrong_key_is_refused_and_the_server_keeps_serving(server: Any) -> None:
@@ -122,25 +130,18 @@ def _refuse() -> None:
 
 def test_peer_that_goes_away_mid_operation_raises_channel_closed() -> None:
     key = channel.new_key()
-    listener = socket.create_server(("127.0.0.1", 0))
 
-    def peer_that_dies() -> None:  # answers the handshake, takes one message, vanishes
-        conn, _ = listener.accept()
-        with conn:
-            channel._prove(conn, key)
-            channel._lend(conn)
-            channel.receive(conn)
+    def takes_one_message(conn: socket.socket) -> None:  # then vanishes
+        channel._lend(conn)
+        channel.receive(conn)
 
-    thread = threading.Thread(target=peer_that_dies, daemon=True)
-    thread.start()
-    try:
-        with channel.connect(listener.getsockname(), key, 10) as sock:
-            channel.broadcast([sock], ((), {}))
-            with pytest.raises(channel.ChannelClosedError, match="closed by the other end"):
-                channel.receive(sock)
-    finally:
-        thread.join(10)
-        listener.close()
+    listener, thread = _peer(key, takes_one_message)
+    with channel.connect(listener.getsockname(), key, 10) as sock:
+        channel.broadcast([sock], ((), {}))
+        with pytest.raises(channel.ChannelClosedError, match="closed by the other end"):
+            channel.receive(sock)
+    thread.join(10)
+    assert not thread.is_alive()
 
 
 def test_framing_rejects_bad_settings_and_frames_empty_arrays() -> None:
@@ -179,9 +180,10 @@ def test_a_worker_whose_token_does_not_read_back_sends_through_the_socket() -> N
     answers: list[bytes] = []
 
     def serve(conn: socket.socket) -> None:
-        channel._read(conn, 8)  # the coordinator's pid
+        channel._read(conn, channel._PID.size)  # the coordinator's pid
         elsewhere = np.zeros(32, np.uint8)  # not the token it is sent with
-        conn.sendall(channel._OFFER.pack(os.getpid(), elsewhere.ctypes.data) + b"t" * 32)
+        conn.sendall(channel._OFFER.pack(os.getpid(), elsewhere.ctypes.data)
+                     + b"t" * channel._CHALLENGE_BYTES)
         answers.append(bytes(channel._read(conn, 1)))
         channel.receive(conn)
         channel._send(conn, *channel.encode(big))
@@ -192,15 +194,17 @@ def test_a_worker_whose_token_does_not_read_back_sends_through_the_socket() -> N
         channel.broadcast([sock], ())
         np.testing.assert_array_equal(channel.receive(sock), big)
     thread.join(10)
+    assert not thread.is_alive()
     assert answers == [b"\x00"]
 
 
-@pytest.mark.parametrize(("offset", "address", "error"), [
-    (0, 8, "Could not read the reply's buffers in the worker's memory"),  # nothing at 8
-    (100, None, "lent a span of 131072 bytes at offset 100 of a 131072-byte buffer"),
+@pytest.mark.parametrize(("index", "offset", "address", "error"), [
+    (0, 0, 8, "Could not read the reply's buffers in the worker's memory"),  # nothing at 8
+    (0, 100, None, "lent a span of 131072 bytes at offset 100 of a 131072-byte buffer"),
+    (5, 0, None, "malformed or too large to receive: IndexError"),  # no buffer 5
 ])
 def test_a_lent_buffer_that_cannot_be_read_raises_channel_closed(
-        offset: int, address: int | None, error: str) -> None:
+        index: int, offset: int, address: int | None, error: str) -> None:
     key = channel.new_key()
     lent = np.zeros(1 << 17, np.uint8)
 
@@ -210,7 +214,7 @@ def test_a_lent_buffer_that_cannot_be_read_raises_channel_closed(
         data, buffers = channel.encode(lent)
         where = lent.ctypes.data if address is None else address
         conn.sendall(data + channel._PID.pack(1)
-                     + channel._LENT.pack(0, offset, where, buffers[0].nbytes))
+                     + channel._LENT.pack(index, offset, where, buffers[0].nbytes))
         with pytest.raises(channel.ChannelClosedError):
             channel._read(conn, 1)  # until the coordinator hangs up
 
@@ -221,3 +225,4 @@ def test_a_lent_buffer_that_cannot_be_read_raises_channel_closed(
         with pytest.raises(channel.ChannelClosedError, match=error):
             channel.receive(sock)
     thread.join(10)
+    assert not thread.is_alive()

@@ -22,7 +22,7 @@ sys.stdin.read()
 """
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def holder() -> Iterator[tuple[int, int, np.ndarray]]:
     with subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, text=True) as proc:

@@ -53,6 +53,8 @@ def group_of() -> Iterator[Callable[[list[Handler]], ReplicaGroup]]:
             sock.close()
     for server in servers:
         server.close()
+        server._thread.join(10)
+        assert not server._thread.is_alive()
 
 
 def _host(index: int, seen: list[Any]) -> Handler:
@@ -72,6 +74,8 @@ def test_an_unreadable_reply_leaves_the_next_replies_in_step(group_of: Any) -> N
         group.call("unreadable")
     # host 1's reply to that operation was read too: this one gets its own
     assert group.call("next") == ["host0-next-1", "host1-next-1"]
+    assert sorted(s[:3] for s in seen) == [(0, 0, "unreadable"), (0, 1, "next"),
+                                           (1, 0, "unreadable"), (1, 1, "next")]
 
 
 def test_a_message_that_does_not_pickle_is_not_sent(group_of: Any) -> None:
