@@ -84,7 +84,7 @@ class Client:
         self._channel = grpc.insecure_channel(address, options=[
             *channel_options(), (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)])
         self.stub = _coordinator_stub(self._channel)
-        from jaxpod.worker.functions import runtime_versions
+        from jaxpod.shipping import runtime_versions
 
         self.runtime_versions = runtime_versions()
         try:

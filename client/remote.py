@@ -25,12 +25,10 @@ from jaxpod.client import rpc
 from jaxpod.errors import HandleError, MessageTooLargeError, SessionError
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
+from jaxpod.scope import current_strategy_stand_in, strategy_scope
+from jaxpod.shipping import ShippedFunction, ship, ship_object
 from jaxpod.types import InputOptions, ReduceOp
-from jaxpod.worker.engine import DistributedDataset, DistributedIterator
-from jaxpod.worker.functions import ShippedFunction, ship, ship_object
-from jaxpod.worker.host_worker import worker_strategy
-from jaxpod.worker.replica_context import strategy_scope
-from jaxpod.worker.values import PerReplica, padding_of
+from jaxpod.values import DistributedDataset, DistributedIterator, PerReplica, padding_of
 
 if TYPE_CHECKING:
     from jaxpod.client.client import Client
@@ -429,7 +427,7 @@ class RemoteStrategy:
 
     def __reduce__(self) -> Any:
         # A step function that captured this strategy gets the worker's engine.
-        return (worker_strategy, ())
+        return (current_strategy_stand_in, ())
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else self.slice_id
@@ -446,7 +444,7 @@ def _check_size(shipped: ShippedFunction, what: str) -> None:
             "that array as an argument instead (arguments are uploaded in chunks).")
 
 
-class RemoteDataset:
+class RemoteDataset(DistributedDataset):
     """A dataset distributed over a remote slice's hosts; iterate it once per epoch."""
 
     def __init__(self, strategy: RemoteStrategy, dataset_id: int) -> None:
@@ -461,7 +459,7 @@ class RemoteDataset:
         return RemoteIterator(s, int(reply.iterator_id))
 
 
-class RemoteIterator:
+class RemoteIterator(DistributedIterator):
     """Yields one step of input per ``next``; its infeeds run on the workers."""
 
     def __init__(self, strategy: RemoteStrategy, iterator_id: int) -> None:
@@ -477,10 +475,3 @@ class RemoteIterator:
         return s._values(s._call("IteratorNext", pb.IteratorRequest(**s._ids(), id=self.id),
                                  "next(iterator)"))
 
-    def get_next(self) -> Any:
-        """The next step's input (``tf.distribute.DistributedIterator.get_next``)."""
-        return next(self)
-
-
-DistributedDataset.register(RemoteDataset)
-DistributedIterator.register(RemoteIterator)

@@ -4,7 +4,7 @@ This module only re-exports the public API; the parts live in ``jaxpod.worker``
 (the engine), ``jaxpod.service`` (coordinator), ``jaxpod.client`` and ``jaxpod.proto``.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxpod.errors import (
     AllocationCancelledError,
@@ -21,12 +21,16 @@ from jaxpod.errors import (
     WorkerLostError,
     WorkerStartError,
 )
+from jaxpod.scope import get_strategy
 from jaxpod.types import AutoShardPolicy, InputContext, InputOptions, ReduceOp, ValueContext
-from jaxpod.worker.device_assignment import DeviceAssignment, Topology
-from jaxpod.worker.engine import DistributedDataset, DistributedIterator
-from jaxpod.worker.replica_context import ReplicaContext, get_replica_context, get_strategy
-from jaxpod.worker.strategy import TPUStrategy
-from jaxpod.worker.values import PerReplica
+from jaxpod.values import DistributedDataset, DistributedIterator, PerReplica
+
+if TYPE_CHECKING:
+    from jaxpod.client import Client, RemoteStrategy, connect
+    from jaxpod.service.resolvers import TPUClusterResolver
+    from jaxpod.worker.device_assignment import DeviceAssignment, Topology
+    from jaxpod.worker.replica_context import ReplicaContext, get_replica_context
+    from jaxpod.worker.strategy import TPUStrategy
 
 __version__ = "0.1.0"
 
@@ -65,11 +69,16 @@ __all__ = [
     "get_strategy",
 ]
 
-# Re-exported lazily: the resolvers live in the service part, which pulls in Ray on
-# use; a client-only install never loads it unless asked. The client loads gRPC.
+# Re-exported lazily, so that each part loads only what it uses: a client never loads
+# the engine (``jaxpod.worker``) or Ray (the resolvers, in ``jaxpod.service``).
 _LAZY = {"TPUClusterResolver": "jaxpod.service.resolvers",
          "connect": "jaxpod.client", "Client": "jaxpod.client",
-         "RemoteStrategy": "jaxpod.client"}
+         "RemoteStrategy": "jaxpod.client",
+         "TPUStrategy": "jaxpod.worker.strategy",
+         "DeviceAssignment": "jaxpod.worker.device_assignment",
+         "Topology": "jaxpod.worker.device_assignment",
+         "ReplicaContext": "jaxpod.worker.replica_context",
+         "get_replica_context": "jaxpod.worker.replica_context"}
 
 
 def __getattr__(name: str) -> Any:

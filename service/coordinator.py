@@ -31,10 +31,10 @@ from jaxpod.errors import (
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
 from jaxpod.proto import tensors
+from jaxpod.service.group_engine import DefinedFunction, GatherParts, GroupValue, StepItems
 from jaxpod.service.sessions import HeldSlice, Session, SessionManager
 from jaxpod.service.status import status_of
-from jaxpod.worker.functions import ShippedFunction, runtime_versions
-from jaxpod.worker.group_engine import DefinedFunction, GatherParts, GroupValue, StepItems
+from jaxpod.shipping import ShippedFunction, runtime_versions
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ launcher is gone, killing stragglers by pid.
 
 A driver process needs the same loopback setting to reach a GCS on 127.0.0.1 (Ray
 otherwise rewrites ``127.0.0.1`` to the host's network address):
-:func:`jaxpod.service.resolvers.ray.connect` applies :func:`use_loopback` for loopback
+:func:`jaxpod.service.resolvers.ray.connect` applies its ``use_loopback`` for loopback
 addresses.
 
 Usage::
@@ -50,6 +50,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from jaxpod.service.resolvers.ray import LOOPBACK_ENV
 from jaxpod.service.topology import SliceShape, slice_shape
 from jaxpod.timeouts import Deadline, Timeout, wait_for
 
@@ -60,8 +61,6 @@ STOP_TIMEOUT = Timeout("JAXPOD_LOCAL_CLUSTER_STOP_TIMEOUT_S", 60.0)
 #: The embedded default: one v4-16 slice, 2 hosts x 4 chips.
 DEFAULT_SLICES = "v4-16"
 LOOPBACK = "127.0.0.1"
-#: Makes Ray use the loopback address on Linux. Only ever set for this cluster.
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 _MB = 1024 * 1024
 
 
@@ -300,21 +299,6 @@ class LocalTPUCluster:
     def __repr__(self) -> str:
         where = self._ready.get("address", "not running")
         return f"LocalTPUCluster({self._describe()!r}, {where})"
-
-
-def use_loopback() -> None:
-    """Makes this process's Ray use 127.0.0.1 as its node address.
-
-    Sets ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` for this process and its children and,
-    because Ray reads the variable once when ``ray._private.ray_constants`` is first
-    imported, updates the constant too when Ray is already loaded. Only for drivers of
-    the simulated local cluster, whose GCS listens on 127.0.0.1 only; never in
-    ``deploy/``, where hosts must reach each other.
-    """
-    os.environ.update(LOOPBACK_ENV)
-    constants: Any = sys.modules.get("ray._private.ray_constants")
-    if constants is not None:
-        constants.ENABLE_RAY_CLUSTER = False
 
 
 def _read_line(stream: IO[bytes], timeout_s: float) -> str | None:

@@ -20,8 +20,8 @@ import numpy as np
 
 from jaxpod.errors import HandleError, SessionError
 from jaxpod.proto import coordinator_pb2 as pb
+from jaxpod.service.group_engine import GroupDataset, GroupEngine, GroupIterator, GroupValue
 from jaxpod.timeouts import Timeout
-from jaxpod.worker.group_engine import GroupDataset, GroupEngine, GroupIterator, GroupValue
 
 #: How long a session survives without hearing from its client.
 SESSION_LEASE = Timeout("JAXPOD_SESSION_LEASE_S", 30.0)

@@ -17,7 +17,7 @@ import grpc
 
 from jaxpod import errors
 from jaxpod.proto.tensors import ERROR_TRAILER, TRACEBACK_TRAILER
-from jaxpod.worker.replica_group import OperationTimeoutError
+from jaxpod.service.replica_group import OperationTimeoutError
 
 #: Keeps trailers under the metadata limit both sides set (``MAX_METADATA_BYTES``).
 _MAX_TRAILER_BYTES = 256 * 1024

@@ -12,10 +12,10 @@ from typing import Any
 
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.allocator import Allocation, SliceAllocator
+from jaxpod.service.group_engine import GroupEngine
+from jaxpod.service.replica_group import HostPlacement, ReplicaGroup
 from jaxpod.service.sessions import HeldSlice
-from jaxpod.worker.group_engine import GroupEngine
 from jaxpod.worker.host_worker import SIMULATED_PLATFORM
-from jaxpod.worker.replica_group import HostPlacement, ReplicaGroup
 
 
 def placements(allocation: Allocation) -> list[HostPlacement]:

@@ -10,7 +10,6 @@ global device list and host-local data is assembled into global arrays.
 
 from __future__ import annotations
 
-import abc
 import collections
 import contextlib
 import functools
@@ -29,7 +28,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpod.errors import EndOfDataError
+from jaxpod.scope import strategy_scope
 from jaxpod.types import InputContext, InputOptions, ReduceOp, ValueContext
+from jaxpod.values import DistributedDataset, DistributedIterator, PerReplica, is_per_replica
 from jaxpod.worker import input as input_lib
 from jaxpod.worker.device_assignment import DeviceAssignment
 from jaxpod.worker.infeed import Chunk, Infeed
@@ -38,9 +39,7 @@ from jaxpod.worker.replica_context import (
     ReplicaContext,
     normalize_axis,
     replica_context,
-    strategy_scope,
 )
-from jaxpod.worker.values import PerReplica, is_per_replica
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 _COMPILE_CACHE_SIZE = 256
@@ -366,7 +365,7 @@ class Engine:
         return broadcast(self._mirrored(leaf))
 
     def _next_steps(self, iterator: Iterator[Any], k: int) -> _StepBatch:
-        if isinstance(iterator, DistributedIterator):
+        if isinstance(iterator, LocalIterator):
             return iterator.next_steps(k)
         items = list(itertools.islice(iterator, k))
         if not items:
@@ -579,7 +578,7 @@ class Engine:
         return jax.tree.unflatten(treedef, [PerReplica(a) for a in arrays])
 
     def experimental_distribute_dataset(self, dataset: Iterable[Any],
-                                        options: InputOptions | None = None) -> DistributedDataset:
+                                        options: InputOptions | None = None) -> LocalDataset:
         """Rebatches a globally batched dataset across replicas (TF's rules)."""
         opts = _check_options(options)
         if not isinstance(dataset, Iterable):
@@ -587,12 +586,12 @@ class Engine:
                 "experimental_distribute_dataset: dataset must be an iterable of batches "
                 f"(pytrees of arrays). Got {type(dataset).__name__}."
             )
-        return DistributedDataset(self, lambda: input_lib.RebatchFeed(
+        return LocalDataset(self, lambda: input_lib.RebatchFeed(
             dataset, opts, self.num_hosts, self.host_index, self.num_local_replicas))
 
     def distribute_datasets_from_function(
             self, dataset_fn: Callable[[InputContext], Iterable[Any]],
-            options: InputOptions | None = None) -> DistributedDataset:
+            options: InputOptions | None = None) -> LocalDataset:
         """Calls ``dataset_fn(InputContext)`` once per host; one element per replica/step."""
         _check_options(options)
         if not callable(dataset_fn):
@@ -607,7 +606,7 @@ class Engine:
                 "distribute_datasets_from_function: dataset_fn must return an iterable of "
                 f"per-replica batches. It returned a {type(dataset).__name__}."
             )
-        return DistributedDataset(self, lambda: input_lib.FunctionFeed(
+        return LocalDataset(self, lambda: input_lib.FunctionFeed(
             dataset, self.num_local_replicas))
 
     # ------------------------------------------------------------ logical devices
@@ -683,23 +682,23 @@ class _StepBatch:
     valid_rows: np.ndarray | None  # (replicas, steps) real rows; None: not a batch
 
 
-class DistributedDataset(metaclass=abc.ABCMeta):  # noqa: B024 (remote ones register)
-    """A dataset distributed over the replicas; iterate it once per epoch."""
+class LocalDataset(DistributedDataset):
+    """A dataset distributed over this process's engine; iterate it once per epoch."""
 
     def __init__(self, engine: Engine, make_feed: Callable[[], input_lib.HostFeed]) -> None:
         self._engine = engine
         self._make_feed = make_feed
 
-    def __iter__(self) -> DistributedIterator:
+    def __iter__(self) -> LocalIterator:
         return self.iterate()
 
-    def iterate(self, steps_per_run: int | None = None) -> DistributedIterator:
+    def iterate(self, steps_per_run: int | None = None) -> LocalIterator:
         """An iterator whose infeed prepares ``steps_per_run`` steps at a time (default:
         the strategy's)."""
-        return DistributedIterator(self._engine, self._make_feed(), steps_per_run)
+        return LocalIterator(self._engine, self._make_feed(), steps_per_run)
 
 
-class DistributedIterator(metaclass=abc.ABCMeta):  # noqa: B024 (remote ones register)
+class LocalIterator(DistributedIterator):
     """Yields one step of input per ``next``: a nest of ``PerReplica`` batches.
 
     Input is prepared ahead on an infeed thread (see :mod:`jaxpod.worker.infeed`) in
@@ -714,7 +713,7 @@ class DistributedIterator(metaclass=abc.ABCMeta):  # noqa: B024 (remote ones reg
         weakref.finalize(self, self._infeed.close)
         self._leftover: Chunk | None = None
 
-    def __iter__(self) -> DistributedIterator:
+    def __iter__(self) -> LocalIterator:
         return self
 
     def __next__(self) -> Any:
@@ -722,10 +721,6 @@ class DistributedIterator(metaclass=abc.ABCMeta):  # noqa: B024 (remote ones reg
         assert batch.valid_rows is not None
         leaves = [PerReplica(a, batch.valid_rows[:, 0]) for a in self._squeeze_steps(batch)]
         return jax.tree.unflatten(batch.treedef, leaves)
-
-    def get_next(self) -> Any:
-        """The next step's input (``tf.distribute.DistributedIterator.get_next``)."""
-        return next(self)
 
     def _squeeze_steps(self, batch: _StepBatch) -> list[jax.Array]:
         eng = self._engine

@@ -1,28 +1,13 @@
-"""Step functions shipped as cloudpickle bytes, keyed by content hash.
-
-The sender pickles a function by value together with the versions that decide whether
-the bytes can be loaded (Python, jax, cloudpickle); the worker checks them before it
-unpickles, so a mismatch is a clear error instead of a confusing failure deep inside
-pickle or XLA.
-"""
+"""The functions a host worker runs, defined once by content id and reused."""
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import importlib.metadata
-import pickle
-import platform
-import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import cloudpickle
-import jax
-
-from jaxpod.errors import JaxpodError, VersionMismatchError
+from jaxpod.errors import JaxpodError
+from jaxpod.shipping import ShippedFunction, load
 
 
 class UnknownFunctionError(JaxpodError, KeyError):
@@ -30,97 +15,6 @@ class UnknownFunctionError(JaxpodError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "unknown function"
-
-
-def runtime_versions() -> dict[str, str]:
-    """The versions that must match between a function's sender and its runner."""
-    return {
-        "python": ".".join(platform.python_version_tuple()[:2]),
-        "jax": jax.__version__,
-        "cloudpickle": cloudpickle.__version__,
-    }
-
-
-@dataclass(frozen=True)
-class ShippedFunction:
-    """A function ready to travel: its pickle, content id and the sender's versions."""
-
-    payload: bytes
-    versions: dict[str, str]
-
-    @property
-    def function_id(self) -> str:
-        return hashlib.sha256(self.payload).hexdigest()[:32]
-
-
-def ship(fn: Callable[..., Any]) -> ShippedFunction:
-    """Pickles ``fn`` by value.
-
-    Raises:
-      TypeError: ``fn`` is not callable or cannot be pickled (e.g. it closes over a
-        lock, a socket or an open file).
-    """
-    if not callable(fn):
-        raise TypeError(f"Expected a callable step function. Got {type(fn).__name__}.")
-    return ship_object(fn, repr(getattr(fn, "__qualname__", fn)),
-                       "Step functions must not capture locks, sockets, open files or "
-                       "similar objects; create those inside the function.")
-
-
-def ship_object(obj: Any, name: str, fix: str) -> ShippedFunction:
-    """Pickles any object (a function, a dataset) by value for the workers.
-
-    Args:
-      obj: what to send.
-      name: how an error names it.
-      fix: the advice an error gives when ``obj`` does not pickle.
-
-    Raises:
-      TypeError: ``obj`` cannot be pickled.
-    """
-    _pickle_user_modules_by_value()
-    try:
-        payload = cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as e:
-        raise TypeError(
-            f"Cannot send {name} to the workers: it cannot be pickled "
-            f"({type(e).__name__}: {e}). {fix}"
-        ) from e
-    return ShippedFunction(payload, runtime_versions())
-
-
-@functools.cache
-def _installed_top_level_names() -> frozenset[str]:
-    return frozenset(importlib.metadata.packages_distributions())
-
-
-def _is_user_module(name: str) -> bool:
-    """A module the workers cannot import: not stdlib, not from an installed package."""
-    top = name.partition(".")[0]
-    return not (name == "__main__" or top in sys.stdlib_module_names
-                or top in _installed_top_level_names() or top.startswith("_"))
-
-
-def _pickle_user_modules_by_value() -> None:
-    """Makes cloudpickle carry the code of the user's own modules.
-
-    Step functions defined in scripts, notebooks or test modules live in modules the
-    workers do not have; pickled by reference they would fail to load there. Code of
-    installed packages (jax, numpy, jaxpod...) stays by reference.
-    """
-    for name, module in list(sys.modules.items()):
-        if (module is not None and getattr(module, "__file__", None) and "." not in name
-                and _is_user_module(name)):
-            try:
-                cloudpickle.register_pickle_by_value(module)
-            except ValueError:  # not importable by that name any more
-                continue
-
-
-def load(shipped: ShippedFunction) -> Any:
-    """Unpickles ``shipped`` after checking the sender's versions."""
-    check_versions(shipped.versions)
-    return cloudpickle.loads(shipped.payload)
 
 
 class FunctionRegistry:
@@ -146,17 +40,3 @@ class FunctionRegistry:
                     f"Function {function_id} is not defined on this worker; define it "
                     "before calling it."
                 ) from None
-
-
-def check_versions(sender: dict[str, str]) -> None:
-    """Raises ``VersionMismatchError`` naming every version that differs."""
-    mine = runtime_versions()
-    diff = {k: (sender.get(k), v) for k, v in mine.items() if sender.get(k) != v}
-    if diff:
-        detail = ", ".join(f"{k}: sender {a}, worker {b}" for k, (a, b) in diff.items())
-        raise VersionMismatchError(
-            f"The function was pickled by a different runtime than the worker's ({detail}). "
-            "Install the worker's versions on the client (pip install "
-            + " ".join(f"{k}=={b}" for k, (_, b) in diff.items() if k != "python")
-            + ") or use the same Python version."
-        )

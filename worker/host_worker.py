@@ -3,7 +3,7 @@
 Every host of an allocated slice runs one ``HostWorker``. Host 0 picks the
 coordinator port, all hosts join one ``jax.distributed`` group, and each then runs the
 same :class:`~jaxpod.worker.engine.Engine` over the global mesh. The coordinator talks
-to the workers only through :class:`~jaxpod.worker.replica_group.ReplicaGroup`, which
+to the workers only through :class:`~jaxpod.service.replica_group.ReplicaGroup`, which
 numbers every operation so that a skipped or reordered call is detected here instead
 of deadlocking a collective.
 
@@ -16,103 +16,15 @@ import os
 import socket
 import time
 import traceback
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from jaxpod.errors import JaxpodError
+from jaxpod.operations import Dropped, Handle, HandleInfo, OperationOrderError, RemoteError
 from jaxpod.worker.busy_clock import BusyClock
 
 if TYPE_CHECKING:
     from jaxpod.framing import Framing
 
 SIMULATED_PLATFORM = "cpu"
-
-
-class OperationOrderError(JaxpodError):
-    """A worker received an operation out of sequence (one was skipped or reordered)."""
-
-
-@dataclass(frozen=True)
-class Handle:
-    """A reference to a ``PerReplica`` value held by every worker of a group."""
-
-    id: int
-
-
-@dataclass(frozen=True)
-class Dropped:
-    """Objects the coordinator dropped since its previous operation: freed before the
-    next one runs, in the same round trip (a free costs no call of its own)."""
-
-    values: tuple[int, ...] = ()
-    iterators: tuple[int, ...] = ()
-    datasets: tuple[int, ...] = ()
-
-    def __bool__(self) -> bool:
-        return bool(self.values or self.iterators or self.datasets)
-
-
-@dataclass(frozen=True)
-class HandleInfo:
-    """What the coordinator learns about a new value: enough to describe it."""
-
-    id: int
-    shape: tuple[int, ...]
-    dtype: str
-    valid_rows: tuple[int, ...] | None
-
-
-@dataclass(frozen=True)
-class RemoteError:
-    """An exception raised on a worker, kept with its traceback.
-
-    The original exception object travels when it pickles (so user code's own exception
-    types survive); ``traceback`` is the worker-side formatted traceback. ``pickled`` is
-    the exception pickled here with ``cloudpickle`` (``None`` if it does not pickle):
-    the coordinator forwards those bytes untouched, so a class the client shipped by
-    value unpickles on the client as the client's own class (cloudpickle tracks
-    classes across such round trips; Ray's serializer would mint a new class).
-    """
-
-    error: BaseException
-    traceback: str
-    pickled: bytes | None = None
-
-    @classmethod
-    def of(cls, error: BaseException, tb: str) -> RemoteError:
-        import cloudpickle
-
-        try:
-            pickled = cloudpickle.dumps(error)
-            cloudpickle.loads(pickled)  # e.g. an __init__ that pickle cannot call again
-        except Exception as why:  # it could not travel at all: send its description
-            error = RuntimeError(f"{type(error).__qualname__}: {error} (this exception "
-                                 f"could not be pickled and unpickled: {why})")
-            pickled = cloudpickle.dumps(error)
-        return cls(error, tb, pickled)
-
-
-#: This process's engine, for step functions that call strategy methods (such as
-#: ``experimental_split_to_logical_devices``) on a strategy object they captured on
-#: the client: it unpickles here as :func:`worker_strategy`. One engine per process.
-_ENGINE: list[Any] = []
-
-
-class _WorkerStrategy:
-    """Stands in, on a worker, for the client's strategy: forwards to the engine."""
-
-    def __getattr__(self, name: str) -> Any:
-        if not _ENGINE:
-            raise RuntimeError("No jaxpod engine runs in this process.")
-        return getattr(_ENGINE[0], name)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (worker_strategy, ())
-
-
-def worker_strategy() -> Any:
-    """What a client-side strategy object becomes when a step function ships."""
-    return _WorkerStrategy()
 
 
 class HostWorker:
@@ -185,7 +97,6 @@ class HostWorker:
         from jaxpod.worker.value_store import ValueStore
 
         self._engine = Engine()
-        _ENGINE[:] = [self._engine]
         self._store = ValueStore()
         self._functions = FunctionRegistry()
         return {"process_index": jax.process_index(), "process_count": jax.process_count(),
@@ -259,7 +170,7 @@ class HostWorker:
         computed (they may still be being computed when the operation returns)."""
         import jax
 
-        from jaxpod.worker.values import PerReplica, is_per_replica
+        from jaxpod.values import PerReplica, is_per_replica
 
         arrays = []
 
@@ -284,7 +195,6 @@ class HostWorker:
             raise RuntimeError("configure must come before any value or iterator exists.")
         assignment = DeviceAssignment.build(None, computation_shape, num_replicas)
         self._engine = Engine(assignment, steps_per_run)
-        _ENGINE[:] = [self._engine]
         self._datasets.clear()
         return int(self._engine.num_replicas_in_sync)
 
@@ -363,6 +273,6 @@ class HostWorker:
 def _unshipped(value: Any) -> Any:
     """``value``, or what it holds if the client pickled it by value (a dataset, its
     options): the coordinator forwards those bytes without unpickling user code."""
-    from jaxpod.worker.functions import ShippedFunction, load
+    from jaxpod.shipping import ShippedFunction, load
 
     return load(value) if isinstance(value, ShippedFunction) else value

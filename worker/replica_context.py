@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxpod.scope import get_strategy
 from jaxpod.types import ReduceOp
 
 REPLICA_AXIS = "replica"
@@ -148,8 +149,6 @@ def _extremum(v: jax.Array, axis_name: str, is_max: bool) -> jax.Array:
 
 _current: contextvars.ContextVar[ReplicaContext | None] = contextvars.ContextVar(
     "jaxpod_replica_context", default=None)
-_current_strategy: contextvars.ContextVar[Any] = contextvars.ContextVar(
-    "jaxpod_current_strategy", default=None)
 _DEFAULT_CONTEXT = ReplicaContext(1, 0, axis_name=None)
 
 
@@ -164,12 +163,7 @@ def get_replica_context() -> ReplicaContext | None:
     ctx = _current.get()
     if ctx is not None:
         return ctx
-    return None if _current_strategy.get() is not None else _DEFAULT_CONTEXT
-
-
-def get_strategy() -> Any:
-    """The strategy whose ``scope()`` is active in this thread, or ``None``."""
-    return _current_strategy.get()
+    return None if get_strategy() is not None else _DEFAULT_CONTEXT
 
 
 @contextlib.contextmanager
@@ -179,13 +173,3 @@ def replica_context(ctx: ReplicaContext) -> Iterator[ReplicaContext]:
         yield ctx
     finally:
         _current.reset(token)
-
-
-@contextlib.contextmanager
-def strategy_scope(strategy: Any) -> Iterator[None]:
-    """Makes ``strategy`` current and enters its cross-replica context."""
-    token = _current_strategy.set(strategy)
-    try:
-        yield
-    finally:
-        _current_strategy.reset(token)

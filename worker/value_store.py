@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass
 
 from jaxpod.errors import JaxpodError
-from jaxpod.worker.values import PerReplica
+from jaxpod.values import PerReplica
 
 
 class UnknownHandleError(JaxpodError, KeyError):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,8 @@ POD_TYPE_LABEL = "ray.io/tpu-pod-type"
 TOPOLOGY_LABEL = "ray.io/tpu-topology"
 ACCELERATOR_TYPE_LABEL = "ray.io/accelerator-type"
 TPU_RESOURCE = "TPU"
+#: Makes Ray use the loopback address on Linux: only for the simulated local cluster.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 #: A Ray node as ``ray.nodes()`` returns it.
 RayNode = Mapping[str, Any]
@@ -193,11 +196,27 @@ def _check_complete(info: SliceInfo, problems: list[str]) -> None:
         )
 
 
+def use_loopback() -> None:
+    """Makes this process's Ray use 127.0.0.1 as its node address.
+
+    Sets ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` for this process and its children and,
+    because Ray reads the variable once when ``ray._private.ray_constants`` is first
+    imported, updates the constant too when Ray is already loaded. Only for drivers of
+    the simulated local cluster, whose GCS listens on 127.0.0.1 only; never in
+    ``deploy/``, where hosts must reach each other.
+    """
+    os.environ.update(LOOPBACK_ENV)
+    constants: Any = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        constants.ENABLE_RAY_CLUSTER = False
+
+
+
 def connect(address: str | None = None) -> None:
     """Connects this process to Ray as a driver unless it already is connected.
 
     A loopback address (the simulated local cluster) makes this process use Ray's
-    loopback mode first (:func:`jaxpod.service.local_cluster.use_loopback`), without
+    loopback mode first (:func:`use_loopback`), without
     which Ray would dial the host's network address instead of 127.0.0.1.
 
     Args:
@@ -215,8 +234,6 @@ def connect(address: str | None = None) -> None:
             "(e.g. '127.0.0.1:6379') or set RAY_ADDRESS."
         )
     if address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
-        from jaxpod.service.local_cluster import use_loopback
-
         use_loopback()
     ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
 

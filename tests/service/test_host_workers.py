@@ -19,10 +19,10 @@ import pytest
 import jaxpod
 from jaxpod.framing import Framing
 from jaxpod.service.allocator import SliceAllocator
+from jaxpod.service.group_engine import GatherParts, GroupEngine
 from jaxpod.service.local_cluster import LocalTPUCluster
+from jaxpod.service.replica_group import ReplicaGroup
 from jaxpod.service.workers import placements, start_replica_group
-from jaxpod.worker.group_engine import GatherParts, GroupEngine
-from jaxpod.worker.replica_group import ReplicaGroup
 
 CLUSTER_SLICES = "v4-16,v4-16"  # one for the shared group, one for start-up faults
 

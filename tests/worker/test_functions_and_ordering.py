@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 import jaxpod
-from jaxpod.worker.functions import FunctionRegistry, check_versions, runtime_versions, ship
-from jaxpod.worker.host_worker import HostWorker, OperationOrderError, RemoteError
+from jaxpod.operations import OperationOrderError, RemoteError
+from jaxpod.shipping import check_versions, runtime_versions, ship
+from jaxpod.worker.functions import FunctionRegistry
+from jaxpod.worker.host_worker import HostWorker
 from jaxpod.worker.value_store import ValueStore
 
 

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from jaxpod.errors import JaxpodError
+from jaxpod.operations import RemoteError
+from jaxpod.service.group_engine import DropQueue
+from jaxpod.service.replica_group import ReplicaGroup
 from jaxpod.worker import channel
-from jaxpod.worker.group_engine import DropQueue
-from jaxpod.worker.host_worker import RemoteError
-from jaxpod.worker.replica_group import ReplicaGroup
 
 
 class _Unloadable:

@@ -23,10 +23,10 @@ import numpy as np
 
 from jaxpod.errors import EndOfDataError
 from jaxpod.framing import Framed, Framing
+from jaxpod.operations import Dropped, Handle, HandleInfo
+from jaxpod.service.replica_group import ReplicaGroup
+from jaxpod.shipping import ShippedFunction, ship
 from jaxpod.types import InputOptions, ReduceOp
-from jaxpod.worker.functions import ShippedFunction, ship
-from jaxpod.worker.host_worker import Dropped, Handle, HandleInfo
-from jaxpod.worker.replica_group import ReplicaGroup
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,7 +119,7 @@ class GroupEngine:
         return replicas
 
     def define(self, shipped: ShippedFunction) -> DefinedFunction:
-        """Defines a function the caller pickled (``jaxpod.worker.functions.ship``)."""
+        """Defines a function the caller pickled (``jaxpod.shipping.ship``)."""
         return DefinedFunction(self._call("define", shipped)[0])
 
     def _define(self, fn: Callable[..., Any] | DefinedFunction) -> str:

@@ -1,8 +1,14 @@
-"""Distributed values: what ``run`` returns and what distributed inputs are made of."""
+"""Distributed values and inputs as every part sees them: what ``run`` returns, and
+the dataset and iterator types of ``experimental_distribute_dataset``.
+
+The in-process engine (``jaxpod.worker``) and the remote client (``jaxpod.client``)
+each implement these; user code checks against them.
+"""
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -68,3 +74,19 @@ def padding_of(shape: tuple[int, ...], valid_rows: np.ndarray | None) -> np.ndar
 def is_per_replica(x: object) -> bool:
     """``is_leaf`` predicate that keeps ``PerReplica`` values whole in tree operations."""
     return isinstance(x, PerReplica)
+
+
+class DistributedDataset(abc.ABC):
+    """A dataset distributed over the replicas; iterate it once per epoch."""
+
+    @abc.abstractmethod
+    def __iter__(self) -> DistributedIterator:
+        """A new iterator over the dataset (one epoch)."""
+
+
+class DistributedIterator(Iterator[Any], abc.ABC):
+    """Yields one step of input per ``next``: a nest of ``PerReplica`` batches."""
+
+    def get_next(self) -> Any:
+        """The next step's input (``tf.distribute.DistributedIterator.get_next``)."""
+        return next(self)

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from jaxpod.errors import JaxpodError, WorkerLostError, WorkerStartError
+from jaxpod.operations import Dropped, RemoteError
 from jaxpod.timeouts import Timeout
 from jaxpod.worker import channel
-from jaxpod.worker.host_worker import SIMULATED_PLATFORM, Dropped, HostWorker, RemoteError
+from jaxpod.worker.host_worker import SIMULATED_PLATFORM, HostWorker
 
 START_TIMEOUT = Timeout("JAXPOD_WORKER_START_TIMEOUT_S", 120.0)
 OPERATION_TIMEOUT = Timeout("JAXPOD_OPERATION_TIMEOUT_S", 600.0)
