@@ -18,6 +18,7 @@ from types import TracebackType
 from typing import Any
 
 import grpc
+import grpc.experimental  # not loaded by ``import grpc``; ChannelOptions lives there
 
 import jaxpod
 from jaxpod.client import embedded, rpc

@@ -65,7 +65,8 @@ class EmbeddedService:
 
 
 def start(slices: str | None = None, log_path: str | None = None,
-          timeout_s: float | None = None, quiet: bool = False) -> EmbeddedService:
+          timeout_s: float | None = None, quiet: bool = False,
+          wait_serving: bool = True) -> EmbeddedService:
     """Starts ``jaxpod serve --local`` and waits until it is serving.
 
     Args:
@@ -74,6 +75,8 @@ def start(slices: str | None = None, log_path: str | None = None,
       log_path: where the service's log goes (default: a file in the temp directory).
       timeout_s: overrides ``JAXPOD_EMBEDDED_START_TIMEOUT_S``.
       quiet: do not print progress to stderr.
+      wait_serving: ``False``: return as soon as it listens, while its cluster may
+        still be starting (calls that need the cluster wait for it on the service).
 
     Raises:
       ServiceUnavailableError: it exited or did not become ready in time; the message
@@ -103,13 +106,14 @@ def start(slices: str | None = None, log_path: str | None = None,
     atexit.register(service.stop)
     try:
         service.address = _read_address(proc, deadline, log_path)
-        _wait_serving(service, deadline, log_path)
+        if wait_serving:
+            _wait_serving(service, deadline, log_path)
     except BaseException:
         service.stop(timeout_s=10)
         raise
     if not quiet:
-        print(f"jaxpod: embedded service ready at {service.address}", file=sys.stderr,
-              flush=True)
+        print(f"jaxpod: embedded service {'ready' if wait_serving else 'listening'} at "
+              f"{service.address}", file=sys.stderr, flush=True)
     return service
 
 

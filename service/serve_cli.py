@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -12,14 +13,60 @@ from collections.abc import Sequence
 from typing import Any
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+TOKEN_ENV = "JAXPOD_TOKEN"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (as in ``host:port``; IPv6 in brackets or not) only reaches this
+    machine: ``localhost``, 127.0.0.0/8 or ``::1``. Names other than ``localhost``, the
+    empty host and wildcard addresses (``0.0.0.0``, ``::``) are not."""
+    host = host.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_listen_address(address: str, token: str | None) -> None:
+    """Refuses to serve beyond loopback without a token.
+
+    Anyone who can reach the service can run code on its cluster (step functions are
+    pickled Python), so without ``$JAXPOD_TOKEN`` it may listen only on 127.0.0.0/8,
+    ``::1`` or ``localhost`` (or a ``unix:`` socket).
+
+    Args:
+      address: ``host:port`` to listen on.
+      token: the bearer token the service will require, if any.
+
+    Raises:
+      ValueError: ``address`` is not a loopback one and there is no token; the message
+        says what was received and how to fix it.
+    """
+    if token or address.startswith(("unix:", "unix-abstract:")):
+        return
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    if is_loopback(host):
+        return
+    raise ValueError(
+        f"jaxpod serve: refusing to listen on {address!r} without a token. The host "
+        f"{host!r} is not a loopback address (expected 127.0.0.0/8, ::1 or localhost "
+        f"when {TOKEN_ENV} is unset), and anyone who can reach the service can run code "
+        f"on its cluster. Fix: set {TOKEN_ENV} to a secret (e.g. "
+        f"{TOKEN_ENV}=$(python3 -c 'import secrets; print(secrets.token_hex(16))')) "
+        f"and give clients the same token (jaxpod.connect(token=...) or {TOKEN_ENV}), "
+        f"or listen on 127.0.0.1.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=None,
                         help="port on 127.0.0.1 (default 50051; 0 picks a free one)")
     parser.add_argument("--address", default=None,
-                        help=f"host:port to listen on (default {DEFAULT_ADDRESS}); serve "
-                             "beyond loopback only behind a token")
+                        help=f"host:port to listen on (default {DEFAULT_ADDRESS}); a "
+                             f"non-loopback host is refused unless ${TOKEN_ENV} is set")
     parser.add_argument("--local", action="store_true",
                         help="start the simulated local TPU cluster instead of joining "
                              "$RAY_ADDRESS")
@@ -47,7 +94,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.slices and not args.local:
         raise ValueError("--slices needs --local (it describes the simulated cluster).")
     logging.getLogger(__name__).debug("malloc tuned for large buffers: %s", tuned)
-    token = os.environ.get("JAXPOD_TOKEN") or None
+    token = os.environ.get(TOKEN_ENV) or None
+    check_listen_address(address, token)
     cluster: Any = None
 
     from jaxpod.service.server import LISTENING, serve

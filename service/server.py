@@ -16,19 +16,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+import grpc.aio
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxpod.errors import AuthenticationError
+from jaxpod.errors import (
+    AllocationTimeoutError,
+    AuthenticationError,
+    JaxpodError,
+    ServiceUnavailableError,
+)
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
 from jaxpod.proto import tensors
@@ -36,18 +44,29 @@ from jaxpod.proto.tensors import channel_options
 from jaxpod.service.coordinator import CoordinatorService, SliceProvider
 from jaxpod.service.sessions import SessionManager
 from jaxpod.service.status import status_of
-from jaxpod.timeouts import Timeout
+from jaxpod.timeouts import Deadline, Timeout
 
 logger = logging.getLogger(__name__)
 
 LISTENING = "JAXPOD_LISTENING"
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 SHUTDOWN_GRACE = Timeout("JAXPOD_SHUTDOWN_GRACE_S", 10.0)
+#: How long a cluster status call that arrives while the service is still connecting to
+#: its cluster waits for it (under the client's ``JAXPOD_CONTROL_TIMEOUT_S``, 30 s, so
+#: the client sees this error, which names the knob, rather than its own deadline).
+#: Acquiring a slice waits within the allocation's own time-out instead.
+CLUSTER_READY_TIMEOUT = Timeout("JAXPOD_CLUSTER_READY_TIMEOUT_S", 20.0)
+
+
 class _TokenCheck(grpc.aio.ServerInterceptor):
-    """Refuses calls without ``authorization: Bearer <token>`` (health is open)."""
+    """Refuses calls without ``authorization: Bearer <token>`` (health is open).
+
+    The comparison takes the same time wherever the first wrong byte is
+    (:func:`hmac.compare_digest`), so response times do not leak the token.
+    """
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}"
+        self._expected = f"Bearer {token}".encode()
 
     async def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
@@ -56,10 +75,16 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
         if method.startswith(("/grpc.health.", "/grpc.reflection.")):
             return await continuation(details)
         metadata = dict(details.invocation_metadata or ())
-        if metadata.get("authorization") == self._expected:
+        if hmac.compare_digest(_as_bytes(metadata.get("authorization")), self._expected):
             return await continuation(details)
         handler = await continuation(details)
         return _refuse(handler)
+
+
+def _as_bytes(value: str | bytes | None) -> bytes:
+    if value is None:
+        return b""
+    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 #: gRPC's method handler factory by (request streaming, response streaming).
@@ -178,13 +203,21 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
         loop.add_reader(sys.stdin.fileno(), _stop_on_eof, stop)
     reaper = asyncio.create_task(_reap(service, stop))
     try:
-        provider.target = await asyncio.to_thread(make_slices)
+        try:
+            target = await asyncio.to_thread(make_slices)
+        except BaseException as e:
+            provider.failed(e)  # wakes the calls waiting for the cluster, naming why
+            raise
+        provider.ready(target)
         stop_on_signals()  # again: ray.init installs a SIGTERM handler that aborts 3 s in
         await _set_serving(health, True)
         logger.info("jaxpod serve: ready on %s:%d", host, port)
         await stop.wait()
     finally:
         logger.info("jaxpod serve: stopping (grace %.0fs)", SHUTDOWN_GRACE.seconds())
+        provider.failed(ServiceUnavailableError(
+            "the service was stopped (SIGTERM/SIGINT, or its parent exited) before its "
+            "cluster was up"))
         await health.enter_graceful_shutdown()
         await server.stop(SHUTDOWN_GRACE.seconds())
         reaper.cancel()
@@ -200,21 +233,81 @@ def _stop_on_eof(stop: asyncio.Event) -> None:
 
 
 class _DeferredSlices:
-    """The slice provider once the cluster is up; until then a clear error."""
+    """The slice provider once the cluster is up.
 
-    target: SliceProvider | None = None
+    The service listens before its cluster is ready (a local one takes seconds to
+    start). Calls that arrive in that window wait for it, each within its own time-out
+    (an acquire within its allocation time-out, which then covers the wait plus the
+    allocation), on an event set when the cluster is up or failed to come up; if it
+    failed, they fail naming why.
+    """
 
-    def _get(self) -> SliceProvider:
-        if self.target is None:
-            raise ConnectionError("The jaxpod service is still connecting to its cluster; "
-                                  "wait for its health check to report SERVING.")
-        return self.target
+    def __init__(self) -> None:
+        self._settled = threading.Event()
+        self._target: SliceProvider | None = None
+        self._failure: BaseException | None = None
+
+    @property
+    def target(self) -> SliceProvider | None:
+        """The provider, once the cluster is up (``None`` until then)."""
+        return self._target
+
+    def ready(self, target: SliceProvider) -> None:
+        """The cluster is up: calls waiting for it go on to ``target``."""
+        if not self._settled.is_set():
+            self._target = target
+            self._settled.set()
+
+    def failed(self, error: BaseException) -> None:
+        """The cluster did not come up (or the service is stopping first): calls waiting
+        for it, and later ones, fail naming ``error``. No effect once ready."""
+        if not self._settled.is_set():
+            self._failure = error
+            self._settled.set()
+
+    def _wait(self, deadline: Deadline, what: str, limit: str, knob: str,
+              late: type[JaxpodError]) -> SliceProvider:
+        """The provider, once ready; ``late`` when ``deadline`` passes first (``limit``
+        says what set it, ``knob`` what to raise)."""
+        if not self._settled.wait(deadline.remaining()):
+            raise late(
+                f"{what}: the jaxpod service was still connecting to its cluster after "
+                f"{deadline.total_s:g}s ({limit}); expected it ready by then. See the "
+                f"service's log for what it is waiting on, or raise {knob}.")
+        if self._target is None:
+            error = self._failure
+            raise ServiceUnavailableError(
+                f"{what}: the jaxpod service's cluster did not come up "
+                f"({type(error).__name__}: {error}), so it cannot hand out slices. Fix the "
+                f"cause named here (more in the service's log) and start `jaxpod serve` "
+                f"again.")
+        return self._target
 
     def acquire(self, request: pb.AcquireSliceRequest, slice_id: str) -> Any:
-        return self._get().acquire(request, slice_id)
+        if self._target is not None:
+            return self._target.acquire(request, slice_id)
+        from jaxpod.service.allocator import ALLOCATION_TIMEOUT  # imports Ray: here only
+
+        deadline = Deadline(ALLOCATION_TIMEOUT.resolve(request.timeout_s or None))
+        target = self._wait(
+            deadline, f"acquiring a {request.accelerator_type or '?'} slice",
+            f"the acquire's time-out: its timeout_s, else {ALLOCATION_TIMEOUT.env_var}, "
+            f"default {ALLOCATION_TIMEOUT.default_s:g}s",
+            f"{ALLOCATION_TIMEOUT.env_var} or pass timeout_s", AllocationTimeoutError)
+        # The allocation gets what is left of the acquire's time-out.
+        waited = pb.AcquireSliceRequest()
+        waited.CopyFrom(request)
+        waited.timeout_s = max(deadline.remaining(), 1e-3)
+        return target.acquire(waited, slice_id)
 
     def cluster(self) -> list[pb.ClusterSlice]:
-        return self._get().cluster()
+        if self._target is not None:
+            return self._target.cluster()
+        timeout = CLUSTER_READY_TIMEOUT
+        return self._wait(
+            Deadline(timeout.seconds()), "cluster status",
+            f"{timeout.env_var}, default {timeout.default_s:g}s", timeout.env_var,
+            ServiceUnavailableError).cluster()
 
 
 async def _reap(service: CoordinatorService, stop: asyncio.Event) -> None:
