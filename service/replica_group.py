@@ -112,9 +112,9 @@ class ReplicaGroup:
             key = channel.new_key()
             addresses = _get_all([w.open_channel.remote(key) for w in workers], deadline,
                                  "open their operation channel", limit)
-            for host, port in addresses:
+            for address in addresses:
                 channels.append(channel.connect(
-                    (host, port), key, max(1.0, deadline - time.monotonic())))
+                    address, key, max(1.0, deadline - time.monotonic())))
         except BaseException as e:
             for sock in channels:
                 sock.close()

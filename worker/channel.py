@@ -1,8 +1,9 @@
 """The operation channel: a direct, authenticated socket from the coordinator to a host
 worker.
 
-Ray starts, places and stops the host workers; their operations travel over one TCP
-connection per worker instead of as Ray actor tasks. On a busy host a Ray actor call
+Ray starts, places and stops the host workers; their operations travel over one
+connection per worker instead of as Ray actor tasks: a Unix-domain socket where the
+coordinator runs on the worker's machine, else TCP. On a busy host a Ray actor call
 costs 1-2 ms (submission, the actor's task queue, the reply through the core worker),
 a round trip over an open socket about 0.05 ms; and results, gathered arrays included,
 come straight back instead of through the object store.
@@ -15,11 +16,18 @@ forward a buffer it received (a framed piece of a gathered array) without a copy
 :class:`~jaxpod.framing.Segments` travel out of band too, as one buffer sent from
 several (a piece's header and a view of the rows), so neither end copies them.
 
-When the worker runs on the coordinator's machine (the handshake checks that the
-coordinator can read the worker's memory), a reply's large buffers do not travel at
+A worker listens on TCP and on a Unix socket in the abstract namespace (a random
+name; :class:`ChannelAddress` carries both). The coordinator tries the Unix socket
+first: it connects only on the worker's machine (in its network namespace). Over it
+and only over it, once the peer has proved it holds the key, the worker lets the
+process the kernel names as the peer (``SO_PEERCRED``, never a pid the peer claims)
+read its memory, for as long as that connection lasts (Yama's ``PR_SET_PTRACER``,
+revoked however the connection ends), and a reply's large buffers do not travel at
 all: the worker sends where they are and keeps them until its next message arrives,
 and the coordinator copies them straight into its ``bytes`` objects
-(:mod:`~jaxpod.worker.process_memory`). ``JAXPOD_CHANNEL_LEND=0`` turns that off.
+(:mod:`~jaxpod.worker.process_memory`), after reading back a random token to check
+that it can. Over TCP nothing is granted and everything travels through the socket.
+``JAXPOD_CHANNEL_LEND=0`` (on either end) turns lending off.
 """
 
 from __future__ import annotations
@@ -31,11 +39,14 @@ import io
 import os
 import pickle
 import secrets
+import select
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
@@ -57,6 +68,25 @@ _PID = struct.Struct("<Q")
 _OFFER = struct.Struct("<QQ")  # the worker's pid, the address of its token
 _LENT = struct.Struct("<QQQQ")  # buffer index, offset in it, address, length
 _TIMEVAL = struct.Struct("@ll")  # SO_RCVTIMEO's struct timeval
+_UCRED = struct.Struct("@iII")  # SO_PEERCRED's struct ucred: pid, uid, gid
+_YES, _NO = b"\x01", b"\x00"
+
+
+@dataclass(frozen=True)
+class ChannelAddress:
+    """Where a worker's :class:`ChannelServer` listens (it travels through Ray).
+
+    Attributes:
+      host: the address other machines reach the worker at.
+      port: its TCP port there.
+      unix_path: its Unix socket's name, in the abstract namespace (a leading NUL),
+        reachable only on the worker's machine; ``None`` where there is none. An
+        address without it reaches the worker as a coordinator elsewhere does.
+    """
+
+    host: str
+    port: int
+    unix_path: str | None = None
 
 
 class ChannelClosedError(JaxpodError, ConnectionError):
@@ -282,37 +312,61 @@ def _prove(sock: socket.socket, key: bytes) -> None:
                                "challenge: it does not hold this group's key.")
 
 
+def peer_pid(sock: socket.socket) -> int:
+    """The pid of a Unix socket's peer as the kernel records it (the connecting
+    process, or the listening one), 0 where it is outside this pid namespace."""
+    pid, _, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                              _UCRED.size))
+    return int(pid)
+
+
 def _borrow(sock: socket.socket) -> int:
-    """The coordinator's half of the same-host check: the worker's pid if this
-    process can read the worker's memory (it read the worker's token), else 0."""
-    sock.sendall(_PID.pack(os.getpid()))
+    """The coordinator's half of the same-host check, on a Unix connection: the
+    worker's pid if this process reads the worker's memory (it read the worker's
+    token there), else 0."""
+    wanted = process_memory.enabled()
+    sock.sendall(_YES if wanted else _NO)
     pid, address = _OFFER.unpack(_read(sock, _OFFER.size))
     token = bytes(_read(sock, _CHALLENGE_BYTES))
-    can = process_memory.enabled() and process_memory.reads_back(pid, address, token)
-    sock.sendall(b"\x01" if can else b"\x00")
+    # Read only the process the kernel says is listening, whatever the offer names.
+    can = (wanted and pid == peer_pid(sock)
+           and process_memory.reads_back(pid, address, token))
+    sock.sendall(_YES if can else _NO)
     return pid if can else 0
 
 
-def _lend(sock: socket.socket) -> bool:
-    """The worker's half of the same-host check: whether the coordinator reads its
-    replies' large buffers in place."""
-    (reader,) = _PID.unpack(_read(sock, _PID.size))
+def _lend(sock: socket.socket) -> int:
+    """The worker's half of the same-host check, on a Unix connection whose peer has
+    proved it holds the key: grants the peer (by its kernel-reported pid) the reading
+    of this process's memory. Returns that pid if the peer reads replies in place (the
+    caller revokes the grant when the connection ends), else 0, nothing left granted."""
+    wanted = _read(sock, 1) == _YES
+    reader = peer_pid(sock)
+    granted = (wanted and process_memory.enabled()
+               and process_memory.allow_reader(reader))
     token = np.frombuffer(secrets.token_bytes(_CHALLENGE_BYTES), np.uint8).copy()
-    offered = process_memory.enabled()
-    if offered:
-        process_memory.allow_reader(reader)
-    sock.sendall(_OFFER.pack(os.getpid() if offered else 0, token.ctypes.data)
-                 + token.tobytes())
-    return _read(sock, 1) == b"\x01"
-
-
-def connect(address: tuple[str, int], key: bytes, timeout_s: float) -> Connection:
-    """Opens and authenticates a channel to a worker's :class:`ChannelServer`."""
-    sock = socket.create_connection(address, timeout=timeout_s)
+    borrowed = False
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(_OFFER.pack(os.getpid() if granted else 0, token.ctypes.data)
+                     + token.tobytes())
+        borrowed = _read(sock, 1) == _YES and granted
+    finally:
+        if granted and not borrowed:  # refused, or the peer went away mid-handshake
+            process_memory.revoke_reader(reader)
+    return reader if borrowed else 0
+
+
+def connect(address: ChannelAddress, key: bytes, timeout_s: float) -> Connection:
+    """Opens and authenticates a channel to a worker's :class:`ChannelServer`: over
+    its Unix socket where that connects (the worker is on this machine; only then may
+    it lend), else over TCP."""
+    sock = _open(address, timeout_s)
+    try:
+        local = sock.family == socket.AF_UNIX
+        if not local:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _prove(sock, key)
-        lender = _borrow(sock)
+        lender = _borrow(sock) if local else 0
         sock.settimeout(None)
     except BaseException:
         sock.close()
@@ -323,10 +377,41 @@ def connect(address: tuple[str, int], key: bytes, timeout_s: float) -> Connectio
     return conn
 
 
+def _open(address: ChannelAddress, timeout_s: float) -> socket.socket:
+    """A connected socket: the Unix one where it connects, else TCP. Only a failed
+    Unix connect falls back; what fails after it (the key proof) is the answer."""
+    if address.unix_path is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(address.unix_path)
+            return sock
+        except OSError:  # another machine, or another network namespace
+            sock.close()
+    return socket.create_connection((address.host, address.port), timeout=timeout_s)
+
+
+def _listen_unix() -> tuple[socket.socket, str] | None:
+    """A listening Unix socket under a random abstract name (Linux's: no file to
+    leave behind if the worker dies), or ``None`` where there is no such namespace."""
+    if not sys.platform.startswith("linux"):
+        return None
+    name = f"\0jaxpod-channel-{secrets.token_hex(16)}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(name)
+        sock.listen()
+    except OSError:
+        sock.close()
+        return None
+    return sock, name
+
+
 class ChannelServer:
-    """Serves one worker's operations: each message is ``handle``'s positional and
-    keyword arguments, each reply its result. One connection at a time (the
-    coordinator's); runs on its own daemon thread.
+    """Serves one worker's operations: each message is given to ``handle``, each
+    reply is what it returns. One connection at a time (the coordinator's), over TCP
+    or over its Unix socket (see the module's docstring); runs on its own daemon
+    thread.
 
     Args:
       host: the address to listen on (the node's address other hosts reach).
@@ -336,53 +421,76 @@ class ChannelServer:
         or pickling a result, so the caller hears of it instead of waiting.
     """
 
-    def __init__(self, host: str, key: bytes, handle: Callable[..., Any],
+    def __init__(self, host: str, key: bytes, handle: Callable[[Any], Any],
                  failed: Callable[[BaseException], Any]) -> None:
         self._key = key
         self._handle = handle
         self._failed = failed
-        self._listener = socket.create_server((host, 0))
-        self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
+        self._listeners = [socket.create_server((host, 0))]
+        unix = _listen_unix()
+        if unix is not None:
+            self._listeners.append(unix[0])
+        self.address = ChannelAddress(host, self._listeners[0].getsockname()[1],
+                                      unix[1] if unix is not None else None)
+        self._reader: int | None = None
         self._thread = threading.Thread(target=self._serve, name="jaxpod-channel",
                                         daemon=True)
         self._thread.start()
 
+    @property
+    def granted_reader(self) -> int | None:
+        """The pid the connection being served was granted the reading of this
+        process's memory (its Unix peer's), if any."""
+        return self._reader
+
     def _serve(self) -> None:
         while True:
             try:
-                sock, _ = self._listener.accept()
-            except OSError:
+                ready, _, _ = select.select(self._listeners, [], [])
+                sock, _ = ready[0].accept()
+            except (OSError, ValueError):  # ValueError: select on a closed socket
                 return  # closed
             with sock:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                reply: tuple[bytes, list[Any]] | None = None
                 try:
-                    # A connection that never proves itself must not hold the server.
-                    sock.settimeout(HANDSHAKE_TIMEOUT.seconds())
-                    _prove(sock, self._key)
-                    lend = _lend(sock)
-                    sock.settimeout(None)
-                    while True:
-                        message = _receive(sock, None, writable=True)
-                        # A lent reply lives until the coordinator has read it, which
-                        # it has once its next message arrives.
-                        reply = None
-                        reply = self._answer(*message)
-                        _send(sock, reply[0], reply[1], lend=lend)
+                    self._serve_connection(sock)
                 except Exception:  # one bad connection must not end the serving
                     continue  # that client is gone or out of step; wait for the next
+
+    def _serve_connection(self, sock: socket.socket) -> None:
+        local = sock.family == socket.AF_UNIX
+        if not local:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # A connection that never proves itself must not hold the server.
+        sock.settimeout(HANDSHAKE_TIMEOUT.seconds())
+        _prove(sock, self._key)  # before anything is granted
+        reader = _lend(sock) if local else 0
+        self._reader = reader or None
+        try:
+            sock.settimeout(None)
+            reply: tuple[bytes, list[Any]] | None = None
+            while True:
+                message = _receive(sock, None, writable=True)
+                # A lent reply lives until the coordinator has read it, which it has
+                # once its next message arrives.
+                reply = None
+                reply = self._answer(*message)
+                _send(sock, reply[0], reply[1], lend=bool(reader))
+        finally:  # however the connection ends, its reader may read no more
+            self._reader = None
+            if reader:
+                process_memory.revoke_reader(reader)
 
     def _answer(self, data: bytearray, buffers: list[np.ndarray], segmented: int
                 ) -> tuple[bytes, list[Any]]:
         try:
-            args, kwargs = _loads(data, buffers, segmented)
-            return encode(self._handle(*args, **kwargs))
+            return encode(self._handle(_loads(data, buffers, segmented)))
         except Exception as e:
             return encode(self._failed(e))
 
     def close(self) -> None:
-        """Stops accepting (closing alone does not wake a thread blocked in accept);
-        a connection being served ends when its coordinator closes it."""
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
+        """Stops accepting (closing alone does not wake a thread blocked waiting for a
+        connection); a connection being served ends when its coordinator closes it."""
+        for listener in self._listeners:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()

@@ -23,6 +23,7 @@ from jaxpod.worker.busy_clock import BusyClock
 
 if TYPE_CHECKING:
     from jaxpod.framing import Framing
+    from jaxpod.worker.channel import ChannelAddress
 
 SIMULATED_PLATFORM = "cpu"
 
@@ -104,12 +105,13 @@ class HostWorker:
                 "local_devices": jax.local_device_count(),
                 "num_replicas": self._engine.num_replicas_in_sync}
 
-    def open_channel(self, key: bytes) -> tuple[str, int]:
+    def open_channel(self, key: bytes) -> ChannelAddress:
         """Starts serving operations over a direct socket (see
         :mod:`jaxpod.worker.channel`); returns its address."""
         from jaxpod.worker.channel import ChannelServer
 
-        self._channel = ChannelServer(self.node_address(), key, self.execute,
+        self._channel = ChannelServer(self.node_address(), key,
+                                      lambda message: self.execute(*message[0], **message[1]),
                                       lambda e: RemoteError.of(e, traceback.format_exc()))
         return self._channel.address
 

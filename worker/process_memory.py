@@ -6,10 +6,13 @@ through a loopback socket costs a copy into the kernel on the worker's side, a c
 out of it on the coordinator's, and the TCP stack and wake-ups in between, on CPUs
 that the computation and the client share. Instead the worker sends where its buffers
 are, and the coordinator copies them straight into its own ``bytes`` objects: one
-copy, and none of the worker's time. Whether it may is not assumed: the channel's
-handshake has the coordinator read a random token at an address the worker names
-(:func:`reads_back`), which proves the same machine, the same pid namespace and the
-permission to read, and falls back to the socket otherwise.
+copy, and none of the worker's time. Whether it may is not assumed: only a
+coordinator that reached the worker over its Unix-domain socket (which proves the same
+machine) and proved it holds the group's key is granted the reading, by the pid the
+kernel names for that socket's peer (:func:`allow_reader`), and only while that
+connection lasts (:func:`revoke_reader`). The handshake then has the coordinator read a
+random token at an address the worker names (:func:`reads_back`), which proves the
+same pid namespace and the permission to read, and falls back to the socket otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import ctypes
 import errno
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +31,8 @@ import numpy as np
 LEND_ENV = "JAXPOD_CHANNEL_LEND"
 _PR_SET_PTRACER = 0x59616D61  # prctl option of the Yama security module
 _IOV_MAX = 1024
+#: Whether the Yama security module limits reading to ancestors and granted readers.
+_YAMA = os.path.exists("/proc/sys/kernel/yama/ptrace_scope")
 
 
 class _IOVec(ctypes.Structure):
@@ -84,12 +90,63 @@ def new_bytes(size: int) -> tuple[bytes, memoryview]:
                             ).cast("B")
 
 
-def allow_reader(pid: int) -> None:
+class _Grant:
+    """The one reader this process has granted (Yama keeps one per process) and how
+    many holders (channel connections from that pid) still need it."""
+
+    lock = threading.Lock()
+    reader: int | None = None
+    holders = 0
+
+
+def allow_reader(pid: int) -> bool:
     """Lets process ``pid`` read this one's memory where the Yama security module would
-    otherwise allow only this process's ancestors to. Best effort: the handshake's
-    test read finds out whether reading works."""
-    if _LIBC is not None and os.path.exists("/proc/sys/kernel/yama/ptrace_scope"):
-        _LIBC.prctl(_PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0)
+    otherwise allow only this process's ancestors to, until as many
+    :func:`revoke_reader` calls as successful grants. Call it only for a pid the
+    kernel named (a Unix socket's peer credentials), never for one a peer claims.
+
+    Returns:
+      Whether it is granted: false where another process holds the grant (it is not
+      taken away from it) or the kernel refused. Without Yama the grant is recorded
+      (:func:`granted_reader`) and the kernel's plain ptrace rules decide alone.
+    """
+    if pid <= 0:
+        return False
+    with _Grant.lock:
+        if _Grant.reader not in (None, pid):
+            return False
+        if _Grant.reader is None and not _set_ptracer(pid):
+            return False
+        _Grant.reader = pid
+        _Grant.holders += 1
+        return True
+
+
+def revoke_reader(pid: int) -> None:
+    """Gives back one grant :func:`allow_reader` made to ``pid``; the last one given
+    back revokes the permission (a later process that reuses the pid gets nothing)."""
+    with _Grant.lock:
+        if _Grant.reader != pid or _Grant.holders == 0:
+            return
+        _Grant.holders -= 1
+        if _Grant.holders == 0:
+            _set_ptracer(0)
+            _Grant.reader = None
+
+
+def granted_reader() -> int | None:
+    """The pid this process has granted the reading of its memory, if any."""
+    with _Grant.lock:
+        return _Grant.reader
+
+
+def _set_ptracer(pid: int) -> bool:
+    """``prctl(PR_SET_PTRACER, pid)`` where Yama is there (``0`` revokes); whether the
+    kernel took it."""
+    if _LIBC is None or not _YAMA:
+        return True
+    return int(_LIBC.prctl(_PR_SET_PTRACER, ctypes.c_ulong(pid), ctypes.c_ulong(0),
+                           ctypes.c_ulong(0), ctypes.c_ulong(0))) == 0
 
 
 def read(pid: int, into: memoryview, offset: int, spans: Sequence[tuple[int, int, int]]

@@ -1,24 +1,42 @@
-"""The operation channel: real loopback sockets, HMAC handshake, out-of-band arrays."""
+"""The operation channel: real loopback and Unix sockets, HMAC handshake, out-of-band
+arrays, and the same-host grant: who may read a worker's memory, and for how long
+(workers and coordinators in real subprocesses where it matters which process is
+which)."""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import os
 import pickle
+import secrets
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 from jaxpod.framing import Framing, Segments, varint
+from jaxpod.timeouts import wait_for
 from jaxpod.worker import channel, process_memory
 
+#: How long a test waits for a grant to be revoked after its connection ended.
+REVOKE_WAIT_S = 20.0
 
-def _echo(*args: Any, release: threading.Event, slow: bool = False, frame: int = 0,
-          **kwargs: Any) -> Any:
+
+def _echo(message: Any, release: threading.Event) -> Any:
+    """The test server's ``handle``: a message is ``(args, kwargs)``."""
+    args, kwargs = message
+    return _echo_call(*args, release=release, **kwargs)
+
+
+def _echo_call(*args: Any, release: threading.Event, slow: bool = False, frame: int = 0,
+               **kwargs: Any) -> Any:
     if slow:  # an operation that lasts until the test ends, for the deadline test
         release.wait(30)
     if frame:  # as a worker answers a gather: its first argument, framed (views of it)
@@ -31,32 +49,56 @@ def _echo(*args: Any, release: threading.Event, slow: bool = False, frame: int =
     return args, kwargs
 
 
-@pytest.fixture(params=["lent", "socket"])
-def server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A channel server in this process: replies' large buffers read in place (a
-    worker on this machine) or sent through the socket (``JAXPOD_CHANNEL_LEND=0``)."""
-    monkeypatch.setenv(process_memory.LEND_ENV, "1" if request.param == "lent" else "0")
+@dataclasses.dataclass
+class Served:
+    srv: channel.ChannelServer
+    key: bytes
+    address: channel.ChannelAddress  # what the test connects to
+    mode: str
+
+
+def _tcp_only(address: channel.ChannelAddress) -> channel.ChannelAddress:
+    """The address as a coordinator on another machine uses it: its Unix socket is
+    not there to connect to."""
+    return dataclasses.replace(address, unix_path=None)
+
+
+@pytest.fixture(params=["lent", "unix", "tcp"])
+def server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+           ) -> Iterator[Served]:
+    """A channel server in this process, reached over its Unix socket with replies'
+    large buffers read in place (a worker on this machine) or sent through the socket
+    (``JAXPOD_CHANNEL_LEND=0``), or over TCP only (a worker on another machine)."""
+    monkeypatch.setenv(process_memory.LEND_ENV, "0" if request.param == "unix" else "1")
     key = channel.new_key()
     release = threading.Event()
-    srv = channel.ChannelServer("127.0.0.1", key, functools.partial(_echo, release=release),
+    srv = channel.ChannelServer("127.0.0.1", key, lambda m: _echo(m, release),
                                 lambda e: ("failed", repr(e)))
-    yield srv, key
+    assert srv.address.unix_path is not None and srv.address.unix_path.startswith("\0")
+    address = _tcp_only(srv.address) if request.param == "tcp" else srv.address
+    yield Served(srv, key, address, request.param)
     release.set()
     srv.close()
     srv._thread.join(10)  # its last client hung up: closing ends the serving thread
     assert not srv._thread.is_alive()
+    assert srv.granted_reader is None and process_memory.granted_reader() is None
 
 
-def test_round_trip_keeps_small_and_large_arrays(server: Any) -> None:
-    srv, key = server
+def test_round_trip_keeps_small_and_large_arrays(server: Served) -> None:
+    srv, key = server.srv, server.key
     big = np.random.default_rng(0).normal(size=(300, 1000)).astype(np.float32)  # out of band
     small = np.arange(5, dtype=np.int16)
-    with channel.connect(srv.address, key, 10) as sock:
-        lending = os.environ[process_memory.LEND_ENV] == "1"
+    with channel.connect(server.address, key, 10) as sock:
+        lending = server.mode == "lent"
+        assert sock.family == (socket.AF_INET if server.mode == "tcp" else socket.AF_UNIX)
         assert sock.lender == (os.getpid() if lending else 0)
+        # The worker granted the reading to this process (as the kernel names it)
+        # only where it lends (before its offer: before connect returned).
+        assert process_memory.granted_reader() == (os.getpid() if lending else None)
         for n in range(3):  # several messages on one connection stay in step
             channel.broadcast([sock], ((big + n, small), {"n": n}))
             (got_big, got_small), kwargs = channel.receive(sock)
+            assert srv.granted_reader == process_memory.granted_reader()
             expected = big + n
             expected[0, 0] = -expected[0, 0]  # written by the worker side
             np.testing.assert_array_equal(got_big, expected)
@@ -64,12 +106,14 @@ def test_round_trip_keeps_small_and_large_arrays(server: Any) -> None:
             assert kwargs == {"n": n}
             # replies are received straight into bytes objects: read-only arrays
             assert not got_big.flags.writeable
+    # The coordinator hung up: the grant goes with its connection.
+    assert wait_for(lambda: srv.granted_reader is None, REVOKE_WAIT_S)
+    assert process_memory.granted_reader() is None
 
 
-def test_framed_pieces_arrive_as_bytes_in_order(server: Any) -> None:
-    srv, key = server
+def test_framed_pieces_arrive_as_bytes_in_order(server: Served) -> None:
     data = np.random.default_rng(1).integers(0, 255, size=(3 << 20) + 17, dtype=np.uint8)
-    with channel.connect(srv.address, key, 10) as sock:
+    with channel.connect(server.address, server.key, 10) as sock:
         channel.broadcast([sock], ((data,), {"frame": 1 << 20}))
         reply = channel.receive(sock)
         # the other way, segments reach the worker as one buffer of their own
@@ -90,9 +134,8 @@ def test_framed_pieces_arrive_as_bytes_in_order(server: Any) -> None:
     assert offset == data.nbytes
 
 
-def test_a_reply_that_does_not_come_in_time_raises_timeout(server: Any) -> None:
-    srv, key = server
-    with channel.connect(srv.address, key, 10) as sock:
+def test_a_reply_that_does_not_come_in_time_raises_timeout(server: Served) -> None:
+    with channel.connect(server.address, server.key, 10) as sock:
         channel.broadcast([sock], ((), {"slow": True}))
         start = time.monotonic()
         with pytest.raises(TimeoutError):
@@ -100,23 +143,23 @@ def test_a_reply_that_does_not_come_in_time_raises_timeout(server: Any) -> None:
         assert time.monotonic() - start < 2.5  # gave up at the deadline
 
 
-def test_wrong_key_is_refused_and_the_server_keeps_serving(server: Any) -> None:
-    srv, key = server
+def test_wrong_key_is_refused_and_the_server_keeps_serving(server: Served) -> None:
     with pytest.raises(channel.ChannelAuthError, match="does not hold this group's key"):
-        channel.connect(srv.address, channel.new_key(), 10)
-    with channel.connect(srv.address, key, 10) as sock:
+        channel.connect(server.address, channel.new_key(), 10)
+    assert server.srv.granted_reader is None
+    with channel.connect(server.address, server.key, 10) as sock:
         channel.broadcast([sock], ((1,), {}))
         assert channel.receive(sock) == ((1,), {})
 
 
-def test_a_message_that_fails_to_unpickle_gets_the_failure_as_its_reply(server: Any) -> None:
-    srv, key = server
+def test_a_message_that_fails_to_unpickle_gets_the_failure_as_its_reply(
+        server: Served) -> None:
 
     class Unloadable:
         def __reduce__(self) -> Any:
             return (_refuse, ())
 
-    with channel.connect(srv.address, key, 10) as sock:
+    with channel.connect(server.address, server.key, 10) as sock:
         channel.broadcast([sock], ((Unloadable(),), {}))
         kind, message = channel.receive(sock)
         assert kind == "failed" and "refused on purpose" in message
@@ -132,11 +175,10 @@ def test_peer_that_goes_away_mid_operation_raises_channel_closed() -> None:
     key = channel.new_key()
 
     def takes_one_message(conn: socket.socket) -> None:  # then vanishes
-        channel._lend(conn)
-        channel.receive(conn)
+        channel.receive(conn)  # over TCP no same-host handshake follows the key's
 
-    listener, thread = _peer(key, takes_one_message)
-    with channel.connect(listener.getsockname(), key, 10) as sock:
+    address, thread = _peer(key, takes_one_message, unix=False)
+    with channel.connect(address, key, 10) as sock:
         channel.broadcast([sock], ((), {}))
         with pytest.raises(channel.ChannelClosedError, match="closed by the other end"):
             channel.receive(sock)
@@ -159,10 +201,20 @@ def test_framing_rejects_bad_settings_and_frames_empty_arrays() -> None:
     assert pickle.loads(pickle.dumps(segments)) == segments.tobytes() == b"ab\x00\x01\x02"
 
 
-def _peer(key: bytes, serve: Any) -> tuple[socket.socket, threading.Thread]:
-    """A hand-written worker end on a thread: answers the key challenge, then runs
-    ``serve(conn)``."""
-    listener = socket.create_server(("127.0.0.1", 0))
+def _peer(key: bytes, serve: Any, unix: bool = True
+          ) -> tuple[channel.ChannelAddress, threading.Thread]:
+    """A hand-written worker end on a thread, listening on a Unix socket (where the
+    same-host handshake follows the key's) or on TCP: answers the key challenge, then
+    runs ``serve(conn)``."""
+    if unix:
+        name = f"\0jaxpod-test-{secrets.token_hex(8)}"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(name)
+        listener.listen()
+        address = channel.ChannelAddress("127.0.0.1", 0, name)
+    else:
+        listener = socket.create_server(("127.0.0.1", 0))
+        address = channel.ChannelAddress("127.0.0.1", listener.getsockname()[1])
 
     def run() -> None:
         with listener, listener.accept()[0] as conn:
@@ -171,7 +223,45 @@ def _peer(key: bytes, serve: Any) -> tuple[socket.socket, threading.Thread]:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    return listener, thread
+    return address, thread
+
+
+# A process that holds 32 known bytes and says where they are.
+_HOLDER = """
+import os, sys
+import numpy as np
+token = np.frombuffer(b"jaxpod-token-" + b"x" * 19, np.uint8).copy()
+print(os.getpid(), token.ctypes.data, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_worker_that_offers_another_process_is_not_read() -> None:
+    """A peer that names another process (whose token does read back there) is not
+    read: the coordinator reads only the pid the kernel gives as the socket's peer."""
+    key = channel.new_key()
+    answers: list[bytes] = []
+    with subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            assert holder.stdout is not None
+            pid, where = (int(x) for x in holder.stdout.readline().split())
+            token = b"jaxpod-token-" + b"x" * 19
+            assert process_memory.reads_back(pid, where, token)  # readable from here
+
+            def serve(conn: socket.socket) -> None:
+                assert channel._read(conn, 1) == channel._YES  # the coordinator would
+                conn.sendall(channel._OFFER.pack(pid, where) + token)
+                answers.append(bytes(channel._read(conn, 1)))
+
+            address, thread = _peer(key, serve)
+            with channel.connect(address, key, 10) as sock:
+                assert sock.family == socket.AF_UNIX and sock.lender == 0
+            thread.join(10)
+            assert not thread.is_alive()
+        finally:
+            holder.kill()
+    assert answers == [channel._NO]
 
 
 def test_a_worker_whose_token_does_not_read_back_sends_through_the_socket() -> None:
@@ -180,7 +270,7 @@ def test_a_worker_whose_token_does_not_read_back_sends_through_the_socket() -> N
     answers: list[bytes] = []
 
     def serve(conn: socket.socket) -> None:
-        channel._read(conn, channel._PID.size)  # the coordinator's pid
+        channel._read(conn, 1)  # whether the coordinator would borrow
         elsewhere = np.zeros(32, np.uint8)  # not the token it is sent with
         conn.sendall(channel._OFFER.pack(os.getpid(), elsewhere.ctypes.data)
                      + b"t" * channel._CHALLENGE_BYTES)
@@ -188,9 +278,9 @@ def test_a_worker_whose_token_does_not_read_back_sends_through_the_socket() -> N
         channel.receive(conn)
         channel._send(conn, *channel.encode(big))
 
-    listener, thread = _peer(key, serve)
-    with channel.connect(listener.getsockname(), key, 10) as sock:
-        assert sock.lender == 0
+    address, thread = _peer(key, serve)
+    with channel.connect(address, key, 10) as sock:
+        assert sock.family == socket.AF_UNIX and sock.lender == 0
         channel.broadcast([sock], ())
         np.testing.assert_array_equal(channel.receive(sock), big)
     thread.join(10)
@@ -209,20 +299,186 @@ def test_a_lent_buffer_that_cannot_be_read_raises_channel_closed(
     lent = np.zeros(1 << 17, np.uint8)
 
     def serve(conn: socket.socket) -> None:
-        channel._lend(conn)
-        channel.receive(conn)
-        data, buffers = channel.encode(lent)
-        where = lent.ctypes.data if address is None else address
-        conn.sendall(data + channel._PID.pack(1)
-                     + channel._LENT.pack(index, offset, where, buffers[0].nbytes))
-        with pytest.raises(channel.ChannelClosedError):
-            channel._read(conn, 1)  # until the coordinator hangs up
+        reader = channel._lend(conn)
+        try:
+            assert reader == os.getpid()  # this process is the peer
+            channel.receive(conn)
+            data, buffers = channel.encode(lent)
+            where = lent.ctypes.data if address is None else address
+            conn.sendall(data + channel._PID.pack(1)
+                         + channel._LENT.pack(index, offset, where, buffers[0].nbytes))
+            with pytest.raises(channel.ChannelClosedError):
+                channel._read(conn, 1)  # until the coordinator hangs up
+        finally:
+            process_memory.revoke_reader(reader)
 
-    listener, thread = _peer(key, serve)
-    with channel.connect(listener.getsockname(), key, 10) as sock:
+    peer, thread = _peer(key, serve)
+    with channel.connect(peer, key, 10) as sock:
         assert sock.lender == os.getpid()
         channel.broadcast([sock], ())
         with pytest.raises(channel.ChannelClosedError, match=error):
             channel.receive(sock)
     thread.join(10)
     assert not thread.is_alive()
+    assert process_memory.granted_reader() is None
+
+
+# A worker: a channel server in a process of its own, whose operations report its
+# grant (the reader granted now, the server's view of it, and every grant ever made)
+# or return a large array. It prints its pickled address, then serves until stdin ends.
+_WORKER = """
+import pickle, sys
+import numpy as np
+from jaxpod.worker import channel, process_memory
+
+granted = []
+allow = process_memory.allow_reader
+def counting_allow(pid):
+    granted.append(pid)
+    return allow(pid)
+process_memory.allow_reader = counting_allow
+
+def handle(message):
+    op, arg = message
+    if op == "grant":
+        return process_memory.granted_reader(), server.granted_reader, list(granted)
+    return (np.arange(arg, dtype=np.float64) * 3).reshape(-1, 1024)
+
+server = channel.ChannelServer("127.0.0.1", bytes.fromhex(sys.argv[1]), handle, repr)
+print(pickle.dumps(server.address).hex(), flush=True)
+sys.stdin.read()
+server.close()
+"""
+
+# A coordinator in a process of its own: connects to the worker over its Unix socket,
+# prints its pid and the worker's grant, then closes the connection when told to
+# ("close") or waits to be killed.
+_COORDINATOR = """
+import os, pickle, sys
+from jaxpod.worker import channel
+
+address = pickle.loads(bytes.fromhex(sys.argv[1]))
+conn = channel.connect(address, bytes.fromhex(sys.argv[2]), 30)
+channel.broadcast([conn], ("grant", None))
+reader, served, _ = channel.receive(conn)
+print(os.getpid(), conn.family == channel.socket.AF_UNIX, reader, served, flush=True)
+if sys.stdin.readline().strip() == "close":
+    conn.close()
+    print("closed", flush=True)
+sys.stdin.read()
+"""
+
+
+@dataclasses.dataclass
+class Worker:
+    pid: int
+    address: channel.ChannelAddress
+    key: bytes
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[Worker]:
+    key = channel.new_key()
+    with subprocess.Popen([sys.executable, "-c", _WORKER, key.hex()], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            address = pickle.loads(bytes.fromhex(proc.stdout.readline()))
+            assert isinstance(address, channel.ChannelAddress) and address.unix_path
+            yield Worker(proc.pid, address, key)
+        finally:
+            proc.kill()
+
+
+def _grant(worker: Worker) -> tuple[int | None, int | None, list[int]]:
+    """The worker's grant now (its process's, its server's) and every grant it made,
+    asked over TCP, which grants nothing. It waits for any connection being served."""
+    with channel.connect(_tcp_only(worker.address), worker.key, 30) as sock:
+        channel.broadcast([sock], ("grant", None))
+        return channel.receive(sock, time.monotonic() + 30)
+
+
+def _revoked(worker: Worker) -> bool:
+    reader, served, _ = _grant(worker)
+    return reader is None and served is None
+
+
+@pytest.mark.parametrize("unix_path", [None, "\0jaxpod-channel-not-on-this-machine"])
+def test_a_coordinator_on_another_machine_is_granted_nothing(
+        worker: Worker, unix_path: str | None) -> None:
+    """Over TCP (no Unix socket given, or one that is not on this machine) nothing is
+    granted and large replies travel through the socket."""
+    _, _, before = _grant(worker)
+    address = dataclasses.replace(worker.address, unix_path=unix_path)
+    with channel.connect(address, worker.key, 10) as sock:
+        assert sock.family == socket.AF_INET and sock.lender == 0
+        channel.broadcast([sock], ("grant", None))
+        assert channel.receive(sock) == (None, None, before)  # no grant was ever made
+        channel.broadcast([sock], ("array", 1 << 18))
+        got = channel.receive(sock)
+    np.testing.assert_array_equal(got, (np.arange(1 << 18) * 3.0).reshape(-1, 1024))
+
+
+def test_a_coordinator_on_this_machine_is_granted_exactly_its_own_pid(
+        worker: Worker) -> None:
+    _, _, before = _grant(worker)
+    with channel.connect(worker.address, worker.key, 10) as sock:
+        assert sock.family == socket.AF_UNIX
+        assert channel.peer_pid(sock) == worker.pid  # the kernel's word, both ways
+        assert sock.lender == worker.pid  # it lends: replies are read in place
+        channel.broadcast([sock], ("grant", None))
+        # Granted to this process, as the kernel named the socket's peer; once.
+        assert channel.receive(sock) == (os.getpid(), os.getpid(), [*before, os.getpid()])
+        for n in (1 << 16, 1 << 22):  # 512 KiB, 32 MiB
+            channel.broadcast([sock], ("array", n))
+            got = channel.receive(sock)
+            np.testing.assert_array_equal(got, (np.arange(n) * 3.0).reshape(-1, 1024))
+            assert not got.flags.writeable  # read into a bytes object of its own
+    assert wait_for(lambda: _revoked(worker), REVOKE_WAIT_S)
+
+
+@pytest.mark.parametrize("end", ["close", "sigkill"])
+def test_the_grant_is_revoked_when_the_connection_ends(worker: Worker, end: str) -> None:
+    """A coordinator process that closes its connection, or is killed with it open:
+    the worker revokes the grant its pid was given."""
+    with subprocess.Popen([sys.executable, "-c", _COORDINATOR, pickle.dumps(worker.address
+                                                                           ).hex(),
+                           worker.key.hex()],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as coord:
+        try:
+            assert coord.stdin is not None and coord.stdout is not None
+            pid, unix, reader, served = coord.stdout.readline().split()
+            assert (int(pid), unix) == (coord.pid, "True")
+            assert reader == served == str(coord.pid)  # that process's pid, not ours
+            if end == "close":
+                coord.stdin.write("close\n")
+                coord.stdin.flush()
+                assert coord.stdout.readline() == "closed\n"
+            else:
+                coord.send_signal(signal.SIGKILL)
+                assert coord.wait(REVOKE_WAIT_S) == -signal.SIGKILL
+            assert wait_for(lambda: _revoked(worker), REVOKE_WAIT_S)
+        finally:
+            coord.kill()
+
+
+def test_a_peer_without_the_key_is_granted_nothing_on_the_unix_socket(
+        worker: Worker) -> None:
+    _, _, before = _grant(worker)
+    with pytest.raises(channel.ChannelAuthError):
+        channel.connect(worker.address, channel.new_key(), 10)
+    # By hand: a wrong answer to the worker's challenge, then the byte that asks to
+    # borrow: the worker hangs up, nothing granted.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+        raw.settimeout(30)
+        assert worker.address.unix_path is not None
+        raw.connect(worker.address.unix_path)
+        channel._read(raw, channel._CHALLENGE_BYTES)
+        raw.sendall(b"c" * channel._CHALLENGE_BYTES + b"d" * 32 + channel._YES)
+        channel._read(raw, 32)  # the worker's answer to our challenge
+        try:
+            hung_up = raw.recv(1) == b""
+        except ConnectionResetError:  # it closed with our borrow byte unread
+            hung_up = True
+        assert hung_up
+    assert _grant(worker) == (None, None, before)  # no grant was ever made

@@ -1,11 +1,13 @@
 """Reading another process's memory: a real second process holding known data, read in
-many spans; tokens that read back and ones that do not; the switch's bad values."""
+many spans; tokens that read back and ones that do not; the switch's bad values; the
+grant of the reading (its bookkeeping, and the prctl calls Yama would get)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -82,3 +84,67 @@ def test_the_switch_takes_0_or_1(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=r"JAXPOD_CHANNEL_LEND must be 0 .* or 1 .* "
                                          r"Got 'yes'\."):
         process_memory.enabled()
+
+
+class _FakeLibc:
+    """Records ``prctl`` calls; answers ``result`` (0: taken, -1: refused)."""
+
+    def __init__(self, result: int = 0) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.result = result
+
+    def prctl(self, option: int, arg: Any, *rest: Any) -> int:
+        self.calls.append((option, arg.value))
+        return self.result
+
+
+@pytest.fixture
+def yama(monkeypatch: pytest.MonkeyPatch) -> _FakeLibc:
+    """As on a machine with Yama, minus the kernel: prctl is recorded, not made."""
+    libc = _FakeLibc()
+    monkeypatch.setattr(process_memory, "_LIBC", libc)
+    monkeypatch.setattr(process_memory, "_YAMA", True)
+    assert process_memory.granted_reader() is None
+    return libc
+
+
+def test_one_reader_is_granted_until_its_last_holder_gives_it_back(yama: _FakeLibc
+                                                                   ) -> None:
+    set_ptracer = process_memory._PR_SET_PTRACER
+    assert process_memory.allow_reader(1234)
+    assert yama.calls == [(set_ptracer, 1234)] and process_memory.granted_reader() == 1234
+    # Yama keeps one reader per process: another pid is refused, not swapped in.
+    assert not process_memory.allow_reader(5678)
+    assert process_memory.granted_reader() == 1234
+    assert process_memory.allow_reader(1234)  # a second holder of the same grant
+    process_memory.revoke_reader(5678)  # not granted: nothing happens
+    process_memory.revoke_reader(1234)
+    assert process_memory.granted_reader() == 1234 and len(yama.calls) == 1
+    process_memory.revoke_reader(1234)  # the last holder: revoked in the kernel
+    assert yama.calls == [(set_ptracer, 1234), (set_ptracer, 0)]
+    assert process_memory.granted_reader() is None
+    process_memory.revoke_reader(1234)  # given back already: nothing happens
+    assert len(yama.calls) == 2
+    assert not process_memory.allow_reader(0) and not process_memory.allow_reader(-1)
+    assert len(yama.calls) == 2 and process_memory.granted_reader() is None
+
+
+def test_a_grant_the_kernel_refuses_is_not_recorded(yama: _FakeLibc) -> None:
+    yama.result = -1
+    assert not process_memory.allow_reader(1234)
+    assert process_memory.granted_reader() is None
+    yama.result = 0
+    assert process_memory.allow_reader(4321)  # a refusal leaves nothing held
+    process_memory.revoke_reader(4321)
+    assert process_memory.granted_reader() is None
+
+
+def test_a_grant_without_yama_is_recorded_and_sets_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    libc = _FakeLibc()
+    monkeypatch.setattr(process_memory, "_LIBC", libc)
+    monkeypatch.setattr(process_memory, "_YAMA", False)
+    assert process_memory.allow_reader(1234)
+    assert process_memory.granted_reader() == 1234
+    process_memory.revoke_reader(1234)
+    assert process_memory.granted_reader() is None and libc.calls == []
