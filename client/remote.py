@@ -22,7 +22,7 @@ import numpy as np
 from google.protobuf.message import Message
 
 from jaxpod.client import rpc
-from jaxpod.errors import HandleError, MessageTooLargeError, SessionError
+from jaxpod.errors import HandleError, MessageTooLargeError, SessionError, UnknownFunctionError
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
 from jaxpod.scope import current_strategy_stand_in, strategy_scope
@@ -137,17 +137,21 @@ class RemoteStrategy:
                 f"{what}: this strategy is closed (its slice was released). Create a new "
                 "one with client.strategy(...).")
 
-    def _call(self, method: str, request: Any, what: str, idempotent: bool = False) -> Any:
-        self._check_open(what)
-        with self._dropped_riding(request):
-            return self._client.call(getattr(self._client.stub, method), request,
-                                     what=what, idempotent=idempotent)
+    @property
+    def _stub(self) -> Any:
+        return self._client.stub
 
-    def _result(self, method: str, request: Any, what: str) -> Any:
+    def _call(self, rpc: Any, request: Any, what: str, idempotent: bool = False) -> Any:
+        """Calls ``rpc`` (a method of the client's stub) on behalf of ``what``."""
         self._check_open(what)
         with self._dropped_riding(request):
-            return self._client.stream(getattr(self._client.stub, method), request,
-                                       tensors.read_result, what=what)
+            return self._client.call(rpc, request, what=what, idempotent=idempotent)
+
+    def _result(self, rpc: Any, request: Any, what: str) -> Any:
+        """Calls the result-streaming ``rpc``; returns the result it streams."""
+        self._check_open(what)
+        with self._dropped_riding(request):
+            return self._client.stream(rpc, request, tensors.read_result, what=what)
 
     def _ids(self) -> Any:  # the two ids every slice request starts with
         return {"session_id": self._client.session_id, "slice_id": self.slice_id}
@@ -160,12 +164,25 @@ class RemoteStrategy:
             pass
         shipped = ship(fn)
         _check_size(shipped, f"{what}: the function {getattr(fn, '__qualname__', fn)!r}")
-        reply = self._call("DefineFunction", pb.DefineFunctionRequest(
+        reply = self._call(self._stub.DefineFunction, pb.DefineFunctionRequest(
             **self._ids(), payload=shipped.payload, runtime_versions=shipped.versions),
             what, idempotent=True)
         with contextlib.suppress(TypeError):  # not weak-referenceable: define again next time
             self._functions[fn] = reply.function_id
         return str(reply.function_id)
+
+    def _call_defined(self, fn: Callable[..., Any], what: str, rpc: Any, request: Any) -> Any:
+        """Calls ``rpc`` with ``request.function_id`` set to ``fn``'s id. The workers
+        keep functions in a bounded cache: if they evicted this one since, it is
+        defined again and the call made once more (nothing ran the first time)."""
+        request.function_id = self._define(fn, what)
+        try:
+            return self._call(rpc, request, what)
+        except UnknownFunctionError:
+            with contextlib.suppress(KeyError, TypeError):
+                del self._functions[fn]
+            request.function_id = self._define(fn, what)
+            return self._call(rpc, request, what)
 
     def _encode(self, value: Any, path: str) -> tuple[pb.Tree, list[int]]:
         """``value`` as a tree; large arrays uploaded (their blob ids returned)."""
@@ -206,7 +223,7 @@ class RemoteStrategy:
             for start in range(tensors.CHUNK_BYTES, len(flat), tensors.CHUNK_BYTES):
                 yield pb.TensorChunk(data=bytes(flat[start:start + tensors.CHUNK_BYTES]))
 
-        reply = self._call("Put", chunks(), "upload")
+        reply = self._call(self._stub.Put, chunks(), "upload")
         return int(reply.blob)
 
     def _release_blobs(self, blobs: list[int]) -> None:
@@ -224,14 +241,13 @@ class RemoteStrategy:
     def run(self, fn: Callable[..., Any], args: Any = (),
             kwargs: dict[str, Any] | None = None) -> Any:
         """Runs ``fn`` once per replica on the slice; returns ``PerReplica`` handles."""
-        function_id = self._define(fn, "run")
+        self._define(fn, "run")  # the function's errors first
         encoded_args, blobs = self._encode(args, "args")
         try:
             encoded_kwargs, more = self._encode(kwargs, "kwargs")
             blobs += more
-            reply = self._call("Run", pb.RunRequest(
-                **self._ids(), function_id=function_id, args=encoded_args,
-                kwargs=encoded_kwargs), "run")
+            reply = self._call_defined(fn, "run", self._stub.Run, pb.RunRequest(
+                **self._ids(), args=encoded_args, kwargs=encoded_kwargs))
         finally:
             self._release_blobs(blobs)
         return self._values(reply)
@@ -240,10 +256,9 @@ class RemoteStrategy:
                   initial_state: Any = None) -> Any:
         """Runs ``steps`` (default ``steps_per_run``) steps in one on-device loop."""
         k = self.steps_per_run if steps is None else steps
-        function_id = self._define(fn, "run_steps")
+        self._define(fn, "run_steps")  # the function's errors first
         state, blobs = self._encode(initial_state, "initial_state")
-        request = pb.RunStepsRequest(**self._ids(), function_id=function_id,
-                                     steps=tensors.encode(k, path="steps"),
+        request = pb.RunStepsRequest(**self._ids(), steps=tensors.encode(k, path="steps"),
                                      initial_state=state)
         try:
             if isinstance(iterator, RemoteIterator) and iterator._strategy.slice_id == \
@@ -258,7 +273,7 @@ class RemoteStrategy:
                 blobs += more
                 request.has_items = True
                 request.items.CopyFrom(items)
-            reply = self._call("RunSteps", request, "run_steps")
+            reply = self._call_defined(fn, "run_steps", self._stub.RunSteps, request)
         finally:
             self._release_blobs(blobs)
         return self._values(reply)
@@ -268,7 +283,7 @@ class RemoteStrategy:
         """Reduces across replicas (and ``axis``); returns numpy."""
         encoded, blobs = self._encode(value, "value")
         try:
-            return self._result("Reduce", pb.ReduceRequest(
+            return self._result(self._stub.Reduce, pb.ReduceRequest(
                 **self._ids(), reduce_op=self._encode(reduce_op, "reduce_op")[0],
                 value=encoded, axis=tensors.encode(axis, path="axis")), "reduce")
         finally:
@@ -278,7 +293,7 @@ class RemoteStrategy:
         """Concatenates the replicas' values along ``axis``; returns numpy."""
         encoded, blobs = self._encode(value, "value")
         try:
-            return self._result("Gather", pb.GatherRequest(
+            return self._result(self._stub.Gather, pb.GatherRequest(
                 **self._ids(), value=encoded, axis=tensors.encode(axis, path="axis")),
                 "gather")
         finally:
@@ -288,23 +303,22 @@ class RemoteStrategy:
         """Every replica's value (numpy), padding rows dropped, in replica order."""
         encoded, blobs = self._encode(value, "value")
         try:
-            return tuple(self._result("LocalResults", pb.ValueRequest(
+            return tuple(self._result(self._stub.LocalResults, pb.ValueRequest(
                 **self._ids(), value=encoded), "experimental_local_results"))
         finally:
             self._release_blobs(blobs)
 
     def _fetch(self, value: RemotePerReplica) -> np.ndarray:
-        result: np.ndarray = self._result("Fetch", pb.ValueRequest(
+        result: np.ndarray = self._result(self._stub.Fetch, pb.ValueRequest(
             **self._ids(), value=self._encode(value, "value")[0]), "fetch")
         return result
 
     def experimental_distribute_values_from_function(
             self, value_fn: Callable[..., Any]) -> Any:
         """Calls ``value_fn(ValueContext)`` on the workers, once per replica."""
-        function_id = self._define(value_fn, "experimental_distribute_values_from_function")
-        return self._values(self._call("DistributeValues", pb.DistributeValuesRequest(
-            **self._ids(), function_id=function_id),
-            "experimental_distribute_values_from_function"))
+        return self._values(self._call_defined(
+            value_fn, "experimental_distribute_values_from_function",
+            self._stub.DistributeValues, pb.DistributeValuesRequest(**self._ids())))
 
     # ------------------------------------------------------------------- input
     def experimental_distribute_dataset(self, dataset: Iterable[Any],
@@ -325,7 +339,7 @@ class RemoteStrategy:
         else:
             request.dataset = shipped.payload
         try:
-            reply = self._call("DistributeDataset", request, what)
+            reply = self._call(self._stub.DistributeDataset, request, what)
         finally:
             self._release_blobs(blobs)
         return RemoteDataset(self, int(reply.dataset_id))
@@ -335,10 +349,10 @@ class RemoteStrategy:
                                           ) -> RemoteDataset:
         """Calls ``dataset_fn(InputContext)`` on each host of the slice."""
         what = "distribute_datasets_from_function"
-        function_id = self._define(dataset_fn, what)
-        reply = self._call("DistributeDataset", pb.DistributeDatasetRequest(
-            **self._ids(), function_id=function_id, options=self._options(options),
-            runtime_versions=self._client.runtime_versions), what)
+        reply = self._call_defined(dataset_fn, what, self._stub.DistributeDataset,
+                                   pb.DistributeDatasetRequest(
+                                       **self._ids(), options=self._options(options),
+                                       runtime_versions=self._client.runtime_versions))
         return RemoteDataset(self, int(reply.dataset_id))
 
     def _options(self, options: InputOptions | None) -> bytes:
@@ -403,7 +417,7 @@ class RemoteStrategy:
         """Each host's live values, device bytes and iterators (frees pending first), and
         the seconds it spent running operations (``busy_s``, over ``operations``): the
         work measured inside the workers, without the time spent reaching them."""
-        reply = self._call("SliceStats", pb.SliceRequest(**self._ids()), "stats",
+        reply = self._call(self._stub.SliceStats, pb.SliceRequest(**self._ids()), "stats",
                            idempotent=True)
         return [{"num_values": h.num_values, "device_bytes": h.device_bytes,
                  "num_iterators": h.num_iterators, "busy_s": h.busy_s,
@@ -454,7 +468,7 @@ class RemoteDataset(DistributedDataset):
 
     def __iter__(self) -> RemoteIterator:
         s = self._strategy
-        reply = s._call("CreateIterator", pb.IteratorRequest(
+        reply = s._call(s._stub.CreateIterator, pb.IteratorRequest(
             **s._ids(), id=self.id, steps_per_run=s.steps_per_run), "iter(dataset)")
         return RemoteIterator(s, int(reply.iterator_id))
 
@@ -472,6 +486,6 @@ class RemoteIterator(DistributedIterator):
 
     def __next__(self) -> Any:
         s = self._strategy  # at the end, the call raises EndOfDataError (a StopIteration)
-        return s._values(s._call("IteratorNext", pb.IteratorRequest(**s._ids(), id=self.id),
+        return s._values(s._call(s._stub.IteratorNext, pb.IteratorRequest(**s._ids(), id=self.id),
                                  "next(iterator)"))
 

@@ -68,3 +68,15 @@ class AuthenticationError(JaxpodError, PermissionError):
 
 class DeadlineExceededError(JaxpodError, TimeoutError):
     """A call to the service did not finish within its deadline."""
+
+
+class OperationTimeoutError(JaxpodError, TimeoutError):
+    """Some host did not answer an operation in time; the group is no longer usable."""
+
+
+class UnknownFunctionError(JaxpodError, KeyError):
+    """A function id that was never defined on a worker, or was evicted from its cache
+    (the caller defines the function again)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown function"

@@ -1,7 +1,14 @@
-"""The protocol between the coordinator and its host workers: the types both ends share.
+"""The protocol between the coordinator and its host workers, defined once.
 
-Every host operation is defined here once (see below); the worker runs it, the
-coordinator's replica-group handle sends it. Values on the workers are named by
+Every host operation is a frozen dataclass here, naming its fields and, through
+``Operation[R]``, its result type. The coordinator's replica-group handle sends
+operation objects (``ReplicaGroup.call(op) -> list[R]``, one result per host); the
+worker runs each by calling the :class:`Host` method of the same name
+(``op.apply(host)``), so mypy checks that both ends agree and a reader can follow an
+operation from the call to its handler. Adding an operation means one dataclass here
+and one method on the worker's ``Host``.
+
+The types both ends share live here too: values on the workers are named by
 :class:`Handle`; what the coordinator dropped rides along as :class:`Dropped`; a new
 value is described by :class:`HandleInfo`; an exception raised on a worker comes back
 as :class:`RemoteError`.
@@ -9,9 +16,23 @@ as :class:`RemoteError`.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from jaxpod.errors import JaxpodError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from jaxpod.framing import Framing
+    from jaxpod.shipping import ShippedFunction
+    from jaxpod.types import ReduceOp
+
+#: A pytree whose leaves are :class:`HandleInfo` (new values) or plain data.
+ValueInfos = Any
+#: A pytree whose leaves are :class:`Handle` (values on the workers) or plain data.
+ValueArgs = Any
 
 
 class OperationOrderError(JaxpodError):
@@ -76,3 +97,244 @@ class RemoteError:
                                  f"could not be pickled and unpickled: {why})")
             pickled = cloudpickle.dumps(error)
         return cls(error, tb, pickled)
+
+
+@dataclass(frozen=True)
+class HostStats:
+    """What one host holds, and the time it spent working: its operations (other than
+    ``Stats``) and the computations they dispatched, measured inside the worker."""
+
+    num_values: int
+    device_bytes: int
+    num_iterators: int
+    busy_s: float
+    operations: int
+
+
+# ---------------------------------------------------------------------- operations
+R = TypeVar("R", covariant=True)
+
+
+class Operation(abc.ABC, Generic[R]):
+    """One step that every host of a slice takes, in the same order."""
+
+    #: Whether running it counts as work in the host's busy time (reading the
+    #: figures must not move them).
+    counts_as_work: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def apply(self, host: Host) -> R:
+        """Runs this operation on ``host``."""
+
+
+@dataclass(frozen=True)
+class Configure(Operation[int]):
+    """Replaces the host's engine with one for this device assignment (as
+    ``DeviceAssignment.build`` takes it); returns the replica count."""
+
+    steps_per_run: int
+    computation_shape: tuple[int, ...] | None
+    num_replicas: int | None
+
+    def apply(self, host: Host) -> int:
+        return host.configure(self)
+
+
+@dataclass(frozen=True)
+class Define(Operation[str]):
+    """Defines a function pickled by value; returns its content id."""
+
+    shipped: ShippedFunction
+
+    def apply(self, host: Host) -> str:
+        return host.define(self)
+
+
+@dataclass(frozen=True)
+class Run(Operation[ValueInfos]):
+    """``strategy.run(function, args, kwargs)``; returns the new values."""
+
+    function_id: str
+    args: ValueArgs
+    kwargs: ValueArgs
+
+    def apply(self, host: Host) -> ValueInfos:
+        return host.run(self)
+
+
+@dataclass(frozen=True)
+class StepItems:
+    """``run_steps`` input given as the steps' elements themselves (nests of values),
+    taken by the caller from an iterator that is not a distributed one."""
+
+    items: ValueArgs
+
+
+@dataclass(frozen=True)
+class RunSteps(Operation[ValueInfos]):
+    """``strategy.run_steps``: ``steps`` steps in one on-device loop, fed from an
+    iterator (by id) or from :class:`StepItems`; returns the new values."""
+
+    function_id: str
+    source: int | StepItems
+    steps: int
+    initial_state: ValueArgs
+
+    def apply(self, host: Host) -> ValueInfos:
+        return host.run_steps(self)
+
+
+@dataclass(frozen=True)
+class ValuesFromFunction(Operation[ValueInfos]):
+    """``experimental_distribute_values_from_function``; returns the new values."""
+
+    function_id: str
+
+    def apply(self, host: Host) -> ValueInfos:
+        return host.values_from_function(self)
+
+
+@dataclass(frozen=True)
+class DistributeDataset(Operation[int]):
+    """``experimental_distribute_dataset``: the dataset and its options, each as the
+    object or as the client's pickle of it (the coordinator never unpickles user
+    objects); returns the dataset's id."""
+
+    dataset: Any
+    options: Any
+
+    def apply(self, host: Host) -> int:
+        return host.distribute_dataset(self)
+
+
+@dataclass(frozen=True)
+class DistributeDatasetsFromFunction(Operation[int]):
+    """``distribute_datasets_from_function``; returns the dataset's id."""
+
+    function_id: str
+    options: Any
+
+    def apply(self, host: Host) -> int:
+        return host.distribute_datasets_from_function(self)
+
+
+@dataclass(frozen=True)
+class CreateIterator(Operation[int]):
+    """A new iterator over a dataset whose infeeds prepare ``steps_per_run`` steps at
+    a time (``None``: the engine's); returns its id."""
+
+    dataset_id: int
+    steps_per_run: int | None = None
+
+    def apply(self, host: Host) -> int:
+        return host.create_iterator(self)
+
+
+@dataclass(frozen=True)
+class NextInput(Operation[ValueInfos]):
+    """The next step's input of an iterator, kept as new values."""
+
+    iterator_id: int
+
+    def apply(self, host: Host) -> ValueInfos:
+        return host.next_input(self)
+
+
+@dataclass(frozen=True)
+class Reduce(Operation[Any]):
+    """``strategy.reduce``: the result as numpy from host 0, ``None`` from the others."""
+
+    reduce_op: ReduceOp | str
+    value: ValueArgs
+    axis: int | None
+
+    def apply(self, host: Host) -> Any:
+        return host.reduce(self)
+
+
+@dataclass(frozen=True)
+class GatherParts(Operation["tuple[int, list[Any]]"]):
+    """This host's replicas' parts of ``gather(value, axis)`` (only ``replicas``,
+    when given) and the normalized axis. With ``framing``, each part comes cut into
+    framed pieces ready to forward; else as arrays."""
+
+    value: Handle
+    axis: int
+    replicas: tuple[int, ...] | None = None
+    framing: Framing | None = None
+
+    def apply(self, host: Host) -> tuple[int, list[Any]]:
+        return host.gather_parts(self)
+
+
+@dataclass(frozen=True)
+class FetchParts(Operation["list[np.ndarray]"]):
+    """This host's replicas' padded components of a value (``PerReplica.array``)."""
+
+    value: Handle
+
+    def apply(self, host: Host) -> list[np.ndarray]:
+        return host.fetch_parts(self)
+
+
+@dataclass(frozen=True)
+class LocalResults(Operation["tuple[Any, ...]"]):
+    """This host's replicas' values, padding dropped (``experimental_local_results``)."""
+
+    value: ValueArgs
+
+    def apply(self, host: Host) -> tuple[Any, ...]:
+        return host.local_results(self)
+
+
+@dataclass(frozen=True)
+class Stats(Operation[HostStats]):
+    """What the host holds and how long it worked."""
+
+    counts_as_work: ClassVar[bool] = False
+
+    def apply(self, host: Host) -> HostStats:
+        return host.stats(self)
+
+
+class Host(Protocol):
+    """What runs host operations: one method per operation, named after it."""
+
+    def configure(self, op: Configure) -> int: ...
+
+    def define(self, op: Define) -> str: ...
+
+    def run(self, op: Run) -> ValueInfos: ...
+
+    def run_steps(self, op: RunSteps) -> ValueInfos: ...
+
+    def values_from_function(self, op: ValuesFromFunction) -> ValueInfos: ...
+
+    def distribute_dataset(self, op: DistributeDataset) -> int: ...
+
+    def distribute_datasets_from_function(self, op: DistributeDatasetsFromFunction) -> int: ...
+
+    def create_iterator(self, op: CreateIterator) -> int: ...
+
+    def next_input(self, op: NextInput) -> ValueInfos: ...
+
+    def reduce(self, op: Reduce) -> Any: ...
+
+    def gather_parts(self, op: GatherParts) -> tuple[int, list[Any]]: ...
+
+    def fetch_parts(self, op: FetchParts) -> list[np.ndarray]: ...
+
+    def local_results(self, op: LocalResults) -> tuple[Any, ...]: ...
+
+    def stats(self, op: Stats) -> HostStats: ...
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """One message of the operation channel: the operation, its number in the
+    group's sequence (the worker checks it: a skipped or reordered operation fails
+    loudly instead of deadlocking a collective), and what to free before it."""
+
+    seq: int
+    operation: Operation[Any]
+    dropped: Dropped | None = None

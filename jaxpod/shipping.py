@@ -8,6 +8,7 @@ pickle or XLA.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -93,20 +94,26 @@ def _is_user_module(name: str) -> bool:
                 or top in _installed_top_level_names() or top.startswith("_"))
 
 
+#: Names in sys.modules already looked at: each ship only looks at those imported since.
+_examined: set[str] = set()
+
+
 def _pickle_user_modules_by_value() -> None:
     """Makes cloudpickle carry the code of the user's own modules.
 
     Step functions defined in scripts, notebooks or test modules live in modules the
     workers do not have; pickled by reference they would fail to load there. Code of
-    installed packages (jax, numpy, jaxpod...) stays by reference.
+    installed packages (jax, numpy, jaxpod...) stays by reference. cloudpickle keeps the
+    registration by name, so each name is registered once.
     """
-    for name, module in list(sys.modules.items()):
-        if (module is not None and getattr(module, "__file__", None) and "." not in name
-                and _is_user_module(name)):
-            try:
+    for name in sys.modules.keys() - _examined:  # one C-level pass; cheap when none are new
+        module = sys.modules.get(name)
+        if module is None:  # a failed import's placeholder: look again once it is real
+            continue
+        if getattr(module, "__file__", None) and "." not in name and _is_user_module(name):
+            with contextlib.suppress(ValueError):  # not importable by that name any more
                 cloudpickle.register_pickle_by_value(module)
-            except ValueError:  # not importable by that name any more
-                continue
+        _examined.add(name)  # only now: a ship in another thread must not skip it early
 
 
 def load(shipped: ShippedFunction) -> Any:

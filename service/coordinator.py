@@ -28,10 +28,11 @@ from jaxpod.errors import (
     SessionError,
     VersionMismatchError,
 )
+from jaxpod.operations import StepItems
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
 from jaxpod.proto import tensors
-from jaxpod.service.group_engine import DefinedFunction, GatherParts, GroupValue, StepItems
+from jaxpod.service.group_engine import DefinedFunction, GatherParts, GroupValue
 from jaxpod.service.sessions import HeldSlice, Session, SessionManager
 from jaxpod.service.status import status_of
 from jaxpod.shipping import ShippedFunction, runtime_versions

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -21,12 +22,15 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from jaxpod.errors import EndOfDataError
+from jaxpod import operations as ops
+from jaxpod.errors import EndOfDataError, UnknownFunctionError
 from jaxpod.framing import Framed, Framing
-from jaxpod.operations import Dropped, Handle, HandleInfo
+from jaxpod.operations import Dropped, Handle, HandleInfo, StepItems
 from jaxpod.service.replica_group import ReplicaGroup
 from jaxpod.shipping import ShippedFunction, ship
 from jaxpod.types import InputOptions, ReduceOp
+
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,14 +65,6 @@ class DefinedFunction:
 
 
 @dataclass(frozen=True)
-class StepItems:
-    """``run_steps`` input given as the steps' elements themselves (nests of values),
-    taken by the caller from an iterator that is not a distributed one."""
-
-    items: Any
-
-
-@dataclass(frozen=True)
 class GatherParts:
     """One gathered leaf: the replicas' parts in replica order, the axis to join them
     on, and the joined result's shape and dtype.
@@ -100,8 +96,8 @@ class GroupEngine:
         self.dropped = DropQueue()
         self._num_replicas: int | None = None
 
-    def _call(self, op: str, *args: Any) -> list[Any]:
-        return self.group.call(op, *args, drops=self.dropped)
+    def _call(self, op: ops.Operation[_R]) -> list[_R]:
+        return self.group.call(op, drops=self.dropped)
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -112,15 +108,15 @@ class GroupEngine:
                   num_replicas: int | None = None) -> int:
         """Sets the workers' device assignment (as ``DeviceAssignment.build`` takes it)
         and default steps per run, before any value exists; returns the replica count."""
-        replicas: int = self._call("configure", steps_per_run, computation_shape,
-                                   num_replicas)[0]
+        shape = None if computation_shape is None else tuple(computation_shape)
+        replicas = self._call(ops.Configure(steps_per_run, shape, num_replicas))[0]
         self.steps_per_run = steps_per_run
         self._num_replicas = replicas
         return replicas
 
     def define(self, shipped: ShippedFunction) -> DefinedFunction:
         """Defines a function the caller pickled (``jaxpod.shipping.ship``)."""
-        return DefinedFunction(self._call("define", shipped)[0])
+        return DefinedFunction(self._call(ops.Define(shipped))[0])
 
     def _define(self, fn: Callable[..., Any] | DefinedFunction) -> str:
         if isinstance(fn, DefinedFunction):
@@ -129,10 +125,25 @@ class GroupEngine:
             return self._functions[fn]
         except (KeyError, TypeError):
             pass
-        function_id: str = self._call("define", ship(fn))[0]
+        function_id = self._call(ops.Define(ship(fn)))[0]
         with contextlib.suppress(TypeError):  # not weak-referenceable: define again next time
             self._functions[fn] = function_id
         return function_id
+
+    def _call_defined(self, fn: Callable[..., Any] | DefinedFunction,
+                      operation: Callable[[str], ops.Operation[_R]]) -> list[_R]:
+        """Runs ``operation(fn's id)``. The workers keep functions in a bounded cache:
+        if they evicted this one since, it is defined again and the operation sent
+        once more (nothing ran the first time). A caller that holds only the id (a
+        ``DefinedFunction``) hears of the eviction and defines it again itself."""
+        try:
+            return self._call(operation(self._define(fn)))
+        except UnknownFunctionError:
+            if isinstance(fn, DefinedFunction):
+                raise
+            with contextlib.suppress(KeyError, TypeError):
+                del self._functions[fn]
+            return self._call(operation(self._define(fn)))
 
     def _to_handles(self, tree: Any) -> Any:
         def convert(x: Any) -> Any:
@@ -158,28 +169,29 @@ class GroupEngine:
     def run(self, fn: Callable[..., Any] | DefinedFunction, args: Any = (),
             kwargs: dict[str, Any] | None = None) -> Any:
         # The workers' engine checks args and kwargs, with the in-process messages.
-        infos = self._call("run", self._define(fn), self._to_handles(args),
-                           self._to_handles(kwargs))[0]
+        args, kwargs = self._to_handles(args), self._to_handles(kwargs)
+        infos = self._call_defined(fn, lambda f: ops.Run(f, args, kwargs))[0]
         return self._wrap(infos)
 
     def run_steps(self, fn: Callable[..., Any] | DefinedFunction,
                   iterator: GroupIterator | StepItems, steps: int | None = None,
                   initial_state: Any = None) -> Any:
+        source: int | StepItems
         if isinstance(iterator, StepItems):
-            source: Any = StepItems(self._to_handles(iterator.items))
+            source = StepItems(self._to_handles(iterator.items))
         elif isinstance(iterator, GroupIterator):
             source = iterator.id
         else:
             raise TypeError("run_steps: iterator must come from this group's distributed "
                             f"dataset, or be StepItems. Got {type(iterator).__name__}.")
-        result = self._call("run_steps", self._define(fn), source,
-                                 self.steps_per_run if steps is None else steps,
-                                 self._to_handles(initial_state))[0]
+        k = self.steps_per_run if steps is None else steps
+        state = self._to_handles(initial_state)
+        result = self._call_defined(fn, lambda f: ops.RunSteps(f, source, k, state))[0]
         return self._wrap(result)
 
     # ------------------------------------------------------------------- results
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
-        return self._call("reduce", reduce_op, self._to_handles(value), axis)[0]
+        return self._call(ops.Reduce(reduce_op, self._to_handles(value), axis))[0]
 
     def gather(self, value: Any, axis: int) -> Any:
         def leaf(v: Any) -> np.ndarray:  # every part in one operation: joined at once
@@ -191,7 +203,7 @@ class GroupEngine:
     def _gather_call(self, v: Any, axis: int, replicas: tuple[int, ...] | None = None,
                      framing: Framing | None = None) -> tuple[int, list[Any]]:
         """One ``gather_parts`` operation: the normalized axis, every host's parts."""
-        per_host = self._call("gather_parts", self._to_handles(v), axis, replicas, framing)
+        per_host = self._call(ops.GatherParts(self._to_handles(v), axis, replicas, framing))
         return per_host[0][0], [p for _, parts in per_host for p in parts]
 
     def gather_parts(self, value: Any, axis: int, framing: Framing | None = None) -> Any:
@@ -222,33 +234,33 @@ class GroupEngine:
 
     def fetch(self, value: GroupValue) -> np.ndarray:
         """Every replica's padded component, stacked: ``PerReplica.array`` as numpy."""
-        per_host = self._call("fetch_parts", self._to_handles(value))
+        per_host = self._call(ops.FetchParts(self._to_handles(value)))
         return np.stack([p for parts in per_host for p in parts])
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        per_host = self._call("local_results", self._to_handles(value))
+        per_host = self._call(ops.LocalResults(self._to_handles(value)))
         return tuple(r for host in per_host for r in host)
 
     def experimental_distribute_values_from_function(
             self, value_fn: Callable[..., Any] | DefinedFunction) -> Any:
-        return self._wrap(self._call("values_from_function", self._define(value_fn))[0])
+        return self._wrap(self._call_defined(value_fn, ops.ValuesFromFunction)[0])
 
     # --------------------------------------------------------------------- input
     def experimental_distribute_dataset(self, dataset: Iterable[Any],
                                         options: InputOptions | None = None) -> GroupDataset:
         """Ships ``dataset`` to every host; each reads its shard (TF's DATA sharding)."""
-        return GroupDataset(self, self._call("distribute_dataset", dataset, options)[0])
+        return GroupDataset(self, self._call(ops.DistributeDataset(dataset, options))[0])
 
     def distribute_datasets_from_function(
             self, dataset_fn: Callable[..., Any] | DefinedFunction,
             options: InputOptions | None = None) -> GroupDataset:
-        return GroupDataset(self, self._call("distribute_datasets_from_function",
-                                                  self._define(dataset_fn), options)[0])
+        return GroupDataset(self, self._call_defined(
+            dataset_fn, lambda f: ops.DistributeDatasetsFromFunction(f, options))[0])
 
     def stats(self) -> list[dict[str, Any]]:
         """Each host's values, device bytes and iterators held, and the seconds it spent
         running operations (``busy_s``, over ``operations`` of them)."""
-        return list(self._call("stats"))
+        return [dataclasses.asdict(s) for s in self._call(ops.Stats())]
 
 
 class GroupDataset:
@@ -263,8 +275,8 @@ class GroupDataset:
 
     def iterate(self, steps_per_run: int | None = None) -> GroupIterator:
         """An iterator whose infeeds prepare ``steps_per_run`` steps at a time."""
-        return GroupIterator(self._engine,
-                             self._engine._call("iterator", self.id, steps_per_run)[0])
+        return GroupIterator(self._engine, self._engine._call(
+            ops.CreateIterator(self.id, steps_per_run))[0])
 
     def free(self) -> None:
         """Drops the dataset on the workers with the next operation (its iterators
@@ -283,7 +295,7 @@ class GroupIterator(Iterator[Any]):
 
     def __next__(self) -> Any:
         try:
-            return self._engine._wrap(self._engine._call("next", self.id)[0])
+            return self._engine._wrap(self._engine._call(ops.NextInput(self.id))[0])
         except EndOfDataError:
             raise
         except StopIteration as e:

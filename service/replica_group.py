@@ -17,10 +17,10 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from jaxpod.errors import JaxpodError, WorkerLostError, WorkerStartError
-from jaxpod.operations import Dropped, RemoteError
+from jaxpod.errors import JaxpodError, OperationTimeoutError, WorkerLostError, WorkerStartError
+from jaxpod.operations import Dropped, Envelope, Operation, RemoteError
 from jaxpod.timeouts import Timeout
 from jaxpod.worker import channel
 from jaxpod.worker.host_worker import SIMULATED_PLATFORM, HostWorker
@@ -29,9 +29,7 @@ START_TIMEOUT = Timeout("JAXPOD_WORKER_START_TIMEOUT_S", 120.0)
 OPERATION_TIMEOUT = Timeout("JAXPOD_OPERATION_TIMEOUT_S", 600.0)
 STOP_TIMEOUT = Timeout("JAXPOD_WORKER_STOP_TIMEOUT_S", 20.0)
 
-
-class OperationTimeoutError(JaxpodError, TimeoutError):
-    """Some host did not answer an operation in time; the group is no longer usable."""
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -128,8 +126,8 @@ class ReplicaGroup:
             ) from e
         return cls(workers, info, channels)
 
-    def call(self, op: str, *args: Any, timeout: float | None = None,
-             drops: DropSource | None = None) -> list[Any]:
+    def call(self, op: Operation[R], *, timeout: float | None = None,
+             drops: DropSource | None = None) -> list[R]:
         """Runs ``op`` on every host; returns each host's result in host order.
 
         Args:
@@ -143,26 +141,26 @@ class ReplicaGroup:
           The first host's error (user exceptions keep their type; the remote
           traceback is attached as a note), or ``OperationTimeoutError``.
         """
+        name = type(op).__name__
         limit = OPERATION_TIMEOUT.resolve(timeout)
         # One operation at a time: replies come back in the order they were asked for.
         if not self._lock.acquire(timeout=limit):
             raise OperationTimeoutError(
-                f"Operation {op!r} waited {limit:g}s ({OPERATION_TIMEOUT.env_var}) for "
+                f"Operation {name} waited {limit:g}s ({OPERATION_TIMEOUT.env_var}) for "
                 "the group's previous operation to finish.")
         try:
             deadline = time.monotonic() + limit
             if self._broken:
                 raise JaxpodError(f"This replica group is broken ({self._broken}); restart it.")
             dropped = drops.take() if drops is not None else None
-            kwargs = {"dropped": dropped} if dropped else {}
             try:  # a message that does not pickle is not sent, and uses no number
-                encoded = channel.encode(((self._seq, op, *args), kwargs))
+                encoded = channel.encode(Envelope(self._seq, op, dropped))
             except BaseException:
                 if dropped and drops is not None:
                     drops.restore(dropped)
                 raise
             self._seq += 1
-            results = self._exchange(op, encoded, deadline, limit)
+            results = self._exchange(name, encoded, deadline, limit)
         finally:
             self._lock.release()
         for host, result in enumerate(results):
@@ -175,7 +173,7 @@ class ReplicaGroup:
                 raise error
         return results
 
-    def _exchange(self, op: str, encoded: tuple[bytes, list[Any]], deadline: float,
+    def _exchange(self, name: str, encoded: tuple[bytes, list[Any]], deadline: float,
                   limit: float) -> list[Any]:
         """Sends the message to every host; returns their replies in host order. Every
         host's reply is read, even after one fails to unpickle, so that the next
@@ -194,22 +192,22 @@ class ReplicaGroup:
                     unreadable.append((host, e))
         except TimeoutError:
             host = len(results)
-            self._broken = f"operation {op!r} timed out after {limit:g}s"
+            self._broken = f"operation {name} timed out after {limit:g}s"
             raise OperationTimeoutError(
-                f"Operation {op!r} did not finish on host {host} within {limit:g}s "
+                f"Operation {name} did not finish on host {host} within {limit:g}s "
                 f"({OPERATION_TIMEOUT.env_var}); the group is now unusable."
             ) from None
         except OSError as e:
             host = len(results)
-            self._broken = f"host {host} went away during operation {op!r}"
+            self._broken = f"host {host} went away during operation {name}"
             raise WorkerLostError(
-                f"Host {host} stopped answering during operation {op!r} ({e}): its worker "
+                f"Host {host} stopped answering during operation {name} ({e}): its worker "
                 "process died or the group was stopped. The group is now unusable; "
                 "release the slice and acquire a new one.") from e
         if unreadable:
             host, why = unreadable[0]
             raise JaxpodError(
-                f"Host {host}'s reply to operation {op!r} could not be unpickled here: "
+                f"Host {host}'s reply to operation {name} could not be unpickled here: "
                 f"{type(why).__name__}: {why}. The coordinator and the workers must run "
                 "the same versions of the packages whose objects the reply holds.") from why
         return results

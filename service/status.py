@@ -17,7 +17,6 @@ import grpc
 
 from jaxpod import errors
 from jaxpod.proto.tensors import ERROR_TRAILER, TRACEBACK_TRAILER
-from jaxpod.service.replica_group import OperationTimeoutError
 
 #: Keeps trailers under the metadata limit both sides set (``MAX_METADATA_BYTES``).
 _MAX_TRAILER_BYTES = 256 * 1024
@@ -32,7 +31,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.AllocationTimeoutError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.AllocationCancelledError, grpc.StatusCode.CANCELLED),
     (errors.WorkerStartError, grpc.StatusCode.UNAVAILABLE),
-    (OperationTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.OperationTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.WorkerLostError, grpc.StatusCode.ABORTED),
     (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
     (TypeError, grpc.StatusCode.INVALID_ARGUMENT),

@@ -1,42 +1,118 @@
-"""The functions a host worker runs, defined once by content id and reused."""
+"""The functions a host worker runs, defined once by content id and reused.
+
+The worker keeps them in a cache bounded by the size of their pickles,
+``JAXPOD_FUNCTION_CACHE_BYTES`` (default 256 MiB), and evicts the least recently used
+first: a caller that gets an :class:`UnknownFunctionError` defines the function again.
+"""
 
 from __future__ import annotations
 
+import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from jaxpod.errors import JaxpodError
+from jaxpod.errors import UnknownFunctionError
 from jaxpod.shipping import ShippedFunction, load
 
+CACHE_BYTES_ENV = "JAXPOD_FUNCTION_CACHE_BYTES"
+DEFAULT_CACHE_BYTES = 256 * 2**20
 
-class UnknownFunctionError(JaxpodError, KeyError):
-    """A function id that was never defined on this worker."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "unknown function"
+#: Evicted ids remembered, so that an error can say a function was evicted (bounded
+#: too: ids older than these read as never defined).
+_EVICTED_KEPT = 4096
 
 
 class FunctionRegistry:
-    """function id -> callable, defined once and reused for every call."""
+    """function id -> callable, defined once and reused for every call, least recently
+    used evicted first once the pickles' sizes add up to more than ``max_bytes``.
 
-    def __init__(self) -> None:
-        self._functions: dict[str, Callable[..., Any]] = {}
+    Args:
+      max_bytes: the bound; ``None`` reads ``JAXPOD_FUNCTION_CACHE_BYTES`` (default
+        256 MiB).
+    """
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.max_bytes = _cache_bytes(max_bytes)
+        self._functions: OrderedDict[str, tuple[Callable[..., Any], int]] = OrderedDict()
+        self._evicted: OrderedDict[str, None] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
+    @property
+    def held_bytes(self) -> int:
+        """The summed pickle sizes of the functions kept."""
+        return self._bytes
+
     def define(self, shipped: ShippedFunction) -> str:
-        fid = shipped.function_id
+        """Loads ``shipped`` unless it is kept already; returns its id.
+
+        Raises:
+          ValueError: its pickle alone is larger than the cache.
+        """
+        fid, size = shipped.function_id, len(shipped.payload)
+        if size > self.max_bytes:
+            raise ValueError(
+                f"Function {fid} pickles to {size} bytes, more than this worker's function "
+                f"cache holds ({CACHE_BYTES_ENV}={self.max_bytes}). Raise "
+                f"{CACHE_BYTES_ENV} on the workers, or make the function capture less "
+                "(pass large arrays as arguments)."
+            )
+        with self._lock:
+            if fid in self._functions:
+                self._functions.move_to_end(fid)
+                return fid
+        fn = load(shipped)  # outside the lock: unpickling user code may be slow
         with self._lock:
             if fid not in self._functions:
-                self._functions[fid] = load(shipped)
+                self._functions[fid] = (fn, size)
+                self._bytes += size
+                self._evicted.pop(fid, None)
+                self._evict_beyond_limit()
         return fid
 
     def get(self, function_id: str) -> Callable[..., Any]:
+        """The function defined as ``function_id``, now the most recently used."""
         with self._lock:
-            try:
-                return self._functions[function_id]
-            except KeyError:
+            kept = self._functions.get(function_id)
+            if kept is not None:
+                self._functions.move_to_end(function_id)
+                return kept[0]
+            if function_id in self._evicted:
                 raise UnknownFunctionError(
-                    f"Function {function_id} is not defined on this worker; define it "
-                    "before calling it."
-                ) from None
+                    f"Function {function_id} was evicted from this worker's function cache "
+                    f"({CACHE_BYTES_ENV}={self.max_bytes} bytes, least recently used "
+                    "first). Define it again before calling it, or raise "
+                    f"{CACHE_BYTES_ENV} on the workers."
+                )
+        raise UnknownFunctionError(
+            f"Function {function_id} is not defined on this worker (or was evicted from "
+            f"its function cache, {CACHE_BYTES_ENV}={self.max_bytes} bytes); define it "
+            "before calling it."
+        )
+
+    def _evict_beyond_limit(self) -> None:
+        while self._bytes > self.max_bytes:
+            fid, (_, size) = self._functions.popitem(last=False)
+            self._bytes -= size
+            self._evicted[fid] = None
+            if len(self._evicted) > _EVICTED_KEPT:
+                self._evicted.popitem(last=False)
+
+
+def _cache_bytes(explicit: int | None) -> int:
+    raw = os.environ.get(CACHE_BYTES_ENV, "").strip() if explicit is None else explicit
+    if raw == "":
+        return DEFAULT_CACHE_BYTES
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = 0
+    if limit < 1:
+        raise ValueError(
+            f"The function cache size must be a positive number of bytes ({CACHE_BYTES_ENV}"
+            f"). Got {raw!r}. Fix: set e.g. {CACHE_BYTES_ENV}={DEFAULT_CACHE_BYTES} or "
+            "unset it."
+        )
+    return limit

@@ -10,10 +10,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
+from jaxpod import operations as ops
 from jaxpod.errors import JaxpodError
-from jaxpod.operations import RemoteError
+from jaxpod.operations import Envelope, RemoteError
 from jaxpod.service.group_engine import DropQueue
 from jaxpod.service.replica_group import ReplicaGroup
 from jaxpod.worker import channel
@@ -58,24 +60,28 @@ def group_of() -> Iterator[Callable[[list[Handler]], ReplicaGroup]]:
 
 
 def _host(index: int, seen: list[Any]) -> Handler:
-    def handle(seq: int, op: str, *args: Any, **kwargs: Any) -> Any:
-        seen.append((index, seq, op, kwargs.get("dropped")))
-        if op == "unreadable" and index == 0:
+    def handle(message: Envelope) -> Any:
+        op = type(message.operation).__name__
+        seen.append((index, message.seq, op, message.dropped))
+        if isinstance(message.operation, ops.FetchParts) and index == 0:
             return _Unloadable(1)
-        return f"host{index}-{op}-{seq}"
+        return f"host{index}-{op}-{message.seq}"
     return handle
+
+
+_UNREADABLE = ops.FetchParts(ops.Handle(1))  # host 0 answers it with an unreadable reply
 
 
 def test_an_unreadable_reply_leaves_the_next_replies_in_step(group_of: Any) -> None:
     seen: list[Any] = []
     group = group_of([_host(0, seen), _host(1, seen)])
-    with pytest.raises(JaxpodError, match=r"Host 0's reply to operation 'unreadable' could "
+    with pytest.raises(JaxpodError, match=r"Host 0's reply to operation FetchParts could "
                                           r"not be unpickled here: TypeError"):
-        group.call("unreadable")
+        group.call(_UNREADABLE)
     # host 1's reply to that operation was read too: this one gets its own
-    assert group.call("next") == ["host0-next-1", "host1-next-1"]
-    assert sorted(s[:3] for s in seen) == [(0, 0, "unreadable"), (0, 1, "next"),
-                                           (1, 0, "unreadable"), (1, 1, "next")]
+    assert group.call(ops.Stats()) == ["host0-Stats-1", "host1-Stats-1"]
+    assert sorted(s[:3] for s in seen) == [(0, 0, "FetchParts"), (0, 1, "Stats"),
+                                           (1, 0, "FetchParts"), (1, 1, "Stats")]
 
 
 def test_a_message_that_does_not_pickle_is_not_sent(group_of: Any) -> None:
@@ -84,28 +90,29 @@ def test_a_message_that_does_not_pickle_is_not_sent(group_of: Any) -> None:
     drops = DropQueue()
     drops.values.extend([5, 6])
     with pytest.raises(TypeError, match="lock"):
-        group.call("op", threading.Lock(), drops=drops)
+        group.call(ops.Reduce("SUM", threading.Lock(), None), drops=drops)
     assert seen == [] and list(drops.values) == [5, 6]  # nothing sent, nothing lost
-    assert group.call("op", drops=drops) == ["host0-op-0", "host1-op-0"]  # number unused
+    assert group.call(ops.Stats(), drops=drops) == ["host0-Stats-0", "host1-Stats-0"]
     assert [d.values for _, _, _, d in seen] == [(5, 6), (5, 6)] and not drops.values
 
 
 def test_waiting_for_the_group_does_not_count_against_the_time_out(group_of: Any) -> None:
     started = threading.Event()
 
-    def handle(seq: int, op: str, *args: Any, **kwargs: Any) -> Any:
-        if op == "long":
+    def handle(message: Envelope) -> Any:
+        long = isinstance(message.operation, ops.Stats)
+        if long:
             started.set()
-        time.sleep(1.5 if op == "long" else 1.0)  # each operation's own duration
-        return op
+        time.sleep(1.5 if long else 1.0)  # each operation's own duration
+        return type(message.operation).__name__
 
     group = group_of([handle])
-    long = threading.Thread(target=group.call, args=("long",), kwargs={"timeout": 3})
+    long = threading.Thread(target=group.call, args=(ops.Stats(),), kwargs={"timeout": 3})
     long.start()
     assert started.wait(10)
     try:
         # ~1.5 s waiting for "long", then 1 s of its own: within 2 s of its own time
-        assert group.call("short", timeout=2) == ["short"]
+        assert group.call(ops.NextInput(1), timeout=2) == ["NextInput"]
     finally:
         long.join(10)
     assert group._broken is None
@@ -123,3 +130,31 @@ def test_an_exception_that_cannot_come_back_travels_as_its_description() -> None
                                  "unpickled:")
     kept = RemoteError.of(KeyError("k"), "tb").error  # one that can keeps its type
     assert type(kept) is KeyError and kept.args == ("k",)
+
+
+def test_a_function_the_worker_evicted_is_defined_again(
+        group_of: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real HostOperations whose function cache holds one step function: running two
+    in turn evicts each before its next use, and the group engine defines it again."""
+    from jaxpod.service.group_engine import GroupEngine
+    from jaxpod.shipping import ship
+    from jaxpod.worker.engine import Engine
+    from jaxpod.worker.host_operations import HostOperations
+
+    def double(x: Any) -> Any:
+        return x * 2
+
+    def shift(x: Any) -> Any:
+        return x + 3
+
+    biggest = max(len(ship(double).payload), len(ship(shift).payload))
+    monkeypatch.setenv("JAXPOD_FUNCTION_CACHE_BYTES", str(biggest + 1))  # one fits
+    host = HostOperations(0, Engine())
+    engine = GroupEngine(group_of([host.execute]))
+    x = np.arange(8, dtype=np.float32)
+    for _ in range(2):
+        for fn, expected in ((double, x * 2), (shift, x + 3)):
+            out = engine.run(fn, args=(x,))
+            np.testing.assert_array_equal(engine.gather(out, axis=0),
+                                          np.tile(expected, host.engine.num_replicas_in_sync))
+    assert len(host.functions._functions) == 1  # the cache really held only one

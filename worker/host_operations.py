@@ -1,0 +1,188 @@
+"""``HostOperations``: what one host worker does for each host operation.
+
+It implements :class:`jaxpod.operations.Host`, one method per operation of
+:mod:`jaxpod.operations`, over this host's engine, value store, function registry,
+datasets and iterators. :meth:`HostOperations.execute` checks each operation's place
+in the group's sequence, frees what the coordinator dropped, runs the operation and
+turns any exception into a :class:`~jaxpod.operations.RemoteError` reply.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxpod import operations as ops
+from jaxpod.operations import Dropped, Handle, HandleInfo, OperationOrderError, RemoteError
+from jaxpod.shipping import ShippedFunction, load
+from jaxpod.values import PerReplica, is_per_replica
+from jaxpod.worker.busy_clock import BusyClock
+from jaxpod.worker.device_assignment import DeviceAssignment
+from jaxpod.worker.engine import Engine
+from jaxpod.worker.functions import FunctionRegistry
+from jaxpod.worker.value_store import ValueStore
+
+
+class HostOperations(ops.Host):
+    """Runs host operations for one host, in the group's order.
+
+    Args:
+      process_id: this host's index in the group.
+      engine: the engine over the group's global mesh.
+    """
+
+    def __init__(self, process_id: int, engine: Engine) -> None:
+        self.process_id = process_id
+        self.engine = engine
+        self.store = ValueStore()
+        self.functions = FunctionRegistry()
+        self.iterators: dict[int, Any] = {}
+        self.datasets: dict[int, Any] = {}
+        self._next_id = 1
+        self._expected_seq = 0
+        self._busy = BusyClock()
+        self._operations = 0
+        self._started_at = 0.0
+
+    def execute(self, envelope: ops.Envelope) -> Any:
+        """Runs the envelope's operation if it is the next in this group's sequence.
+
+        Returns:
+          The operation's result, or a :class:`RemoteError` carrying the exception.
+        """
+        op = envelope.operation
+        if envelope.seq != self._expected_seq:
+            return RemoteError.of(OperationOrderError(
+                f"Host {self.process_id} expected operation #{self._expected_seq} but "
+                f"received #{envelope.seq} ({type(op).__name__}); an operation was skipped "
+                "or reordered. The replica group must be restarted."), "")
+        self._expected_seq += 1
+        start = self._started_at = time.perf_counter()
+        try:
+            if envelope.dropped:
+                self._drop(envelope.dropped)
+            return op.apply(self)
+        except BaseException as e:
+            return RemoteError.of(e, traceback.format_exc())
+        finally:
+            if op.counts_as_work:
+                self._busy.add(start, time.perf_counter())
+                self._operations += 1
+
+    def close(self) -> None:
+        """Stops every iterator's infeed and drops the datasets."""
+        self.iterators.clear()
+        self.datasets.clear()
+
+    # ------------------------------------------------------------------ helpers
+    def _drop(self, dropped: Dropped) -> None:
+        self.store.free(list(dropped.values))
+        for iterator_id in dropped.iterators:
+            self.iterators.pop(iterator_id, None)  # stops its infeed threads
+        for dataset_id in dropped.datasets:
+            self.datasets.pop(dataset_id, None)  # its iterators keep running
+
+    def _resolve(self, tree: ops.ValueArgs) -> Any:
+        return jax.tree.map(lambda x: self.store.get(x.id) if isinstance(x, Handle) else x,
+                            tree, is_leaf=lambda x: isinstance(x, Handle))
+
+    def _keep_values(self, tree: Any, watch: bool = False) -> ops.ValueInfos:
+        """Keeps the tree's values; with ``watch``, the busy clock runs until they are
+        computed (they may still be being computed when the operation returns)."""
+        arrays = []
+
+        def keep(v: PerReplica) -> HandleInfo:
+            arrays.append(v.array)
+            valid = None if v.valid_rows is None else tuple(int(c) for c in v.valid_rows)
+            return HandleInfo(self.store.put(v), v.shape, str(v.dtype), valid)
+
+        infos = jax.tree.map(keep, tree, is_leaf=is_per_replica)
+        if watch:
+            self._busy.watch(self._started_at, arrays)
+        return infos
+
+    def _keep(self, table: dict[int, Any], value: Any) -> int:
+        key = self._next_id
+        self._next_id += 1
+        table[key] = value
+        return key
+
+    # --------------------------------------------------------------- operations
+    def configure(self, op: ops.Configure) -> int:
+        # Only before any value exists: values belong to one mesh.
+        if self.store.stats().num_values or self.iterators:
+            raise RuntimeError("configure must come before any value or iterator exists.")
+        computation_shape = None if op.computation_shape is None else list(op.computation_shape)
+        assignment = DeviceAssignment.build(None, computation_shape, op.num_replicas)
+        self.engine = Engine(assignment, op.steps_per_run)
+        self.datasets.clear()
+        return int(self.engine.num_replicas_in_sync)
+
+    def define(self, op: ops.Define) -> str:
+        return str(self.functions.define(op.shipped))
+
+    def run(self, op: ops.Run) -> ops.ValueInfos:
+        fn = self.functions.get(op.function_id)
+        out = self.engine.run(fn, args=self._resolve(op.args), kwargs=self._resolve(op.kwargs))
+        return self._keep_values(out, watch=True)
+
+    def run_steps(self, op: ops.RunSteps) -> ops.ValueInfos:
+        fn = self.functions.get(op.function_id)
+        iterator = (iter(self._resolve(op.source.items)) if isinstance(op.source, ops.StepItems)
+                    else self.iterators[op.source])
+        result = self.engine.run_steps(fn, iterator, op.steps,
+                                       initial_state=self._resolve(op.initial_state))
+        return self._keep_values(result, watch=True)
+
+    def values_from_function(self, op: ops.ValuesFromFunction) -> ops.ValueInfos:
+        fn = self.functions.get(op.function_id)
+        return self._keep_values(self.engine.experimental_distribute_values_from_function(fn))
+
+    def distribute_dataset(self, op: ops.DistributeDataset) -> int:
+        return self._keep(self.datasets, self.engine.experimental_distribute_dataset(
+            _unshipped(op.dataset), _unshipped(op.options)))
+
+    def distribute_datasets_from_function(self, op: ops.DistributeDatasetsFromFunction
+                                          ) -> int:
+        fn = self.functions.get(op.function_id)
+        return self._keep(self.datasets, self.engine.distribute_datasets_from_function(
+            fn, _unshipped(op.options)))
+
+    def create_iterator(self, op: ops.CreateIterator) -> int:
+        return self._keep(self.iterators, self.datasets[op.dataset_id].iterate(op.steps_per_run))
+
+    def next_input(self, op: ops.NextInput) -> ops.ValueInfos:
+        return self._keep_values(next(self.iterators[op.iterator_id]))
+
+    def reduce(self, op: ops.Reduce) -> Any:
+        result = self.engine.reduce(op.reduce_op, self._resolve(op.value), op.axis)
+        return result if self.process_id == 0 else None
+
+    def gather_parts(self, op: ops.GatherParts) -> tuple[int, list[Any]]:
+        # Framed parts are the one copy out of device memory; the caller forwards them.
+        axis, parts = self.engine.gather_parts(self.store.get(op.value.id), op.axis,
+                                               op.replicas, views=op.framing is not None)
+        framing = op.framing
+        return axis, parts if framing is None else [framing.frame(p) for p in parts]
+
+    def fetch_parts(self, op: ops.FetchParts) -> list[np.ndarray]:
+        return list(self.engine.padded_parts(self.store.get(op.value.id)))
+
+    def local_results(self, op: ops.LocalResults) -> tuple[Any, ...]:
+        return tuple(self.engine.experimental_local_results(self._resolve(op.value)))
+
+    def stats(self, op: ops.Stats) -> ops.HostStats:
+        held = self.store.stats()
+        return ops.HostStats(num_values=held.num_values, device_bytes=held.device_bytes,
+                             num_iterators=len(self.iterators), busy_s=self._busy.seconds(),
+                             operations=self._operations)
+
+
+def _unshipped(value: Any) -> Any:
+    """``value``, or what it holds if the client pickled it by value (a dataset, its
+    options): the coordinator forwards those bytes without unpickling user code."""
+    return load(value) if isinstance(value, ShippedFunction) else value
