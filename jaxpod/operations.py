@@ -25,7 +25,6 @@ from jaxpod.errors import JaxpodError
 if TYPE_CHECKING:
     import numpy as np
 
-    from jaxpod.framing import Framing
     from jaxpod.shipping import ShippedFunction
     from jaxpod.types import ReduceOp
 
@@ -255,13 +254,14 @@ class Reduce(Operation[Any]):
 @dataclass(frozen=True)
 class GatherParts(Operation["tuple[int, list[Any]]"]):
     """This host's replicas' parts of ``gather(value, axis)`` (only ``replicas``,
-    when given) and the normalized axis. With ``framing``, each part comes cut into
-    framed pieces ready to forward; else as arrays."""
+    when given) and the normalized axis: arrays, or with ``streamed``, views of the
+    device memory as :class:`~jaxpod.pieces.Streamed` buffers (the receiving end cuts
+    them as it forwards them)."""
 
     value: Handle
     axis: int
     replicas: tuple[int, ...] | None = None
-    framing: Framing | None = None
+    streamed: bool = False
 
     def apply(self, host: Host) -> tuple[int, list[Any]]:
         return host.gather_parts(self)

@@ -17,7 +17,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxpod.framing import Framed, Framing, little_endian
+from jaxpod.pieces import PieceLayout, Pieces, little_endian
 from jaxpod.proto import coordinator_pb2 as pb
 
 #: Version of the protocol; a client and a service must agree on it.
@@ -194,11 +194,12 @@ class RowParts:
     axis 0, never joined on the sending side: C-order rows concatenate as bytes do, so
     each part streams as it is (a gather's per-replica parts). ``parts`` is read once,
     as the stream goes (it may still be arriving). A part may come already cut into
-    data chunks (:data:`DATA_FRAMING`), which stream as they are."""
+    data chunks (``Pieces`` received under :data:`DATA_PIECES`), which stream as they
+    are."""
 
     shape: tuple[int, ...]
     dtype: np.dtype[Any]
-    parts: Iterable[np.ndarray | Framed]
+    parts: Iterable[np.ndarray | Pieces]
 
     def meta(self) -> pb.Tensor:
         return pb.Tensor(dtype=self.dtype.name, shape=self.shape)
@@ -217,7 +218,7 @@ def split_result(value: Any, chunk_bytes: int = CHUNK_BYTES
     chunks come already serialized (one copy of the bytes, where building
     ``ResultChunk`` messages would take three): send them with
     :func:`serialize_chunk`."""
-    big: list[Iterable[np.ndarray | Framed]] = []
+    big: list[Iterable[np.ndarray | Pieces]] = []
 
     def leaf(x: Any, path: str) -> Any:
         if isinstance(x, RowParts):
@@ -225,7 +226,7 @@ def split_result(value: Any, chunk_bytes: int = CHUNK_BYTES
             return pb.Tree(streamed=x.meta())
         if isinstance(x, np.ndarray | np.generic):
             array = np.asarray(x)
-            if array.nbytes > INLINE_BYTES:  # framed little-endian as it streams
+            if array.nbytes > INLINE_BYTES:  # cut into data chunks as it streams
                 big.append((array,))
                 return pb.Tree(streamed=pb.Tensor(dtype=array.dtype.name, shape=array.shape))
         return NOT_HANDLED
@@ -234,22 +235,44 @@ def split_result(value: Any, chunk_bytes: int = CHUNK_BYTES
     return skeleton, (_data_chunks(big, chunk_bytes) if big else None)
 
 
-def _data_chunks(big: list[Iterable[np.ndarray | Framed]], chunk_bytes: int
+def _data_chunks(big: list[Iterable[np.ndarray | Pieces]], chunk_bytes: int
                  ) -> Iterator[list[bytes]]:
-    framing = Framing(_DATA_FIELD, chunk_bytes)
     for parts in big:
         for part in parts:
-            if isinstance(part, Framed):  # framed by a worker: received as bytes
+            if isinstance(part, Pieces):  # received as data chunks already
                 yield part.pieces
-            else:  # one copy: each piece's header and view joined
-                yield from ([piece.tobytes()] for piece in framing.frame(part).pieces)
+            else:  # one copy: each chunk's prefix and bytes joined
+                flat = memoryview(little_endian(part).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+                for at in range(0, flat.nbytes, chunk_bytes):
+                    body = flat[at:at + chunk_bytes]
+                    yield [_data_prefix(body.nbytes) + body]
 
 
 #: The wire tag of ``ResultChunk.data`` (field 2, length-delimited).
 _DATA_FIELD = bytes([2 << 3 | 2])
-#: Result data chunks as a host worker can cut them (see :mod:`jaxpod.framing`): a
-#: ``RowParts`` part that comes framed this way streams without a copy.
-DATA_FRAMING = Framing(tag=_DATA_FIELD, piece_bytes=CHUNK_BYTES)
+
+
+def varint(n: int) -> bytes:
+    """``n`` as an unsigned LEB128 varint (protobuf's length encoding)."""
+    if n < 0:
+        raise ValueError(f"varint takes a nonnegative int. Got {n}.")
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _data_prefix(length: int) -> bytes:
+    """What precedes ``length`` bytes of data to make a serialized data chunk message
+    (a ``ResultChunk`` holding only its ``data`` field)."""
+    return _DATA_FIELD + varint(length)
+
+
+#: How a coordinator receives a worker's ``Streamed`` rows: as serialized data chunks
+#: (:class:`~jaxpod.pieces.Pieces`), which a ``RowParts`` result streams as they are.
+DATA_PIECES = PieceLayout(piece_bytes=CHUNK_BYTES, prefix=_data_prefix)
 
 
 def serialize_chunk(chunk: pb.ResultChunk | bytes) -> bytes:

@@ -298,7 +298,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return jax.tree.map(
                 lambda g: tensors.RowParts(g.shape, g.dtype, g.parts) if g.axis == 0
                 else g.join(),
-                held.engine.gather_parts(value, axis, tensors.DATA_FRAMING),
+                held.engine.gather_parts(value, axis, tensors.DATA_PIECES),
                 is_leaf=lambda x: isinstance(x, GatherParts))
 
         return self._stream(gather)

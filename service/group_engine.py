@@ -24,8 +24,8 @@ import numpy as np
 
 from jaxpod import operations as ops
 from jaxpod.errors import EndOfDataError, UnknownFunctionError
-from jaxpod.framing import Framed, Framing
 from jaxpod.operations import Dropped, Handle, HandleInfo, StepItems
+from jaxpod.pieces import PieceLayout, Pieces
 from jaxpod.service.replica_group import ReplicaGroup
 from jaxpod.shipping import ShippedFunction, ship
 from jaxpod.types import InputOptions, ReduceOp
@@ -69,14 +69,14 @@ class GatherParts:
     """One gathered leaf: the replicas' parts in replica order, the axis to join them
     on, and the joined result's shape and dtype.
 
-    ``parts`` may be fetched lazily, one replica ahead of its reader, and come framed
-    (see :meth:`GroupEngine.gather_parts`): iterate it once.
+    ``parts`` may be fetched lazily, one replica ahead of its reader, and come as
+    ``Pieces`` (see :meth:`GroupEngine.gather_parts`): iterate it once.
     """
 
     axis: int
     shape: tuple[int, ...]
     dtype: np.dtype[Any]
-    parts: Iterable[np.ndarray | Framed]
+    parts: Iterable[np.ndarray | Pieces]
 
     def join(self) -> np.ndarray:
         return np.concatenate(list(self.parts), axis=self.axis)
@@ -201,29 +201,31 @@ class GroupEngine:
         return jax.tree.map(leaf, value, is_leaf=_is_value)
 
     def _gather_call(self, v: Any, axis: int, replicas: tuple[int, ...] | None = None,
-                     framing: Framing | None = None) -> tuple[int, list[Any]]:
+                     layout: PieceLayout | None = None) -> tuple[int, list[Any]]:
         """One ``gather_parts`` operation: the normalized axis, every host's parts."""
-        per_host = self._call(ops.GatherParts(self._to_handles(v), axis, replicas, framing))
+        op = ops.GatherParts(self._to_handles(v), axis, replicas, streamed=layout is not None)
+        per_host = self.group.call(op, drops=self.dropped, layout=layout)
         return per_host[0][0], [p for _, parts in per_host for p in parts]
 
-    def gather_parts(self, value: Any, axis: int, framing: Framing | None = None) -> Any:
+    def gather_parts(self, value: Any, axis: int, layout: PieceLayout | None = None) -> Any:
         """``gather``'s result per leaf as the replicas' parts, not yet joined (a
         caller that streams them never holds the joined copy).
 
         Rows of a value held here (``axis`` 0) come one replica per operation, the
         next fetched while the caller reads the current one, so a streaming caller
-        overlaps the workers' transfer with its own; with ``framing`` those parts
-        come cut into framed pieces (``Framed``), ready to forward. Anything else
+        overlaps the workers' transfer with its own; with a ``layout`` those parts
+        come as ``Pieces`` cut that way (views of the workers' device memory, copied
+        once, into the pieces), ready to forward. Anything else
         comes at once, as arrays.
         """
         def leaf(v: Any) -> GatherParts:
             n = self.num_replicas_in_sync
             if isinstance(v, GroupValue) and n > 1 and v.shape and axis in (0, -len(v.shape)):
                 # the workers check the input first
-                _, first = self._gather_call(v, axis, (0,), framing)
+                _, first = self._gather_call(v, axis, (0,), layout)
                 rows = v.info.valid_rows or (v.shape[0],) * n
                 return GatherParts(0, (sum(rows), *v.shape[1:]), v.dtype, _fetched_ahead(
-                    first[0], lambda r: self._gather_call(v, axis, (r,), framing)[1][0],
+                    first[0], lambda r: self._gather_call(v, axis, (r,), layout)[1][0],
                     range(1, n)))
             ax, parts = self._gather_call(v, axis)
             shape = list(parts[0].shape)

@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 from jaxpod.errors import JaxpodError, OperationTimeoutError, WorkerLostError, WorkerStartError
 from jaxpod.operations import Dropped, Envelope, Operation, RemoteError
+from jaxpod.pieces import PieceLayout
 from jaxpod.timeouts import Timeout
 from jaxpod.worker import channel
 from jaxpod.worker.host_worker import SIMULATED_PLATFORM, HostWorker
@@ -127,7 +128,8 @@ class ReplicaGroup:
         return cls(workers, info, channels)
 
     def call(self, op: Operation[R], *, timeout: float | None = None,
-             drops: DropSource | None = None) -> list[R]:
+             drops: DropSource | None = None, layout: PieceLayout | None = None
+             ) -> list[R]:
         """Runs ``op`` on every host; returns each host's result in host order.
 
         Args:
@@ -136,6 +138,7 @@ class ReplicaGroup:
           drops: what to free first, in the same round trip (what the caller dropped
             since its previous call); taken once the operation is about to be sent,
             given back if it is not.
+          layout: how to receive the replies' ``Streamed`` buffers (as ``Pieces``).
 
         Raises:
           The first host's error (user exceptions keep their type; the remote
@@ -160,7 +163,7 @@ class ReplicaGroup:
                     drops.restore(dropped)
                 raise
             self._seq += 1
-            results = self._exchange(name, encoded, deadline, limit)
+            results = self._exchange(name, encoded, deadline, limit, layout)
         finally:
             self._lock.release()
         for host, result in enumerate(results):
@@ -174,7 +177,7 @@ class ReplicaGroup:
         return results
 
     def _exchange(self, name: str, encoded: tuple[bytes, list[Any]], deadline: float,
-                  limit: float) -> list[Any]:
+                  limit: float, layout: PieceLayout | None) -> list[Any]:
         """Sends the message to every host; returns their replies in host order. Every
         host's reply is read, even after one fails to unpickle, so that the next
         operation's replies are its own."""
@@ -184,7 +187,7 @@ class ReplicaGroup:
             channel.send(self._channels, encoded)
             for host, sock in enumerate(self._channels):
                 try:
-                    results.append(channel.receive(sock, deadline))
+                    results.append(channel.receive(sock, deadline, layout))
                 except (TimeoutError, OSError):
                     raise
                 except Exception as e:  # the whole reply was read: the stream is in step

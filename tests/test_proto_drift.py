@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxpod.framing import Framed, Framing
+from jaxpod.pieces import Pieces
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import regen, tensors
 
@@ -254,16 +254,23 @@ def test_result_stream_round_trip_in_small_chunks() -> None:
         tensors.read_result([*chunks, pb.ResultChunk(data=b"x")])
 
 
-def test_framed_parts_stream_as_they_are_and_parse_without_copies() -> None:
-    """Rows a worker framed with DATA_FRAMING are forwarded piece by piece; a client
-    reading them with parse_chunk gets views that match what protobuf parses."""
+def test_received_pieces_stream_as_they_are_and_parse_without_copies() -> None:
+    """Rows received under DATA_PIECES are forwarded piece by piece; a client reading
+    them with parse_chunk gets views that match what protobuf parses."""
     rng = np.random.default_rng(3)
     parts = [rng.normal(size=(n, 300)).astype(ml_dtypes.bfloat16) for n in (5000, 1, 0, 3001)]
-    framing = Framing(tag=tensors.DATA_FRAMING.tag, piece_bytes=1 << 20)
-    framed = [framing.frame(p) for p in parts[:2]]
-    pieces = [p.tobytes() for f in framed for p in f.pieces]
-    # as the coordinator receives them from the channel: bytes; mixed with plain parts
-    sent = [Framed([p.tobytes() for p in f.pieces], f.nbytes) for f in framed] + parts[2:]
+    layout = tensors.DATA_PIECES
+    # as the coordinator's channel receives a Streamed part: each piece behind its prefix
+    received_parts = []
+    for part in parts[:2]:
+        data = part.tobytes()
+        cut = np.cumsum([0, *layout.cut(len(data))])
+        received_parts.append(Pieces([layout.prefix(b - a) + data[a:b]
+                                      for a, b in zip(cut[:-1], cut[1:], strict=True)],
+                                     len(data)))
+    pieces = [p for r in received_parts for p in r.pieces]
+    assert len(pieces) == 2  # 3 MB in one CHUNK_BYTES piece, 600 bytes in another
+    sent = [*received_parts, *parts[2:]]  # mixed with plain parts
     rows = tensors.RowParts((sum(len(p) for p in parts), 300), parts[0].dtype, sent)
     skeleton, data = tensors.split_result({"rows": rows})
     messages = [skeleton.SerializeToString(),
@@ -290,3 +297,14 @@ def test_result_stream_of_small_values_is_one_message() -> None:
     got = tensors.read_result(chunks)
     np.testing.assert_array_equal(got[0], np.ones(3))
     assert got[1] == 2.0
+
+
+def test_data_prefixes_make_messages_protobuf_parses() -> None:
+    with pytest.raises(ValueError, match=r"nonnegative int\. Got -1"):
+        tensors.varint(-1)
+    assert [tensors.varint(n) for n in (0, 127, 128, 300)] == [b"\x00", b"\x7f", b"\x80\x01",
+                                                               b"\xac\x02"]
+    for n in (0, 1, 127, 128, 70_000):
+        body = bytes(range(256)) * (n // 256) + bytes(n % 256)
+        message = tensors.DATA_PIECES.prefix(n) + body
+        assert pb.ResultChunk.FromString(message).data == body

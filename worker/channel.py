@@ -12,9 +12,11 @@ Both ends prove they hold the group's key (HMAC-SHA256 over each other's random
 challenge) before anything is unpickled. Messages are cloudpickle (protocol 5); large
 buffers (numpy arrays) travel out of band, each received straight into its own buffer:
 writable numpy memory on the worker's side, ``bytes`` on the coordinator's, which can
-forward a buffer it received (a framed piece of a gathered array) without a copy.
-:class:`~jaxpod.framing.Segments` travel out of band too, as one buffer sent from
-several (a piece's header and a view of the rows), so neither end copies them.
+forward a buffer it received (a piece of a gathered array) without a copy.
+:class:`~jaxpod.pieces.Streamed` buffers (a view of gathered rows) travel out of band
+too; the receiving end may take each in pieces of its own layout, every piece received
+straight into its own ``bytes`` object behind a prefix it writes
+(:class:`~jaxpod.pieces.PieceLayout`), so neither end copies or frames them.
 
 A worker listens on TCP and on a Unix socket in the abstract namespace (a random
 name; :class:`ChannelAddress` carries both). The coordinator tries the Unix socket
@@ -53,7 +55,7 @@ import cloudpickle
 import numpy as np
 
 from jaxpod.errors import JaxpodError
-from jaxpod.framing import Segments
+from jaxpod.pieces import PieceLayout, Pieces, Streamed
 from jaxpod.timeouts import Timeout
 from jaxpod.worker import process_memory
 
@@ -62,7 +64,7 @@ HANDSHAKE_TIMEOUT = Timeout("JAXPOD_CHANNEL_HANDSHAKE_TIMEOUT_S", 10.0)
 #: Buffers at least this large travel out of band (no copy into the pickle).
 OUT_OF_BAND_BYTES = 64 * 1024
 _CHALLENGE_BYTES = 32
-#: pickle length, number of out-of-band buffers: pickle's own, then Segments
+#: pickle length, number of out-of-band buffers: pickle's own, then Streamed ones
 _COUNT = struct.Struct("<QQQ")
 _PID = struct.Struct("<Q")
 _OFFER = struct.Struct("<QQ")  # the worker's pid, the address of its token
@@ -122,8 +124,8 @@ def send(socks: Sequence[socket.socket], encoded: tuple[bytes, list[Any]]) -> No
 
 
 class _Pickler(cloudpickle.Pickler):
-    """Takes :class:`Segments` out of the pickle (as persistent ids, resolved by the
-    receiving :class:`_Unpickler`) so that they travel out of band, unjoined."""
+    """Takes :class:`Streamed` buffers out of the pickle (as persistent ids, resolved by
+    the receiving :class:`_Unpickler`) so that they travel out of band, as they are."""
 
     def __init__(self, file: io.BytesIO, buffers: list[Any]) -> None:
         def out_of_band(buffer: pickle.PickleBuffer) -> bool:
@@ -133,37 +135,38 @@ class _Pickler(cloudpickle.Pickler):
             return False
 
         super().__init__(file, protocol=5, buffer_callback=out_of_band)
-        self.segmented: list[Segments] = []
+        self.streamed: list[Streamed] = []
 
     def persistent_id(self, obj: Any) -> int | None:
-        if type(obj) is not Segments:
+        if type(obj) is not Streamed:
             return None
-        self.segmented.append(obj)
-        return len(self.segmented) - 1
+        self.streamed.append(obj)
+        return len(self.streamed) - 1
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: Any, buffers: list[Any], segmented: list[Any]) -> None:
+    def __init__(self, data: Any, buffers: list[Any], streamed: list[Any]) -> None:
         super().__init__(io.BytesIO(data), buffers=buffers)
-        self._segmented = segmented
+        self._streamed = streamed
 
     def persistent_load(self, pid: Any) -> Any:
-        return self._segmented[pid]
+        return self._streamed[pid]
 
 
 def encode(message: Any) -> tuple[bytes, list[Any]]:
     """The message's header and pickle; then what travels out of band, in order:
-    pickle's buffers (memoryviews) and :class:`Segments`. Raises whatever pickling
-    raises, before anything is sent."""
+    pickle's buffers (memoryviews) and :class:`Streamed` buffers' data. Raises whatever
+    pickling raises, before anything is sent."""
     buffers: list[Any] = []
     file = io.BytesIO()
     pickler = _Pickler(file, buffers)
     pickler.dump(message)
     data = file.getvalue()
-    sizes = [b.nbytes for b in buffers] + [s.nbytes for s in pickler.segmented]
-    header = (_COUNT.pack(len(data), len(buffers), len(pickler.segmented))
+    streamed = [s.data for s in pickler.streamed]
+    sizes = [b.nbytes for b in buffers] + [s.nbytes for s in streamed]
+    header = (_COUNT.pack(len(data), len(buffers), len(streamed))
               + struct.pack(f"<{len(sizes)}Q", *sizes))
-    return header + data, buffers + pickler.segmented
+    return header + data, buffers + streamed
 
 
 def _send(sock: socket.socket, data: bytes, buffers: list[Any], lend: bool = False
@@ -171,40 +174,36 @@ def _send(sock: socket.socket, data: bytes, buffers: list[Any], lend: bool = Fal
     """Sends an encoded message. With ``lend``, large parts of its buffers go as
     where they are (the receiver reads them in place; the caller keeps them)."""
     sock.sendall(data)
-    parts = [(i, buffer.parts if type(buffer) is Segments else (buffer,))
-             for i, buffer in enumerate(buffers)]
     if lend:
         lent, inline = [], []
-        for i, pieces in parts:
-            offset = 0
-            for piece in pieces:
-                if piece.nbytes >= OUT_OF_BAND_BYTES:
-                    lent.append(_LENT.pack(i, offset, process_memory.address_of(piece),
-                                           piece.nbytes))
-                else:
-                    inline.append(piece)
-                offset += piece.nbytes
-        # Inline parts are small (a piece's header, a short last piece): one send.
+        for i, buffer in enumerate(buffers):
+            if buffer.nbytes >= OUT_OF_BAND_BYTES:
+                lent.append(_LENT.pack(i, 0, process_memory.address_of(buffer),
+                                       buffer.nbytes))
+            else:
+                inline.append(buffer)
+        # Inline buffers are small (under OUT_OF_BAND_BYTES each): one send.
         sock.sendall(b"".join([_PID.pack(len(lent)), *lent, *inline]))
         return
-    for _, pieces in parts:
-        for piece in pieces:
-            sock.sendall(piece)
+    for buffer in buffers:
+        sock.sendall(buffer)
 
 
-def _loads(data: Any, buffers: list[Any], segmented: int) -> Any:
-    """Unpickles a received message; its last ``segmented`` buffers were Segments."""
-    split = len(buffers) - segmented
+def _loads(data: Any, buffers: list[Any], streamed: int) -> Any:
+    """Unpickles a received message; its last ``streamed`` buffers were Streamed."""
+    split = len(buffers) - streamed
     return _Unpickler(data, buffers[:split], buffers[split:]).load()
 
 
-def receive(sock: socket.socket, deadline: float | None = None) -> Any:
+def receive(sock: socket.socket, deadline: float | None = None,
+            layout: PieceLayout | None = None) -> Any:
     """The next reply (blocks; after ``deadline``, a ``time.monotonic()`` time, raises
     ``TimeoutError``). Its out-of-band buffers come as ``bytes``, each received straight
-    into place, so arrays in it are read-only."""
+    into place, so arrays in it are read-only; with a ``layout``, :class:`Streamed`
+    buffers come as :class:`Pieces` cut that way."""
     try:
         received = _receive(sock, deadline, writable=False,
-                            lender=getattr(sock, "lender", 0))
+                            lender=getattr(sock, "lender", 0), layout=layout)
     except BlockingIOError:  # the kernel's receive limit (see _limit) ran out
         raise TimeoutError("The operation channel's deadline passed.") from None
     except (ValueError, IndexError, struct.error, MemoryError) as e:
@@ -217,67 +216,96 @@ def receive(sock: socket.socket, deadline: float | None = None) -> Any:
     return _loads(*received)
 
 
-def _receive(sock: socket.socket, deadline: float | None, writable: bool, lender: int = 0
-             ) -> tuple[bytearray, list[Any], int]:
+def _receive(sock: socket.socket, deadline: float | None, writable: bool, lender: int = 0,
+             layout: PieceLayout | None = None) -> tuple[bytearray, list[Any], int]:
     """One whole message's bytes, so a message that fails to unpickle leaves the
     stream in step: the pickle, the out-of-band buffers, how many of those (the last
-    ones) were Segments. Out-of-band buffers are ``writable`` numpy memory (not
-    zeroed first, unlike a bytearray, and on huge pages when large) or ``bytes``;
-    from a ``lender`` (its pid), ``bytes`` with their large parts read in place."""
-    length, plain, segmented = _COUNT.unpack(_read(sock, _COUNT.size, deadline))
-    count = plain + segmented
+    ones) were Streamed. Out-of-band buffers are ``writable`` numpy memory (not
+    zeroed first, unlike a bytearray, and on huge pages when large) or ``bytes``
+    (Streamed ones as :class:`Pieces` under a ``layout``); from a ``lender`` (its
+    pid), with their large parts read in place."""
+    length, plain, streamed = _COUNT.unpack(_read(sock, _COUNT.size, deadline))
+    count = plain + streamed
     sizes = struct.unpack(f"<{count}Q", _read(sock, 8 * count, deadline)) if count else ()
     data = _read(sock, length, deadline)
     if writable:
         return data, [_read(sock, n, deadline, np.empty(n, np.uint8)) for n in sizes], \
-            segmented
+            streamed
+    places = [_Place(n, layout if i >= plain else None) for i, n in enumerate(sizes)]
     if not lender:
-        return data, [_read_bytes(sock, n, deadline) for n in sizes], segmented
+        for place in places:
+            for view in place.views:
+                _read(sock, view.nbytes, deadline, view)
+        return data, [p.received() for p in places], streamed
     (lent_count,) = _PID.unpack(_read(sock, _PID.size, deadline))
     lent: list[list[tuple[int, int, int]]] = [[] for _ in sizes]
     for i, offset, address, n in _LENT.iter_unpack(_read(sock, _LENT.size * lent_count,
                                                           deadline)):
         lent[i].append((offset, address, n))
-    buffers = [process_memory.new_bytes(n) for n in sizes]
-    for (_, view), spans in zip(buffers, lent, strict=True):  # the rest came inline
+    reads: list[tuple[memoryview, int]] = []
+    for place, spans in zip(places, lent, strict=True):  # the rest came inline
         at = 0
-        for offset, _, n in [*spans, (view.nbytes, 0, 0)]:
-            if not at <= offset <= offset + n <= view.nbytes:
+        for offset, address, n in [*spans, (place.nbytes, 0, 0)]:
+            if not at <= offset <= offset + n <= place.nbytes:
                 raise ChannelClosedError(  # the stream cannot be in step after this
                     f"The worker lent a span of {n} bytes at offset {offset} of a "
-                    f"{view.nbytes}-byte buffer, after offset {at}.")
-            _read(sock, offset - at, deadline, view[at:offset])
+                    f"{place.nbytes}-byte buffer, after offset {at}.")
+            for view, _ in place.spans(at, offset):
+                _read(sock, view.nbytes, deadline, view)
+            reads += [(view, address + skip) for view, skip in place.spans(offset, offset + n)]
             at = offset + n
-    for (_, view), spans in zip(buffers, lent, strict=True):
-        try:
-            process_memory.read(lender, view, 0, spans)
-        except OSError as e:  # the stream is in step; the worker is most likely gone
-            raise ChannelClosedError(
-                f"Could not read the reply's buffers in the worker's memory: {e}.") from e
-    return data, [b for b, _ in buffers], segmented
+    try:
+        process_memory.read_into(lender, reads)
+    except OSError as e:  # the stream is in step; the worker is most likely gone
+        raise ChannelClosedError(
+            f"Could not read the reply's buffers in the worker's memory: {e}.") from e
+    return data, [p.received() for p in places], streamed
+
+
+class _Place:
+    """Where one out-of-band buffer of ``nbytes`` is received: one ``bytes`` object,
+    or, under a ``layout``, one per piece behind its prefix."""
+
+    def __init__(self, nbytes: int, layout: PieceLayout | None) -> None:
+        self.nbytes = nbytes
+        self._layout = layout
+        self._objects: list[bytes] = []
+        self.views: list[memoryview] = []  # where the buffer's bytes go, in order
+        for n in (layout.cut(nbytes) if layout is not None else [nbytes]):
+            prefix = layout.prefix(n) if layout is not None else b""
+            obj, view = process_memory.new_bytes(len(prefix) + n)
+            view[:len(prefix)] = prefix
+            self._objects.append(obj)
+            self.views.append(view[len(prefix):])
+
+    def spans(self, start: int, end: int) -> list[tuple[memoryview, int]]:
+        """The views of the buffer's bytes ``[start, end)``, each with its distance
+        from ``start``."""
+        out, at = [], 0
+        for view in self.views:
+            lo, hi = max(start, at), min(end, at + view.nbytes)
+            if lo < hi:
+                out.append((view[lo - at:hi - at], lo - start))
+            at += view.nbytes
+        return out
+
+    def received(self) -> bytes | Pieces:
+        if self._layout is None:
+            return self._objects[0]
+        return Pieces(self._objects, self.nbytes)
 
 
 def _read(sock: socket.socket, n: int, deadline: float | None = None, into: Any = None
           ) -> Any:
+    """``n`` bytes, received straight into ``into`` (default: a new bytearray). A
+    blocking receive waits for all of them, unless a time-out or signal cuts it short."""
     buffer = bytearray(n) if into is None else into
     view = memoryview(buffer).cast("B")
     got = 0
     while got < n:
         _limit(sock, deadline)
-        got += _checked(sock.recv_into(view[got:], n - got))
+        got += _checked(sock.recv_into(view[got:], n - got, socket.MSG_WAITALL))
     return buffer
-
-
-def _read_bytes(sock: socket.socket, n: int, deadline: float | None) -> bytes:
-    """``n`` bytes as one ``bytes`` object, received straight into it (a blocking
-    receive waits for all of them) when no time-out or signal cuts it short."""
-    pieces = []
-    while n > 0:
-        _limit(sock, deadline)
-        piece = sock.recv(n, socket.MSG_WAITALL)
-        n -= _checked(len(piece))
-        pieces.append(piece)
-    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _checked(received: int) -> int:
@@ -480,10 +508,10 @@ class ChannelServer:
             if reader:
                 process_memory.revoke_reader(reader)
 
-    def _answer(self, data: bytearray, buffers: list[np.ndarray], segmented: int
+    def _answer(self, data: bytearray, buffers: list[np.ndarray], streamed: int
                 ) -> tuple[bytes, list[Any]]:
         try:
-            return encode(self._handle(_loads(data, buffers, segmented)))
+            return encode(self._handle(_loads(data, buffers, streamed)))
         except Exception as e:
             return encode(self._failed(e))
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxpod import operations as ops
 from jaxpod.operations import Dropped, Handle, HandleInfo, OperationOrderError, RemoteError
+from jaxpod.pieces import Streamed
 from jaxpod.shipping import ShippedFunction, load
 from jaxpod.values import PerReplica, is_per_replica
 from jaxpod.worker.busy_clock import BusyClock
@@ -163,11 +164,10 @@ class HostOperations(ops.Host):
         return result if self.process_id == 0 else None
 
     def gather_parts(self, op: ops.GatherParts) -> tuple[int, list[Any]]:
-        # Framed parts are the one copy out of device memory; the caller forwards them.
+        # Streamed parts are views of device memory: the receiver copies them once.
         axis, parts = self.engine.gather_parts(self.store.get(op.value.id), op.axis,
-                                               op.replicas, views=op.framing is not None)
-        framing = op.framing
-        return axis, parts if framing is None else [framing.frame(p) for p in parts]
+                                               op.replicas, views=op.streamed)
+        return axis, [Streamed(p) for p in parts] if op.streamed else parts
 
     def fetch_parts(self, op: ops.FetchParts) -> list[np.ndarray]:
         return list(self.engine.padded_parts(self.store.get(op.value.id)))

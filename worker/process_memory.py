@@ -160,14 +160,28 @@ def read(pid: int, into: memoryview, offset: int, spans: Sequence[tuple[int, int
       ValueError: a span does not fit in ``into``.
       OSError: the process is gone or its memory cannot be read (``errno`` says why).
     """
-    if _LIBC is None:
-        raise OSError(errno.ENOSYS, "process_vm_readv is not available here")
     for at, _, length in spans:
         if at < 0 or length < 0 or offset + at + length > into.nbytes:
             raise ValueError(f"A span of {length} bytes at {offset} + {at} does not fit "
                              f"in the {into.nbytes} bytes it is read into.")
     base = address_of(into) + offset
-    pending = [(base + at, address, length) for at, address, length in spans if length]
+    _read_spans(pid, [(base + at, address, length) for at, address, length in spans])
+
+
+def read_into(pid: int, spans: Sequence[tuple[memoryview, int]]) -> None:
+    """Fills each writable view with process ``pid``'s memory from its address.
+
+    Raises:
+      OSError: the process is gone or its memory cannot be read (``errno`` says why).
+    """
+    _read_spans(pid, [(address_of(view), address, view.nbytes) for view, address in spans])
+
+
+def _read_spans(pid: int, spans: Sequence[tuple[int, int, int]]) -> None:
+    """``(local address, address in pid, length)`` each, many per system call."""
+    if _LIBC is None:
+        raise OSError(errno.ENOSYS, "process_vm_readv is not available here")
+    pending = [span for span in spans if span[2]]
     while pending:
         batch, pending = pending[:_IOV_MAX], pending[_IOV_MAX:]
         local = (_IOVec * len(batch))(*[_IOVec(at, n) for at, _, n in batch])

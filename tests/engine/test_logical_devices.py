@@ -13,7 +13,7 @@ import pytest
 from engine_np_reference import ATOL, RTOL, tf_rebatch
 
 import jaxpod
-from jaxpod.framing import Framing, varint
+from jaxpod.pieces import Streamed
 
 
 def np_tiling(mesh_shape: Sequence[int], computation_shape: Sequence[int]) -> list[list[int]]:
@@ -197,11 +197,11 @@ def test_local_results_of_a_value_split_over_logical_devices(
         np.testing.assert_array_equal(got, want)
 
 
-def test_gather_parts_as_views_and_framed(model_parallel_strategy: jaxpod.TPUStrategy
-                                         ) -> None:
-    """What a host worker frames for a remote gather: a component one device holds whole
-    is a view of its memory, a component split over logical devices is assembled, and
-    the framed pieces carry exactly the rows' bytes."""
+def test_gather_parts_as_views_and_streamed(model_parallel_strategy: jaxpod.TPUStrategy
+                                           ) -> None:
+    """What a host worker streams for a remote gather: a component one device holds
+    whole is a view of its memory, a component split over logical devices is assembled,
+    and the streamed buffer is a view carrying exactly the rows' bytes."""
     strategy = model_parallel_strategy
     xs = np.arange(4 * 4 * 6, dtype=np.float32).reshape(4, 4, 6) - 7.5
     value = strategy.experimental_distribute_values_from_function(
@@ -215,13 +215,9 @@ def test_gather_parts_as_views_and_framed(model_parallel_strategy: jaxpod.TPUStr
         for got, expected in zip(parts, want[[1, 3]], strict=True):
             np.testing.assert_array_equal(got, expected)
             assert got.flags.owndata is not whole  # whole components are device views
-        framed = Framing(tag=b"\x12", piece_bytes=40).frame(parts[1])
-        for p in framed.pieces:  # each piece: its header (tag, length), then its rows
-            assert len(p.parts) == 2
-            assert bytes(p.parts[0]) == b"\x12" + varint(p.parts[1].nbytes)
-        body = b"".join(bytes(p.parts[1]) for p in framed.pieces)
-        assert framed.nbytes == len(body) == want[3].nbytes
-        assert body == want[3].tobytes()
+        streamed = Streamed(parts[1])  # what a worker sends: a view, not a copy
+        assert streamed.nbytes == want[3].nbytes and streamed.data == want[3].tobytes()
+        assert np.shares_memory(np.frombuffer(streamed.data, np.uint8), parts[1])
 
 
 def test_model_parallel_partial_batches(model_parallel_strategy: jaxpod.TPUStrategy) -> None:
@@ -270,6 +266,7 @@ def test_assign_rejects_an_unknown_logical_device(
             jnp.zeros((2,)), device_id))
 
 
+@pytest.mark.one_logical_device
 def test_annotations_on_one_logical_device(sstrategy: jaxpod.TPUStrategy) -> None:
     """With one logical device per replica the annotations are identities, and still
     validated."""

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jaxpod
-from jaxpod.framing import Framing
+from jaxpod.pieces import PieceLayout
 from jaxpod.service.allocator import SliceAllocator
 from jaxpod.service.group_engine import GatherParts, GroupEngine
 from jaxpod.service.local_cluster import LocalTPUCluster
@@ -72,15 +72,16 @@ def test_large_results_are_read_in_place_from_workers_on_this_machine(
     np.testing.assert_array_equal(group.gather(value, axis=0), data.reshape(2400, 100))
     for got, want in zip(group.experimental_local_results(value), data, strict=True):
         np.testing.assert_array_equal(got, want)
-    # Framed as the service streams a gather: pieces of a header and rows each.
-    framing = Framing(tag=b"\x12", piece_bytes=50_000)
-    (gathered,) = jax.tree.leaves(group.gather_parts(value, 0, framing),
+    # Received as the service streams a gather: pieces, each behind its prefix.
+    layout = PieceLayout(piece_bytes=50_000, prefix=lambda n: b"<" + n.to_bytes(4) + b">")
+    (gathered,) = jax.tree.leaves(group.gather_parts(value, 0, layout),
                                   is_leaf=lambda x: isinstance(x, GatherParts))
     for replica, part in enumerate(gathered.parts):
         rows = data[replica].tobytes()
         assert len(part.pieces) == 3 and all(type(p) is bytes for p in part.pieces)
+        assert part.nbytes == len(rows)
         assert b"".join(part.pieces) == b"".join(
-            framing.header(len(rows[i:i + 50_000])) + rows[i:i + 50_000]
+            layout.prefix(len(rows[i:i + 50_000])) + rows[i:i + 50_000]
             for i in range(0, len(rows), 50_000))
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from jaxpod.framing import Framing, Segments, varint
+from jaxpod.pieces import PieceLayout, Pieces, Streamed
 from jaxpod.timeouts import wait_for
 from jaxpod.worker import channel, process_memory
 
@@ -35,14 +35,15 @@ def _echo(message: Any, release: threading.Event) -> Any:
     return _echo_call(*args, release=release, **kwargs)
 
 
-def _echo_call(*args: Any, release: threading.Event, slow: bool = False, frame: int = 0,
-               **kwargs: Any) -> Any:
+def _echo_call(*args: Any, release: threading.Event, slow: bool = False,
+               stream: bool = False, **kwargs: Any) -> Any:
     if slow:  # an operation that lasts until the test ends, for the deadline test
         release.wait(30)
-    if frame:  # as a worker answers a gather: its first argument, framed (views of it)
-        framed = Framing(tag=b"\x12", piece_bytes=frame).frame(args[0])
-        assert all(np.shares_memory(args[0], np.asarray(p.parts[1])) for p in framed.pieces)
-        return (framed,), kwargs
+    if stream:  # as a worker answers a gather: its first argument, streamed (a view)
+        streamed = Streamed(args[0])
+        assert not args[0].size or np.shares_memory(args[0], np.frombuffer(streamed.data,
+                                                                            np.uint8))
+        return (streamed,), kwargs
     for arg in args:  # arguments reach the worker as writable arrays of their own
         if isinstance(arg, np.ndarray) and arg.ndim == 2:
             arg[0, 0] = -arg[0, 0]
@@ -111,26 +112,37 @@ def test_round_trip_keeps_small_and_large_arrays(server: Served) -> None:
     assert process_memory.granted_reader() is None
 
 
-def test_framed_pieces_arrive_as_bytes_in_order(server: Served) -> None:
-    data = np.random.default_rng(1).integers(0, 255, size=(3 << 20) + 17, dtype=np.uint8)
+def _prefix(n: int) -> bytes:  # any prefix the receiver chooses, of any length
+    return b"<" * (n % 5 + 1) + n.to_bytes(8, "little")
+
+
+@pytest.mark.parametrize("size", [(3 << 20) + 17, 4 << 20, 1000, 0])
+def test_streamed_buffers_arrive_in_the_receivers_pieces(server: Served, size: int) -> None:
+    data = np.random.default_rng(1).integers(0, 255, size=size, dtype=np.uint8)
+    layout = PieceLayout(piece_bytes=1 << 20, prefix=_prefix)
     with channel.connect(server.address, server.key, 10) as sock:
-        channel.broadcast([sock], ((data,), {"frame": 1 << 20}))
-        reply = channel.receive(sock)
-        # the other way, segments reach the worker as one buffer of their own
-        channel.broadcast([sock], ((Segments(b"head", data[:100]),), {}))
+        channel.broadcast([sock], ((data,), {"stream": True}))
+        reply = channel.receive(sock, layout=layout)
+        # without a layout, the same buffer arrives as one bytes object
+        channel.broadcast([sock], ((data,), {"stream": True}))
+        (whole,), _ = channel.receive(sock)
+        # the other way, a streamed buffer reaches the worker as a buffer of its own
+        channel.broadcast([sock], ((Streamed(data[:100]),), {}))
         (echoed,), _ = channel.receive(sock)
-    assert bytes(echoed) == b"head" + data[:100].tobytes()
+    assert bytes(echoed) == data[:100].tobytes()
+    assert type(whole) is bytes and whole == data.tobytes()
     assert reply[0] != "failed", reply
     (got,), _ = reply
-    assert got.nbytes == data.nbytes and len(got.pieces) == 4
+    assert isinstance(got, Pieces) and got.nbytes == data.nbytes
+    assert len(got.pieces) == -(-size // (1 << 20))
     assert all(type(p) is bytes for p in got.pieces)
     offset = 0
     for piece in got.pieces:
-        size = min(1 << 20, data.nbytes - offset)
-        header = b"\x12" + varint(size)
-        assert piece[:len(header)] == header and len(piece) == len(header) + size
-        assert piece[len(header):] == data[offset:offset + size].tobytes()
-        offset += size
+        length = min(1 << 20, data.nbytes - offset)
+        prefix = _prefix(length)
+        assert piece[:len(prefix)] == prefix and len(piece) == len(prefix) + length
+        assert piece[len(prefix):] == data[offset:offset + length].tobytes()
+        offset += length
     assert offset == data.nbytes
 
 
@@ -186,19 +198,17 @@ def test_peer_that_goes_away_mid_operation_raises_channel_closed() -> None:
     assert not thread.is_alive()
 
 
-def test_framing_rejects_bad_settings_and_frames_empty_arrays() -> None:
+def test_piece_layouts_reject_bad_settings_and_cut_as_told() -> None:
     with pytest.raises(ValueError, match=r"piece_bytes must be a positive int\. Got 0"):
-        Framing(tag=b"\x12", piece_bytes=0)
-    with pytest.raises(ValueError, match=r"nonnegative int\. Got -1"):
-        varint(-1)
-    assert [varint(n) for n in (0, 127, 128, 300)] == [b"\x00", b"\x7f", b"\x80\x01",
-                                                       b"\xac\x02"]
-    empty = Framing(tag=b"\x12", piece_bytes=8).frame(np.zeros((0, 3), np.float32))
-    assert empty.pieces == [] and empty.nbytes == 0
-    # Pickled other than by the channel, segments become their concatenation.
-    segments = Segments(b"ab", np.arange(3, dtype=np.uint8))
-    assert segments.nbytes == 5
-    assert pickle.loads(pickle.dumps(segments)) == segments.tobytes() == b"ab\x00\x01\x02"
+        PieceLayout(piece_bytes=0, prefix=_prefix)
+    layout = PieceLayout(piece_bytes=8, prefix=_prefix)
+    assert [layout.cut(n) for n in (0, 1, 8, 17)] == [[], [1], [8], [8, 8, 1]]
+    # Pickled other than by the channel, a streamed buffer becomes its bytes, which are
+    # little-endian C-order whatever the array's layout.
+    array = np.arange(6, dtype=">i4").reshape(2, 3).T
+    streamed = Streamed(array)
+    assert streamed.nbytes == 24
+    assert pickle.loads(pickle.dumps(streamed)) == array.astype("<i4").tobytes()
 
 
 def _peer(key: bytes, serve: Any, unix: bool = True
