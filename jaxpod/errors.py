@@ -80,3 +80,8 @@ class UnknownFunctionError(JaxpodError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "unknown function"
+
+
+class PeerHostError(JaxpodError):
+    """This host stopped an operation because another host of its slice failed it (the
+    hosts agreed to stop together instead of waiting for each other)."""

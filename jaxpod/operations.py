@@ -53,9 +53,15 @@ class Dropped:
     values: tuple[int, ...] = ()
     iterators: tuple[int, ...] = ()
     datasets: tuple[int, ...] = ()
+    functions: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.values or self.iterators or self.datasets)
+        return bool(self.values or self.iterators or self.datasets or self.functions)
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        """The numeric ids (values, iterators, datasets): they come from one sequence."""
+        return self.values + self.iterators + self.datasets
 
 
 @dataclass(frozen=True)
@@ -111,11 +117,15 @@ class HostStats:
 
 
 # ---------------------------------------------------------------------- operations
-R = TypeVar("R", covariant=True)
+R = TypeVar("R")
 
 
 class Operation(abc.ABC, Generic[R]):
-    """One step that every host of a slice takes, in the same order."""
+    """One step that every host of a slice takes, in the same order.
+
+    It takes effect on every host or on none: where it fails on some hosts, what it
+    :meth:`created` on the others, and what :meth:`spoils` names, are freed on all.
+    """
 
     #: Whether running it counts as work in the host's busy time (reading the
     #: figures must not move them).
@@ -124,6 +134,15 @@ class Operation(abc.ABC, Generic[R]):
     @abc.abstractmethod
     def apply(self, host: Host) -> R:
         """Runs this operation on ``host``."""
+
+    def created(self, result: R) -> Dropped:
+        """What a host that ran it holds because of it (freed if another host failed)."""
+        return Dropped()
+
+    def spoils(self) -> Dropped:
+        """What cannot be used any more once it failed on some hosts only (an iterator
+        that some hosts advanced and others did not)."""
+        return Dropped()
 
 
 @dataclass(frozen=True)
@@ -148,6 +167,9 @@ class Define(Operation[str]):
     def apply(self, host: Host) -> str:
         return host.define(self)
 
+    def created(self, result: str) -> Dropped:
+        return Dropped(functions=(result,))
+
 
 @dataclass(frozen=True)
 class Run(Operation[ValueInfos]):
@@ -159,6 +181,9 @@ class Run(Operation[ValueInfos]):
 
     def apply(self, host: Host) -> ValueInfos:
         return host.run(self)
+
+    def created(self, result: ValueInfos) -> Dropped:
+        return values_in(result)
 
 
 @dataclass(frozen=True)
@@ -182,6 +207,12 @@ class RunSteps(Operation[ValueInfos]):
     def apply(self, host: Host) -> ValueInfos:
         return host.run_steps(self)
 
+    def created(self, result: ValueInfos) -> Dropped:
+        return values_in(result)
+
+    def spoils(self) -> Dropped:
+        return Dropped(iterators=(self.source,)) if isinstance(self.source, int) else Dropped()
+
 
 @dataclass(frozen=True)
 class ValuesFromFunction(Operation[ValueInfos]):
@@ -191,6 +222,9 @@ class ValuesFromFunction(Operation[ValueInfos]):
 
     def apply(self, host: Host) -> ValueInfos:
         return host.values_from_function(self)
+
+    def created(self, result: ValueInfos) -> Dropped:
+        return values_in(result)
 
 
 @dataclass(frozen=True)
@@ -205,6 +239,9 @@ class DistributeDataset(Operation[int]):
     def apply(self, host: Host) -> int:
         return host.distribute_dataset(self)
 
+    def created(self, result: int) -> Dropped:
+        return Dropped(datasets=(result,))
+
 
 @dataclass(frozen=True)
 class DistributeDatasetsFromFunction(Operation[int]):
@@ -215,6 +252,9 @@ class DistributeDatasetsFromFunction(Operation[int]):
 
     def apply(self, host: Host) -> int:
         return host.distribute_datasets_from_function(self)
+
+    def created(self, result: int) -> Dropped:
+        return Dropped(datasets=(result,))
 
 
 @dataclass(frozen=True)
@@ -228,6 +268,9 @@ class CreateIterator(Operation[int]):
     def apply(self, host: Host) -> int:
         return host.create_iterator(self)
 
+    def created(self, result: int) -> Dropped:
+        return Dropped(iterators=(result,))
+
 
 @dataclass(frozen=True)
 class NextInput(Operation[ValueInfos]):
@@ -237,6 +280,12 @@ class NextInput(Operation[ValueInfos]):
 
     def apply(self, host: Host) -> ValueInfos:
         return host.next_input(self)
+
+    def created(self, result: ValueInfos) -> Dropped:
+        return values_in(result)
+
+    def spoils(self) -> Dropped:
+        return Dropped(iterators=(self.iterator_id,))
 
 
 @dataclass(frozen=True)
@@ -329,12 +378,23 @@ class Host(Protocol):
     def stats(self, op: Stats) -> HostStats: ...
 
 
+def values_in(infos: ValueInfos) -> Dropped:
+    """The values a tree of :class:`HandleInfo` describes."""
+    import jax
+
+    leaves = jax.tree.leaves(infos, is_leaf=lambda x: isinstance(x, HandleInfo))
+    return Dropped(values=tuple(x.id for x in leaves if isinstance(x, HandleInfo)))
+
+
 @dataclass(frozen=True)
 class Envelope:
     """One message of the operation channel: the operation, its number in the
     group's sequence (the worker checks it: a skipped or reordered operation fails
-    loudly instead of deadlocking a collective), and what to free before it."""
+    loudly instead of deadlocking a collective), what to free before it, and the
+    first id for the objects it creates (ids come from the coordinator, so that
+    every host names them alike whatever failed before)."""
 
     seq: int
     operation: Operation[Any]
     dropped: Dropped | None = None
+    first_id: int = 1

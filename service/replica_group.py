@@ -12,6 +12,7 @@ time-out that the environment can override.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import threading
 import time
@@ -19,7 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from jaxpod.errors import JaxpodError, OperationTimeoutError, WorkerLostError, WorkerStartError
+from jaxpod.errors import (
+    JaxpodError,
+    OperationTimeoutError,
+    PeerHostError,
+    WorkerLostError,
+    WorkerStartError,
+)
 from jaxpod.operations import Dropped, Envelope, Operation, RemoteError
 from jaxpod.pieces import PieceLayout
 from jaxpod.timeouts import Timeout
@@ -64,6 +71,7 @@ class ReplicaGroup:
         self._channels = channels
         self.info = info
         self._seq = 0
+        self._next_id = 1  # the first id the next operation's new objects get
         self._lock = threading.Lock()
         self._broken: str | None = None
 
@@ -157,23 +165,23 @@ class ReplicaGroup:
                 raise JaxpodError(f"This replica group is broken ({self._broken}); restart it.")
             dropped = drops.take() if drops is not None else None
             try:  # a message that does not pickle is not sent, and uses no number
-                encoded = channel.encode(Envelope(self._seq, op, dropped))
+                encoded = channel.encode(Envelope(self._seq, op, dropped, self._next_id))
             except BaseException:
                 if dropped and drops is not None:
                     drops.restore(dropped)
                 raise
             self._seq += 1
             results = self._exchange(name, encoded, deadline, limit, layout)
+            failed = [h for h, r in enumerate(results) if isinstance(r, RemoteError)]
+            created = [op.created(r) for r in results if not isinstance(r, RemoteError)]
+            self._next_id = max([self._next_id - 1, *(i for c in created for i in c.ids)]) + 1
         finally:
             self._lock.release()
-        for host, result in enumerate(results):
-            if isinstance(result, RemoteError):
-                error = result.error
-                if result.traceback:
-                    error.add_note(f"Remote traceback (host {host}):\n{result.traceback}")
-                with contextlib.suppress(AttributeError):  # for the coordinator to forward
-                    error.jaxpod_remote = result  # type: ignore[attr-defined]
-                raise error
+        if failed:
+            if drops is not None:  # undone on the hosts where it took effect
+                for undo in [*created, op.spoils()]:
+                    drops.restore(undo)
+            raise _host_error(results, failed, name)
         return results
 
     def _exchange(self, name: str, encoded: tuple[bytes, list[Any]], deadline: float,
@@ -229,6 +237,27 @@ class ReplicaGroup:
         for w in self._workers:
             ray.kill(w)
         self._broken = "stopped"
+
+
+def _host_error(results: list[Any], failed: list[int], name: str) -> BaseException:
+    """The first failed host's exception (user exceptions keep their type), with its
+    remote traceback and which hosts failed attached as notes. Hosts that stopped only
+    because another host failed (``PeerHostError``) are not the ones to report."""
+    own = [h for h in failed if not isinstance(results[h].error, PeerHostError)]
+    failed = own or failed
+    remote: RemoteError = results[failed[0]]
+    error = remote.error
+    if remote.traceback:
+        error.add_note(f"Remote traceback (host {failed[0]}):\n{remote.traceback}")
+    if len(results) > 1:
+        where = (f"Operation {name} failed on host(s) {failed} of {len(results)}; it "
+                 "took effect on no host.")
+        error.add_note(where)
+        # The coordinator forwards the worker's pickle and traceback: say it there too.
+        remote = dataclasses.replace(remote, traceback=f"{remote.traceback}\n{where}")
+    with contextlib.suppress(AttributeError):  # for the coordinator to forward
+        error.jaxpod_remote = remote  # type: ignore[attr-defined]
+    return error
 
 
 class DropSource(Protocol):

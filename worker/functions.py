@@ -92,6 +92,15 @@ class FunctionRegistry:
             "before calling it."
         )
 
+    def forget(self, function_ids: tuple[str, ...]) -> None:
+        """Drops these functions (their definition failed on another host, so that the
+        caches of a group's hosts stay alike); unknown ids are ignored."""
+        with self._lock:
+            for fid in function_ids:
+                kept = self._functions.pop(fid, None)
+                if kept is not None:
+                    self._bytes -= kept[1]
+
     def _evict_beyond_limit(self) -> None:
         while self._bytes > self.max_bytes:
             fid, (_, size) = self._functions.popitem(last=False)

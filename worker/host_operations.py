@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jaxpod import operations as ops
+from jaxpod.errors import HandleError
 from jaxpod.operations import Dropped, Handle, HandleInfo, OperationOrderError, RemoteError
 from jaxpod.pieces import Streamed
 from jaxpod.shipping import ShippedFunction, load
@@ -44,6 +45,7 @@ class HostOperations(ops.Host):
         self.iterators: dict[int, Any] = {}
         self.datasets: dict[int, Any] = {}
         self._next_id = 1
+        self._created: list[int] = []  # ids the operation running now created
         self._expected_seq = 0
         self._busy = BusyClock()
         self._operations = 0
@@ -63,11 +65,15 @@ class HostOperations(ops.Host):
                 "or reordered. The replica group must be restarted."), "")
         self._expected_seq += 1
         start = self._started_at = time.perf_counter()
+        self._next_id, self._created = envelope.first_id, []
         try:
             if envelope.dropped:
                 self._drop(envelope.dropped)
             return op.apply(self)
         except BaseException as e:
+            # What it created here goes with it: the operation took effect nowhere.
+            self._drop(Dropped(values=tuple(self._created), iterators=tuple(self._created),
+                               datasets=tuple(self._created)))
             return RemoteError.of(e, traceback.format_exc())
         finally:
             if op.counts_as_work:
@@ -86,6 +92,31 @@ class HostOperations(ops.Host):
             self.iterators.pop(iterator_id, None)  # stops its infeed threads
         for dataset_id in dropped.datasets:
             self.datasets.pop(dataset_id, None)  # its iterators keep running
+        self.functions.forget(dropped.functions)
+
+    def _new_id(self) -> int:
+        """The next id the coordinator gave this operation for the objects it creates."""
+        new = self._next_id
+        self._next_id += 1
+        self._created.append(new)
+        return new
+
+    def _iterator(self, iterator_id: int) -> Any:
+        try:
+            return self.iterators[iterator_id]
+        except KeyError:
+            raise HandleError(
+                f"Iterator #{iterator_id} does not exist on this worker: it was freed, or "
+                "closed because an operation that used it failed on some hosts only (its "
+                "hosts no longer agree on its position). Create a new one with "
+                "iter(dataset).") from None
+
+    def _dataset(self, dataset_id: int) -> Any:
+        try:
+            return self.datasets[dataset_id]
+        except KeyError:
+            raise HandleError(f"Dataset #{dataset_id} does not exist on this worker: it "
+                              "was freed. Distribute the dataset again.") from None
 
     def _resolve(self, tree: ops.ValueArgs) -> Any:
         return jax.tree.map(lambda x: self.store.get(x.id) if isinstance(x, Handle) else x,
@@ -99,7 +130,7 @@ class HostOperations(ops.Host):
         def keep(v: PerReplica) -> HandleInfo:
             arrays.append(v.array)
             valid = None if v.valid_rows is None else tuple(int(c) for c in v.valid_rows)
-            return HandleInfo(self.store.put(v), v.shape, str(v.dtype), valid)
+            return HandleInfo(self.store.put(v, self._new_id()), v.shape, str(v.dtype), valid)
 
         infos = jax.tree.map(keep, tree, is_leaf=is_per_replica)
         if watch:
@@ -107,8 +138,7 @@ class HostOperations(ops.Host):
         return infos
 
     def _keep(self, table: dict[int, Any], value: Any) -> int:
-        key = self._next_id
-        self._next_id += 1
+        key = self._new_id()
         table[key] = value
         return key
 
@@ -134,7 +164,7 @@ class HostOperations(ops.Host):
     def run_steps(self, op: ops.RunSteps) -> ops.ValueInfos:
         fn = self.functions.get(op.function_id)
         iterator = (iter(self._resolve(op.source.items)) if isinstance(op.source, ops.StepItems)
-                    else self.iterators[op.source])
+                    else self._iterator(op.source))
         result = self.engine.run_steps(fn, iterator, op.steps,
                                        initial_state=self._resolve(op.initial_state))
         return self._keep_values(result, watch=True)
@@ -154,10 +184,10 @@ class HostOperations(ops.Host):
             fn, _unshipped(op.options)))
 
     def create_iterator(self, op: ops.CreateIterator) -> int:
-        return self._keep(self.iterators, self.datasets[op.dataset_id].iterate(op.steps_per_run))
+        return self._keep(self.iterators, self._dataset(op.dataset_id).iterate(op.steps_per_run))
 
     def next_input(self, op: ops.NextInput) -> ops.ValueInfos:
-        return self._keep_values(next(self.iterators[op.iterator_id]))
+        return self._keep_values(next(self._iterator(op.iterator_id)))
 
     def reduce(self, op: ops.Reduce) -> Any:
         result = self.engine.reduce(op.reduce_op, self._resolve(op.value), op.axis)

@@ -7,7 +7,6 @@ run the same operations in the same order), each holding its addressable shards.
 
 from __future__ import annotations
 
-import itertools
 import threading
 from dataclasses import dataclass
 
@@ -35,12 +34,14 @@ class ValueStore:
 
     def __init__(self) -> None:
         self._values: dict[int, PerReplica] = {}
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
-    def put(self, value: PerReplica) -> int:
+    def put(self, value: PerReplica, handle: int) -> int:
+        """Keeps ``value`` as ``handle`` (an id the coordinator assigned)."""
         with self._lock:
-            handle = next(self._ids)
+            if handle in self._values:
+                raise ValueError(f"Handle {handle} is in use on this worker already; the "
+                                 "coordinator assigns each id once.")
             self._values[handle] = value
             return handle
 

@@ -1,0 +1,168 @@
+"""Lockstep: an operation takes effect on every host of a slice or on none.
+
+Real host workers on a simulated v4-16 (2 hosts x 4 chips). Each test makes one kind
+of operation fail on host 1 only, checks that the caller gets the user's own exception
+naming the host, and that the hosts still hold the same objects, then runs a normal
+round of operations on the same slice and compares it with numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpod
+from jaxpod.service.allocator import SliceAllocator
+from jaxpod.service.group_engine import GroupEngine
+from jaxpod.service.local_cluster import LocalTPUCluster
+from jaxpod.service.workers import start_replica_group
+
+CLUSTER_SLICES = "v4-16"
+HOSTS, REPLICAS = 2, 8
+
+
+@pytest.fixture(scope="module")
+def group(ray_cluster: LocalTPUCluster) -> Iterator[GroupEngine]:
+    allocation = SliceAllocator().allocate("v4-16", timeout_s=60)
+    replica_group = start_replica_group(allocation, start_timeout_s=120)
+    try:
+        yield GroupEngine(replica_group)
+    finally:
+        replica_group.stop()
+        allocation.release()
+
+
+class HostOneError(Exception):
+    """What the injected failures raise (a user exception type: it must come back)."""
+
+
+def _fail_on_host_one(what: str) -> None:
+    if jax.process_index() == 1:
+        raise HostOneError(f"{what} failed on purpose on host 1")
+
+
+def _rebuilt(value: Any) -> Any:
+    _fail_on_host_one("unpickling")
+    return value
+
+
+class FailsToLoadOnHostOne:
+    """Pickles anywhere; unpickles everywhere but on host 1."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuilt, (self.value,))
+
+
+def _normal_round(group: GroupEngine) -> None:
+    """Values, a dataset, a step with collectives and results: all as numpy says."""
+    data = np.arange(REPLICAS * 3, dtype=np.float32).reshape(REPLICAS, 3)
+    value = group.experimental_distribute_values_from_function(
+        lambda ctx: data[ctx.replica_id_in_sync_group])
+
+    def step(x: jax.Array) -> jax.Array:
+        ctx = jaxpod.get_replica_context()
+        assert ctx is not None
+        return x * 2 + ctx.all_reduce("SUM", jnp.sum(x))
+
+    out = group.run(step, args=(value,))
+    np.testing.assert_allclose(group.gather(out, axis=0).reshape(REPLICAS, 3),
+                               data * 2 + data.sum())
+    batches = [np.arange(16, dtype=np.float32) + 16 * i for i in range(3)]
+    it = iter(group.experimental_distribute_dataset(batches))
+    for batch in batches:
+        np.testing.assert_allclose(group.reduce("SUM", next(it), axis=0), batch.sum())
+    with pytest.raises(jaxpod.EndOfDataError):
+        next(it)
+
+
+def _hosts_agree(group: GroupEngine) -> None:
+    stats = group.stats()
+    assert len({(s["num_values"], s["num_iterators"]) for s in stats}) == 1, stats
+
+
+def _failed_on_host_one(info: pytest.ExceptionInfo[BaseException]) -> None:
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "failed on host(s) [1] of 2" in notes, notes
+    assert "Remote traceback (host 1)" in notes
+
+
+def test_a_function_that_loads_on_one_host_only_is_defined_nowhere(
+        group: GroupEngine) -> None:
+    picky = FailsToLoadOnHostOne(np.float32(3))
+
+    def scale(x: jax.Array) -> jax.Array:
+        return x * picky.value
+
+    value = group.experimental_distribute_values_from_function(
+        lambda ctx: np.full((2,), ctx.replica_id_in_sync_group, np.float32))
+    with pytest.raises(HostOneError, match="unpickling failed on purpose") as info:
+        group.run(scale, args=(value,))
+    _failed_on_host_one(info)
+    _hosts_agree(group)
+    _normal_round(group)
+
+
+def test_values_from_a_function_that_fails_on_one_host_exist_nowhere(
+        group: GroupEngine) -> None:
+    def value_fn(ctx: jaxpod.ValueContext) -> np.ndarray:
+        _fail_on_host_one(f"value_fn for replica {ctx.replica_id_in_sync_group}")
+        return np.ones((4,), np.float32)
+
+    before = group.stats()
+    with pytest.raises(HostOneError, match=r"value_fn for replica [4-7] failed") as info:
+        group.experimental_distribute_values_from_function(value_fn)
+    _failed_on_host_one(info)
+    _hosts_agree(group)
+    assert [s["num_values"] for s in group.stats()] == [s["num_values"] for s in before]
+    _normal_round(group)
+
+
+def test_a_dataset_function_that_fails_on_one_host_leaves_no_dataset(
+        group: GroupEngine) -> None:
+    def dataset_fn(ctx: jaxpod.InputContext) -> list[np.ndarray]:
+        if ctx.input_pipeline_id == 1:
+            raise HostOneError("dataset_fn failed on purpose on host 1")
+        return [np.zeros((4, 2), np.float32)]
+
+    with pytest.raises(HostOneError, match="dataset_fn failed on purpose") as info:
+        iter(group.distribute_datasets_from_function(dataset_fn))
+    _failed_on_host_one(info)
+    _hosts_agree(group)
+    _normal_round(group)
+
+
+def test_a_dataset_that_loads_on_one_host_only_is_distributed_nowhere(
+        group: GroupEngine) -> None:
+    from jaxpod.shipping import ship_object
+
+    batches = [np.ones((8, 2), np.float32)]
+    shipped = ship_object(FailsToLoadOnHostOne(batches), "the dataset", "")
+    with pytest.raises(HostOneError, match="unpickling failed on purpose") as info:
+        group.experimental_distribute_dataset(shipped)  # as the coordinator forwards it
+    _failed_on_host_one(info)
+    _hosts_agree(group)
+    _normal_round(group)
+
+
+class IterFailsOnHostOne:
+    def __iter__(self) -> Iterator[np.ndarray]:
+        _fail_on_host_one("iter(dataset)")
+        return iter([np.ones((8, 2), np.float32)])
+
+
+def test_an_iterator_that_fails_to_start_on_one_host_exists_nowhere(
+        group: GroupEngine) -> None:
+    dataset = group.experimental_distribute_dataset(IterFailsOnHostOne())
+    with pytest.raises(HostOneError, match=r"iter\(dataset\) failed on purpose") as info:
+        iter(dataset)
+    _failed_on_host_one(info)
+    _hosts_agree(group)
+    _normal_round(group)
