@@ -85,3 +85,16 @@ class UnknownFunctionError(JaxpodError, KeyError):
 class PeerHostError(JaxpodError):
     """This host stopped an operation because another host of its slice failed it (the
     hosts agreed to stop together instead of waiting for each other)."""
+
+
+class SliceResetError(JaxpodError):
+    """The slice's hosts fell out of step (one did not answer an operation in time) and
+    its workers were restarted: every value, dataset and iterator on it is gone; the
+    slice itself works again."""
+
+
+class UnknownHandleError(HandleError, KeyError):
+    """A value id that a worker never issued, or has freed (or lost with a reset)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown handle"

@@ -130,6 +130,9 @@ class Operation(abc.ABC, Generic[R]):
     #: Whether running it counts as work in the host's busy time (reading the
     #: figures must not move them).
     counts_as_work: ClassVar[bool] = True
+    #: Whether it dispatches compiled programs, which may hold collectives: where it
+    #: failed on some hosts only, the others may wait in one for ever.
+    dispatches: ClassVar[bool] = False
 
     @abc.abstractmethod
     def apply(self, host: Host) -> R:
@@ -178,6 +181,7 @@ class Run(Operation[ValueInfos]):
     function_id: str
     args: ValueArgs
     kwargs: ValueArgs
+    dispatches: ClassVar[bool] = True
 
     def apply(self, host: Host) -> ValueInfos:
         return host.run(self)
@@ -203,6 +207,7 @@ class RunSteps(Operation[ValueInfos]):
     source: int | StepItems
     steps: int
     initial_state: ValueArgs
+    dispatches: ClassVar[bool] = True
 
     def apply(self, host: Host) -> ValueInfos:
         return host.run_steps(self)

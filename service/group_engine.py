@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from jaxpod import operations as ops
-from jaxpod.errors import EndOfDataError, UnknownFunctionError
+from jaxpod.errors import EndOfDataError, SliceResetError, UnknownFunctionError
 from jaxpod.operations import Dropped, Handle, HandleInfo, StepItems
 from jaxpod.pieces import PieceLayout, Pieces
 from jaxpod.service.replica_group import ReplicaGroup
@@ -95,9 +95,22 @@ class GroupEngine:
         self._functions: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self.dropped = DropQueue()
         self._num_replicas: int | None = None
+        self._configured: ops.Configure | None = None
 
-    def _call(self, op: ops.Operation[_R]) -> list[_R]:
-        return self.group.call(op, drops=self.dropped)
+    def _call(self, op: ops.Operation[_R], layout: PieceLayout | None = None) -> list[_R]:
+        try:
+            return self.group.call(op, drops=self.dropped, layout=layout)
+        except SliceResetError:
+            self._after_reset()
+            raise
+
+    def _after_reset(self) -> None:
+        """The workers were restarted: nothing defined or dropped before exists on them;
+        they get this engine's device assignment again."""
+        self._functions = weakref.WeakKeyDictionary()
+        self.dropped.take()
+        if self._configured is not None:
+            self.group.call(self._configured)
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -109,7 +122,9 @@ class GroupEngine:
         """Sets the workers' device assignment (as ``DeviceAssignment.build`` takes it)
         and default steps per run, before any value exists; returns the replica count."""
         shape = None if computation_shape is None else tuple(computation_shape)
-        replicas = self._call(ops.Configure(steps_per_run, shape, num_replicas))[0]
+        configure = ops.Configure(steps_per_run, shape, num_replicas)
+        replicas = self._call(configure)[0]
+        self._configured = configure
         self.steps_per_run = steps_per_run
         self._num_replicas = replicas
         return replicas
@@ -204,7 +219,7 @@ class GroupEngine:
                      layout: PieceLayout | None = None) -> tuple[int, list[Any]]:
         """One ``gather_parts`` operation: the normalized axis, every host's parts."""
         op = ops.GatherParts(self._to_handles(v), axis, replicas, streamed=layout is not None)
-        per_host = self.group.call(op, drops=self.dropped, layout=layout)
+        per_host = self._call(op, layout)
         return per_host[0][0], [p for _, parts in per_host for p in parts]
 
     def gather_parts(self, value: Any, axis: int, layout: PieceLayout | None = None) -> Any:

@@ -24,6 +24,7 @@ from jaxpod.errors import (
     JaxpodError,
     OperationTimeoutError,
     PeerHostError,
+    SliceResetError,
     WorkerLostError,
     WorkerStartError,
 )
@@ -62,18 +63,38 @@ class HostPlacement:
     unset_env: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class _Recipe:
+    """How a group's workers were started, to start them again in the same place."""
+
+    placements: tuple[HostPlacement, ...]
+    devices_per_host: int
+    platform: str
+    start_timeout_s: float | None
+
+
 class ReplicaGroup:
-    """Sends engine operations to every host of one slice, in one global order."""
+    """Sends engine operations to every host of one slice, in one global order.
+
+    When some host does not answer an operation in time (one stuck in a collective
+    that another never entered), the group restarts every worker in the same
+    placements, forms a new ``jax.distributed`` group and raises ``SliceResetError``:
+    the values, datasets and iterators on the slice are gone, the next call works.
+    """
 
     def __init__(self, workers: list[Any], info: list[dict[str, int]],
-                 channels: list[socket.socket]) -> None:
+                 channels: list[socket.socket], recipe: _Recipe | None = None) -> None:
         self._workers = workers
         self._channels = channels
         self.info = info
+        self._recipe = recipe
         self._seq = 0
         self._next_id = 1  # the first id the next operation's new objects get
         self._lock = threading.Lock()
         self._broken: str | None = None
+        self._stopped = False
+        #: How many times the workers were restarted (callers drop what they cached).
+        self.resets = 0
 
     @property
     def num_hosts(self) -> int:
@@ -94,46 +115,40 @@ class ReplicaGroup:
             the start time-out (``JAXPOD_WORKER_START_TIMEOUT_S``); every started
             worker is stopped first.
         """
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        recipe = _Recipe(tuple(placements), devices_per_host, platform, start_timeout_s)
+        return cls(*_launch(recipe), recipe)
 
-        limit = START_TIMEOUT.resolve(start_timeout_s)
-        deadline = time.monotonic() + limit
-        actor_cls = ray.remote(HostWorker)
-        workers: list[Any] = [
-            actor_cls.options(
-                num_cpus=p.num_cpus, resources=p.resources,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    p.placement_group, placement_group_bundle_index=p.bundle_index),
-            ).remote(i, len(placements), devices_per_host, platform, p.env, p.unset_env)
-            for i, p in enumerate(placements)
-        ]
-        channels: list[socket.socket] = []
+    def _reset(self, why: str) -> SliceResetError:
+        """Restarts every worker in its placement (the caller holds the lock); the
+        error to raise, saying what happened to the slice's values."""
+        assert self._recipe is not None
+        self._close_channels()
+        _kill(self._workers)
         try:
-            address = ray.get(workers[0].node_address.remote(), timeout=limit)
-            port = ray.get(workers[0].reserve_port.remote(), timeout=limit)
-            coordinator = f"{address}:{port}"
-            refs = [w.initialize.remote(coordinator, max(1.0, deadline - time.monotonic()))
-                    for w in workers]
-            info = _get_all(refs, deadline, "join the jax.distributed group", limit)
-            key = channel.new_key()
-            addresses = _get_all([w.open_channel.remote(key) for w in workers], deadline,
-                                 "open their operation channel", limit)
-            for address in addresses:
-                channels.append(channel.connect(
-                    address, key, max(1.0, deadline - time.monotonic())))
-        except BaseException as e:
-            for sock in channels:
-                sock.close()
-            for w in workers:
-                ray.kill(w)
-            if isinstance(e, WorkerStartError):
-                raise
-            raise WorkerStartError(
-                f"The {len(placements)} host workers did not start within {limit:g}s "
-                f"({START_TIMEOUT.env_var}): {type(e).__name__}: {e}"
-            ) from e
-        return cls(workers, info, channels)
+            self._workers, self.info, self._channels = _launch(self._recipe)
+        except WorkerStartError as e:
+            self._broken = f"{why}, and its workers did not start again: {e}"
+            return SliceResetError(f"{why}. Restarting the slice's workers failed ({e}); "
+                                   "release the slice and acquire a new one.")
+        if self._stopped:  # released meanwhile
+            self._close_channels()
+            _kill(self._workers)
+            return SliceResetError(f"{why}; the slice was released meanwhile.")
+        self._seq, self._next_id, self._broken = 0, 1, None
+        self.resets += 1
+        return SliceResetError(
+            f"{why}. The slice's workers were restarted and every value, dataset and "
+            "iterator on it is gone (the next call works): create them again. A step "
+            "function that takes a different path on some hosts (e.g. branching on "
+            "jax.process_index()) causes this.")
+
+    def _close_channels(self) -> None:
+        for sock in self._channels:  # wakes a call waiting on a reply, too
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
 
     def call(self, op: Operation[R], *, timeout: float | None = None,
              drops: DropSource | None = None, layout: PieceLayout | None = None
@@ -149,8 +164,10 @@ class ReplicaGroup:
           layout: how to receive the replies' ``Streamed`` buffers (as ``Pieces``).
 
         Raises:
-          The first host's error (user exceptions keep their type; the remote
-          traceback is attached as a note), or ``OperationTimeoutError``.
+          The first failed host's error (user exceptions keep their type; the remote
+          traceback and the failed hosts are attached as notes); ``SliceResetError``
+          when some host did not answer in time and the workers were restarted
+          (``OperationTimeoutError`` where they cannot be).
         """
         name = type(op).__name__
         limit = OPERATION_TIMEOUT.resolve(timeout)
@@ -171,10 +188,24 @@ class ReplicaGroup:
                     drops.restore(dropped)
                 raise
             self._seq += 1
-            results = self._exchange(name, encoded, deadline, limit, layout)
+            try:
+                results = self._exchange(name, encoded, deadline, limit, layout)
+            except OperationTimeoutError as e:
+                if self._recipe is None or self._stopped:
+                    raise
+                raise self._reset(f"Operation {name} did not finish on every host within "
+                                  f"{limit:g}s ({OPERATION_TIMEOUT.env_var})") from e
             failed = [h for h, r in enumerate(results) if isinstance(r, RemoteError)]
             created = [op.created(r) for r in results if not isinstance(r, RemoteError)]
             self._next_id = max([self._next_id - 1, *(i for c in created for i in c.ids)]) + 1
+            if op.dispatches and 0 < len(failed) < len(results) and self._recipe is not None:
+                # The others may wait for ever in a collective the failed hosts never
+                # reached: only a restart brings them back in step.
+                error = _host_error(results, failed, name)
+                raise self._reset(
+                    f"Operation {name} failed on host(s) {failed} only "
+                    f"({type(error).__name__}: {error}), after the other hosts had "
+                    "dispatched its program") from error
         finally:
             self._lock.release()
         if failed:
@@ -227,15 +258,12 @@ class ReplicaGroup:
         """Shuts the group down (``jax.distributed.shutdown`` with a limit), then kills."""
         import ray
 
+        self._stopped = True  # a reset under way stops the workers it started
         limit = STOP_TIMEOUT.resolve(timeout)
-        for sock in self._channels:  # wakes a call waiting on a reply, too
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
+        self._close_channels()
         refs = [w.shutdown.remote() for w in self._workers]
         ray.wait(refs, num_returns=len(refs), timeout=limit)
-        for w in self._workers:
-            ray.kill(w)
+        _kill(self._workers)
         self._broken = "stopped"
 
 
@@ -281,3 +309,56 @@ def _get_all(refs: list[Any], deadline: float, what: str, limit: float) -> list[
             "reach host 0's coordinator port."
         )
     return list(ray.get(refs))
+
+
+def _kill(workers: list[Any]) -> None:
+    import ray
+
+    for w in workers:
+        with contextlib.suppress(Exception):  # gone already
+            ray.kill(w)
+
+
+def _launch(recipe: _Recipe) -> tuple[list[Any], list[dict[str, int]], list[socket.socket]]:
+    """Starts the recipe's workers and connects to them: workers, info, channels."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    placements, platform = recipe.placements, recipe.platform
+    limit = START_TIMEOUT.resolve(recipe.start_timeout_s)
+    deadline = time.monotonic() + limit
+    actor_cls = ray.remote(HostWorker)
+    workers: list[Any] = [
+        actor_cls.options(
+            num_cpus=p.num_cpus, resources=p.resources,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                p.placement_group, placement_group_bundle_index=p.bundle_index),
+        ).remote(i, len(placements), recipe.devices_per_host, platform, p.env, p.unset_env)
+        for i, p in enumerate(placements)
+    ]
+    channels: list[socket.socket] = []
+    try:
+        address = ray.get(workers[0].node_address.remote(), timeout=limit)
+        port = ray.get(workers[0].reserve_port.remote(), timeout=limit)
+        coordinator = f"{address}:{port}"
+        refs = [w.initialize.remote(coordinator, max(1.0, deadline - time.monotonic()))
+                for w in workers]
+        info = _get_all(refs, deadline, "join the jax.distributed group", limit)
+        key = channel.new_key()
+        addresses = _get_all([w.open_channel.remote(key) for w in workers], deadline,
+                             "open their operation channel", limit)
+        for address in addresses:
+            channels.append(channel.connect(
+                address, key, max(1.0, deadline - time.monotonic())))
+    except BaseException as e:
+        for sock in channels:
+            sock.close()
+        for w in workers:
+            ray.kill(w)
+        if isinstance(e, WorkerStartError):
+            raise
+        raise WorkerStartError(
+            f"The {len(placements)} host workers did not start within {limit:g}s "
+            f"({START_TIMEOUT.env_var}): {type(e).__name__}: {e}"
+        ) from e
+    return workers, info, channels

@@ -33,6 +33,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.WorkerStartError, grpc.StatusCode.UNAVAILABLE),
     (errors.OperationTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.WorkerLostError, grpc.StatusCode.ABORTED),
+    (errors.SliceResetError, grpc.StatusCode.ABORTED),
     (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
     (TypeError, grpc.StatusCode.INVALID_ARGUMENT),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),

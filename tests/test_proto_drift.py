@@ -9,6 +9,7 @@ with numpy.
 
 from __future__ import annotations
 
+import itertools
 import math
 import shutil
 import subprocess
@@ -266,7 +267,7 @@ def test_received_pieces_stream_as_they_are_and_parse_without_copies() -> None:
         data = part.tobytes()
         cut = np.cumsum([0, *layout.cut(len(data))])
         received_parts.append(Pieces([layout.prefix(b - a) + data[a:b]
-                                      for a, b in zip(cut[:-1], cut[1:], strict=True)],
+                                      for a, b in itertools.pairwise(cut)],
                                      len(data)))
     pieces = [p for r in received_parts for p in r.pieces]
     assert len(pieces) == 2  # 3 MB in one CHUNK_BYTES piece, 600 bytes in another

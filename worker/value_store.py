@@ -10,15 +10,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from jaxpod.errors import JaxpodError
+from jaxpod.errors import UnknownHandleError
 from jaxpod.values import PerReplica
-
-
-class UnknownHandleError(JaxpodError, KeyError):
-    """A handle id that this store never issued or has already freed."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "unknown handle"
 
 
 @dataclass(frozen=True)
@@ -52,8 +45,8 @@ class ValueStore:
             except KeyError:
                 raise UnknownHandleError(
                     f"Handle {handle} does not exist on this worker: it was never created "
-                    "here or has already been freed. Use a value returned by this session's "
-                    "strategy and do not use it after freeing it."
+                    "here, or was freed (or lost when its slice was reset). Use a value "
+                    "returned by this session's strategy, and not after freeing it."
                 ) from None
 
     def free(self, handles: list[int]) -> int:

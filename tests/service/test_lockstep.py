@@ -166,3 +166,54 @@ def test_an_iterator_that_fails_to_start_on_one_host_exists_nowhere(
     _failed_on_host_one(info)
     _hosts_agree(group)
     _normal_round(group)
+
+
+#: The operation time-out for the calls where a host gets stuck (the default is 600 s).
+STUCK_TIMEOUT_S = "20"
+
+
+def _stuck_on_host_one(ctx: jaxpod.ValueContext) -> np.ndarray:
+    if jax.process_index() == 1:
+        import threading
+
+        threading.Event().wait()  # never returns: its process is restarted
+    return np.ones((2,), np.float32)
+
+
+def test_a_host_stuck_past_the_time_out_gets_the_slice_reset(
+        group: GroupEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    old = group.experimental_distribute_values_from_function(
+        lambda ctx: np.ones((2,), np.float32))
+    resets = group.group.resets
+    with monkeypatch.context() as env, pytest.raises(jaxpod.SliceResetError,
+                                                      match="workers were restarted"):
+        env.setenv("JAXPOD_OPERATION_TIMEOUT_S", STUCK_TIMEOUT_S)
+        group.experimental_distribute_values_from_function(_stuck_on_host_one)
+    assert group.group.resets == resets + 1
+    assert [s["num_values"] for s in group.stats()] == [0, 0]  # everything went
+    with pytest.raises(jaxpod.HandleError, match="lost when its slice was reset"):
+        group.run(lambda x: x, args=(old,))
+    _normal_round(group)  # functions are defined again on the new workers
+    _hosts_agree(group)
+
+
+def test_a_step_traced_differently_on_one_host_fails_and_the_slice_goes_on(
+        group: GroupEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    value = group.experimental_distribute_values_from_function(
+        lambda ctx: np.full((2,), ctx.replica_id_in_sync_group, np.float32))
+
+    def step(x: jax.Array) -> jax.Array:
+        _fail_on_host_one("tracing the step")  # host 0 traces a collective alone
+        ctx = jaxpod.get_replica_context()
+        assert ctx is not None
+        return ctx.all_reduce("SUM", x)
+
+    # Host 0 dispatched a program whose collective host 1 never reaches: the workers
+    # are restarted at once (the time-out is the safety net), naming the user's error.
+    with monkeypatch.context() as env, pytest.raises(
+            jaxpod.SliceResetError, match=r"failed on host\(s\) \[1\] only \(HostOneError: "
+                                          r"tracing the step failed on purpose"):
+        env.setenv("JAXPOD_OPERATION_TIMEOUT_S", STUCK_TIMEOUT_S)
+        group.run(step, args=(value,))
+    _normal_round(group)
+    _hosts_agree(group)
