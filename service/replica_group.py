@@ -210,7 +210,8 @@ class ReplicaGroup:
             self._lock.release()
         if failed:
             if drops is not None:  # undone on the hosts where it took effect
-                for undo in [*created, op.spoils()]:
+                spoiled = op.spoils() if len(failed) < len(results) else Dropped()
+                for undo in [*created, spoiled]:
                     drops.restore(undo)
             raise _host_error(results, failed, name)
         return results
