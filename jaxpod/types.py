@@ -34,9 +34,11 @@ class ReduceOp(enum.Enum):
 class AutoShardPolicy(enum.Enum):
     """How ``experimental_distribute_dataset`` splits input between hosts.
 
-    ``AUTO`` and ``DATA`` give host ``i`` of ``n`` every ``n``-th element (global batch)
-    of the dataset, starting at element ``i``; ``OFF`` gives every host the whole
-    dataset, so each host's replicas see the same rows.
+    Every host reads the whole dataset. ``AUTO`` and ``DATA`` split each global batch
+    over all replicas of all hosts in replica order and each host keeps its own
+    replicas' rows, so every step consumes one global batch whatever the number of
+    hosts; ``OFF`` has every host's replicas split the whole batch among themselves,
+    so each host's replicas see the same rows.
     """
 
     AUTO = "AUTO"

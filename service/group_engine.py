@@ -256,6 +256,8 @@ class GroupEngine:
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         per_host = self._call(ops.LocalResults(self._to_handles(value)))
+        if not any(_is_value(v) for v in jax.tree.leaves(value, is_leaf=_is_value)):
+            return per_host[0]  # a single value: every host answers (value,)
         return tuple(r for host in per_host for r in host)
 
     def experimental_distribute_values_from_function(

@@ -14,6 +14,7 @@ import collections
 import contextlib
 import functools
 import itertools
+import json
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpod.errors import EndOfDataError
+from jaxpod.errors import EndOfDataError, PeerHostError
 from jaxpod.scope import strategy_scope
 from jaxpod.types import InputContext, InputOptions, ReduceOp, ValueContext
 from jaxpod.values import DistributedDataset, DistributedIterator, PerReplica, is_per_replica
@@ -90,8 +91,12 @@ class Engine:
         self.mesh = self.device_assignment.spmd_mesh
         self._replica_sharding = NamedSharding(self.mesh, P(REPLICA_AXIS))
         self._replicated = NamedSharding(self.mesh, P())
-        self.num_hosts, self.host_index, self.local_replicas = _host_layout(
+        per_host, self.host_index, self.local_replicas = _host_layout(
             self.device_assignment.replica_devices)
+        self.num_hosts = len(per_host)
+        self.host_replicas = input_lib.HostReplicas(
+            self.local_replicas[0], len(self.local_replicas), self.num_replicas_in_sync,
+            min(per_host))
         self._compiled: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
         self._full_counts: dict[int, jax.Array] = {}
 
@@ -554,32 +559,44 @@ class Engine:
     # -------------------------------------------------------- distributing values
     def experimental_distribute_values_from_function(
             self, value_fn: Callable[[ValueContext], Any]) -> Any:
-        """Calls ``value_fn(ValueContext)`` for each local replica; returns PerReplica."""
-        per_replica = [value_fn(ValueContext(r, self.num_replicas_in_sync))
-                       for r in self.local_replicas]
-        leaves0, treedef = jax.tree.flatten(per_replica[0])
-        columns: list[list[np.ndarray]] = [[] for _ in leaves0]
-        for r, v in zip(self.local_replicas, per_replica, strict=True):
-            leaves, td = jax.tree.flatten(v)
-            if td != cast(Any, treedef):
-                raise ValueError(
-                    "experimental_distribute_values_from_function: replicas returned different "
-                    f"structures: replica {self.local_replicas[0]} gave {treedef}, replica {r} "
-                    f"gave {td}."
+        """Calls ``value_fn(ValueContext)`` for each local replica; returns PerReplica.
+
+        Every replica's value must have one structure, shapes and dtypes. A host sees
+        only its own replicas' values, so on several hosts they first compare
+        descriptions of them (every host takes part even when ``value_fn`` failed on
+        it), and a mismatch raises the same error on every host instead of leaving
+        each with a global array of its own idea of the shape.
+        """
+        try:
+            per_replica = [value_fn(ValueContext(r, self.num_replicas_in_sync))
+                           for r in self.local_replicas]
+            treedef, columns = _value_columns(per_replica, self.local_replicas)
+        except Exception:
+            if self.num_hosts > 1:
+                self.allgather_json(None)  # the others must not wait for this host
+            raise
+        described = _describe_values(treedef, columns, self.local_replicas)
+        if self.num_hosts > 1:
+            per_host = self.allgather_json(described)
+            failed = [h for h, d in enumerate(per_host) if d is None]
+            if failed:
+                raise PeerHostError(
+                    "experimental_distribute_values_from_function: value_fn failed on "
+                    f"host(s) {failed}; see their error. No value was distributed."
                 )
-            for col, leaf in zip(columns, leaves, strict=True):
-                if not isinstance(leaf, _ARRAY_TYPES):
-                    raise TypeError(
-                        "experimental_distribute_values_from_function: value_fn must return "
-                        f"arrays or numbers; replica {r} returned a {type(leaf).__name__}."
-                    )
-                col.append(np.asarray(leaf))
-        arrays = [self._to_global(_stack_same_shape(col, self.local_replicas)) for col in columns]
+            described = [_as_description(d) for host in per_host for d in host]
+        _check_same_values(described)
+        arrays = [self._to_global(np.stack(col)) for col in columns]
         return jax.tree.unflatten(treedef, [PerReplica(a) for a in arrays])
 
     def experimental_distribute_dataset(self, dataset: Iterable[Any],
                                         options: InputOptions | None = None) -> LocalDataset:
-        """Rebatches a globally batched dataset across replicas (TF's rules)."""
+        """Rebatches a globally batched dataset across replicas (TF's rules).
+
+        Each step takes one global batch split over all replicas of all hosts, so
+        the result does not depend on how many hosts the replicas sit on; each host
+        reads the whole dataset and keeps its own replicas' rows.
+        """
         opts = _check_options(options)
         if not isinstance(dataset, Iterable):
             raise TypeError(
@@ -587,7 +604,7 @@ class Engine:
                 f"(pytrees of arrays). Got {type(dataset).__name__}."
             )
         return LocalDataset(self, lambda: input_lib.RebatchFeed(
-            dataset, opts, self.num_hosts, self.host_index, self.num_local_replicas))
+            dataset, opts, self.host_replicas))
 
     def distribute_datasets_from_function(
             self, dataset_fn: Callable[[InputContext], Iterable[Any]],
@@ -663,6 +680,17 @@ class Engine:
     def _fetch_replicated(self, array: jax.Array) -> np.ndarray:
         return np.asarray(array.addressable_data(0))
 
+    def allgather_json(self, value: Any) -> list[Any]:
+        """Every host's ``value`` (small, JSON-serializable), in host order."""
+        if self.num_hosts == 1:
+            return [value]
+        data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+        sizes = self.allgather_host(np.array([data.size], np.int32))
+        padded = np.zeros(int(sizes.max()), np.uint8)  # hosts' texts differ in length
+        padded[:data.size] = data
+        texts = np.asarray(multihost_utils.process_allgather(padded, tiled=False))
+        return [json.loads(texts[h, :n].tobytes()) for h, n in enumerate(sizes)]
+
     def allgather_host(self, local: np.ndarray) -> np.ndarray:
         """Concatenates a small host-local array over hosts, in replica order."""
         if self.num_hosts == 1:
@@ -736,14 +764,17 @@ class LocalIterator(DistributedIterator):
         """
         eng, infeed = self._engine, self._infeed
         chunk = self._local_chunk(infeed, k)
-        if chunk is None:
-            if eng.num_hosts == 1:
-                raise EndOfDataError("The distributed dataset has no more input.")
-            chunk = infeed.empty_chunk(k)
-        counts = eng.allgather_host(chunk.counts)
-        n = int(np.count_nonzero(counts.any(axis=0)))
-        if n == 0:
+        if chunk is None and eng.num_hosts == 1:
             raise EndOfDataError("The distributed dataset has no more input.")
+        # A host whose input ended still takes part: it may be the only one.
+        local = (chunk.counts if chunk is not None
+                 else np.zeros((eng.num_local_replicas, k), np.int32))
+        counts = eng.allgather_host(local)
+        n = int(np.count_nonzero(counts.any(axis=0)))
+        if n == 0:  # before empty_chunk: an empty dataset has no element spec
+            raise EndOfDataError("The distributed dataset has no more input.")
+        if chunk is None:
+            chunk = infeed.empty_chunk(k)
         placed = chunk.placed
         if n < k:  # the input ended inside this chunk
             cut = eng._cached(("first_steps", n), lambda: jax.jit(
@@ -818,17 +849,67 @@ def _same_batch(what: str, where: str, batch: tuple[int, np.ndarray] | None,
     )
 
 
-def _stack_same_shape(values: list[np.ndarray], replicas: Sequence[int]) -> np.ndarray:
-    shapes = {v.shape for v in values}
-    dtypes = {v.dtype for v in values}
-    if len(shapes) > 1 or len(dtypes) > 1:
-        got = ", ".join(f"replica {r}: {v.dtype}{list(v.shape)}"
-                        for r, v in zip(replicas, values, strict=True))
-        raise ValueError(
-            "Per-replica values must have the same shape and dtype on every replica; "
-            f"got {got}. Pad them to a common shape."
-        )
-    return np.stack(values)
+#: A replica's value as hosts compare it: replica, structure, (dtype, shape) per leaf.
+_Description = tuple[int, str, list[tuple[str, tuple[int, ...]]]]
+
+
+def _value_columns(per_replica: list[Any], replicas: Sequence[int]
+                   ) -> tuple[Any, list[list[np.ndarray]]]:
+    """The values' common structure and, per leaf, every replica's array.
+
+    Raises:
+      ValueError: replicas returned different structures.
+      TypeError: a leaf is not an array or a number.
+    """
+    leaves0, treedef = jax.tree.flatten(per_replica[0])
+    columns: list[list[np.ndarray]] = [[] for _ in leaves0]
+    for r, v in zip(replicas, per_replica, strict=True):
+        leaves, td = jax.tree.flatten(v)
+        if td != cast(Any, treedef):
+            _raise_different_structures(replicas[0], str(treedef), r, str(td))
+        for col, leaf in zip(columns, leaves, strict=True):
+            if not isinstance(leaf, _ARRAY_TYPES):
+                raise TypeError(
+                    "experimental_distribute_values_from_function: value_fn must return "
+                    f"arrays or numbers; replica {r} returned a {type(leaf).__name__}."
+                )
+            col.append(np.asarray(leaf))
+    return treedef, columns
+
+
+def _describe_values(treedef: Any, columns: list[list[np.ndarray]], replicas: Sequence[int]
+                     ) -> list[_Description]:
+    return [(r, str(treedef), [(str(col[i].dtype), col[i].shape) for col in columns])
+            for i, r in enumerate(replicas)]
+
+
+def _as_description(raw: list[Any]) -> _Description:
+    """A description back from JSON (which made its tuples lists)."""
+    r, treedef, leaves = raw
+    return int(r), str(treedef), [(str(d), tuple(int(n) for n in s)) for d, s in leaves]
+
+
+def _check_same_values(described: list[_Description]) -> None:
+    """Raises if the replicas' values differ in structure, shape or dtype."""
+    first, treedef, leaves0 = described[0]
+    for r, td, _ in described[1:]:
+        if td != treedef:
+            _raise_different_structures(first, treedef, r, td)
+    for i in range(len(leaves0)):
+        if len({leaves[i] for _, _, leaves in described}) > 1:
+            got = ", ".join(f"replica {r}: {leaves[i][0]}{list(leaves[i][1])}"
+                            for r, _, leaves in described)
+            raise ValueError(
+                "Per-replica values must have the same shape and dtype on every replica; "
+                f"got {got}. Pad them to a common shape."
+            )
+
+
+def _raise_different_structures(first: int, treedef: str, r: int, td: str) -> None:
+    raise ValueError(
+        "experimental_distribute_values_from_function: replicas returned different "
+        f"structures: replica {first} gave {treedef}, replica {r} gave {td}."
+    )
 
 
 def _check_options(options: InputOptions | None) -> InputOptions:
@@ -858,8 +939,8 @@ def _extreme_identity(dtype: Any, is_max: bool) -> Any:
     return jnp.array(not is_max, dtype)
 
 
-def _host_layout(replica_devices: np.ndarray) -> tuple[int, int, tuple[int, ...]]:
-    """(number of hosts, this host's index, this host's replicas) of an assignment.
+def _host_layout(replica_devices: np.ndarray) -> tuple[list[int], int, tuple[int, ...]]:
+    """(replicas of each host, this host's index, this host's replicas) of an assignment.
 
     Hosts are the processes that own replicas, in replica order; each replica must sit
     on one host and each host's replicas must be contiguous and in process order.
@@ -882,4 +963,4 @@ def _host_layout(replica_devices: np.ndarray) -> tuple[int, int, tuple[int, ...]
     local = tuple(r for r, p in enumerate(owners) if p == me)
     if not local:
         raise ValueError(f"Process {me} owns no replica of this device assignment.")
-    return len(hosts), hosts.index(me), local
+    return [owners.count(h) for h in hosts], hosts.index(me), local

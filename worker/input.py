@@ -1,12 +1,14 @@
 """Distributed input: TF's rebatching rules, host-local feeds and their iterators.
 
 ``experimental_distribute_dataset`` takes an iterable of *globally* batched pytrees
-of arrays. Each host reads its shard of that iterable, treats it as one stream of
-rows and cuts it into per-replica minibatches whose sizes cycle through
-:func:`rebatch_sizes` (exactly TF's ``batch_sizes_for_worker``), so minibatches cross
-input-batch boundaries and each step consumes ``global_batch_size`` rows across all
-hosts. JAX needs static shapes: every minibatch is padded to the largest size and the
-number of real rows travels with it.
+of arrays and treats it as one stream of rows. Every step consumes one global batch
+(``global_batch_size`` rows of the stream, crossing input-batch boundaries) split
+over all replicas of all hosts in replica order, with sizes as even as possible (the
+first replicas take the extra row, see :func:`per_replica_sizes`). Each host reads
+the whole stream and keeps only its own replicas' rows (a contiguous range of the
+replica order, see :class:`HostReplicas`), so the rows, valid counts and number of
+steps are the same whatever the number of hosts. JAX needs static shapes: every
+minibatch is padded to the largest size and the number of real rows travels with it.
 
 ``distribute_datasets_from_function`` instead calls the user's ``dataset_fn`` once per
 host; every local replica dequeues one element (already per-replica batched) per step.
@@ -14,7 +16,6 @@ host; every local replica dequeues one element (already per-replica batched) per
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,20 +26,77 @@ import numpy as np
 from jaxpod.types import AutoShardPolicy, InputOptions
 
 
-def rebatch_sizes(global_batch_size: int, num_hosts: int, replicas_per_host: int,
-                  host_index: int) -> list[int]:
-    """Per-replica minibatch sizes, in the order host ``host_index`` cycles through them.
+def per_replica_sizes(global_batch_size: int, num_replicas: int) -> list[int]:
+    """TF's split of one global batch: ``ceil(G / N)`` rows for the first ``G mod N``
+    replicas, ``floor(G / N)`` for the rest."""
+    floor, num_ceil = divmod(global_batch_size, num_replicas)
+    return [floor + 1] * num_ceil + [floor] * (num_replicas - num_ceil)
 
-    Follows TF's ``batch_sizes_for_worker``: with ``N = num_hosts * replicas_per_host``
-    subbatches per global batch, the first ``G mod N`` have ``ceil(G / N)`` rows and
-    the rest ``floor(G / N)``; host ``i`` starts ``i * replicas_per_host`` entries in,
-    so that in every step the replicas of all hosts together consume ``G`` rows.
+
+@dataclass(frozen=True)
+class HostReplicas:
+    """Where this host's replicas sit in the global replica order.
+
+    Attributes:
+      first: this host's first replica; its replicas are ``first .. first + count - 1``.
+      count: replicas on this host.
+      num_replicas: replicas on all hosts.
+      fewest: the fewest replicas any host has (hosts may differ when a device
+        assignment uses only some devices).
     """
-    n = num_hosts * replicas_per_host
-    floor, num_ceil = divmod(global_batch_size, n)
-    host_0 = [floor + 1] * num_ceil + [floor] * (n - num_ceil)
-    offset = host_index * replicas_per_host
-    return host_0[offset:] + host_0[:offset]
+
+    first: int
+    count: int
+    num_replicas: int
+    fewest: int
+
+    @classmethod
+    def single(cls, num_replicas: int) -> HostReplicas:
+        """One host holding every replica."""
+        return cls(0, num_replicas, num_replicas, num_replicas)
+
+    def split(self, global_batch_size: int, policy: AutoShardPolicy) -> BatchSplit:
+        """Which rows of each global batch this host's replicas take.
+
+        ``AUTO``/``DATA``: the batch is split over all replicas of all hosts and this
+        host takes its replicas' share. ``OFF``: every host reads the same rows and
+        its own replicas split the whole batch among themselves.
+        """
+        if policy is AutoShardPolicy.OFF:
+            sizes = per_replica_sizes(global_batch_size, self.count)
+            # Padded to the largest share of any host: global arrays need one shape.
+            return BatchSplit(0, tuple(sizes), -(-global_batch_size // self.fewest),
+                              global_batch_size)
+        sizes = per_replica_sizes(global_batch_size, self.num_replicas)
+        mine = tuple(sizes[self.first:self.first + self.count])
+        return BatchSplit(sum(sizes[:self.first]), mine, sizes[0], global_batch_size)
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """This host's replicas' rows of one global batch.
+
+    Attributes:
+      offset: rows of the batch before this host's first replica's.
+      sizes: rows of each local replica, in order, right after ``offset``.
+      rows_per_replica: the padded per-replica size, the same on every host.
+      global_batch_size: rows the whole batch has.
+    """
+
+    offset: int
+    sizes: tuple[int, ...]
+    rows_per_replica: int
+    global_batch_size: int
+
+    @property
+    def rows_after(self) -> int:
+        """Rows of the batch after this host's replicas' (other hosts' rows)."""
+        return self.global_batch_size - self.offset - sum(self.sizes)
+
+    @property
+    def full(self) -> bool:
+        """Every local replica takes a full (unpadded) minibatch of every full batch."""
+        return all(s == self.rows_per_replica for s in self.sizes)
 
 
 @dataclass(frozen=True)
@@ -162,6 +220,22 @@ class RowStream:
         assert self._current is not None
         return int(self._current[0].shape[0])
 
+    def has_rows(self) -> bool:
+        """Whether any row is left (reads the next element if the current one is done)."""
+        return self._current is not None or self._advance()
+
+    def skip(self, n: int) -> int:
+        """Drops up to ``n`` rows without copying them; returns how many."""
+        done = 0
+        while done < n and self.has_rows():
+            assert self._current is not None
+            k = min(n - done, self._current[0].shape[0] - self._offset)
+            self._offset += k
+            done += k
+            if self._offset == self._current[0].shape[0]:
+                self._current = None
+        return done
+
     def _advance(self) -> bool:
         for element in self._elements:
             arrays, self.spec = flatten_element(element, self._where, self.spec)
@@ -213,51 +287,61 @@ class RowStream:
 
 
 class RebatchFeed:
-    """``experimental_distribute_dataset``: rebatch this host's shard of the dataset."""
+    """``experimental_distribute_dataset``: this host's replicas' rows of each global batch.
 
-    def __init__(self, dataset: Iterable[Any], options: InputOptions, num_hosts: int,
-                 host_index: int, replicas_per_host: int) -> None:
-        elements: Iterator[Any] = iter(dataset)
-        if num_hosts > 1 and options.auto_shard_policy is not AutoShardPolicy.OFF:
-            elements = itertools.islice(elements, host_index, None, num_hosts)
-        self._stream = RowStream(elements, "experimental_distribute_dataset")
+    Every host reads the whole dataset (the same rows in the same order) and keeps only
+    its replicas' share of each global batch (see :meth:`HostReplicas.split`), so all
+    hosts see the same number of steps: a step exists while the stream has a row left
+    at its start, whether or not this host's replicas get any of them.
+    """
+
+    _WHERE = "experimental_distribute_dataset"
+
+    def __init__(self, dataset: Iterable[Any], options: InputOptions,
+                 replicas: HostReplicas) -> None:
+        self._stream = RowStream(iter(dataset), self._WHERE)
         first = self._stream.peek_rows()
         global_batch = options.global_batch_size or first
         if global_batch is None:
             raise ValueError(
-                "experimental_distribute_dataset: the dataset (this host's shard of it) "
-                "is empty, so its global batch size cannot be inferred. Pass "
-                "options=jaxpod.InputOptions(global_batch_size=...) or a non-empty dataset."
+                f"{self._WHERE}: the dataset is empty, so its global batch size cannot be "
+                "inferred. Pass options=jaxpod.InputOptions(global_batch_size=...) or a "
+                "non-empty dataset."
             )
-        self._sizes = rebatch_sizes(global_batch, num_hosts, replicas_per_host, host_index)
-        self._replicas = replicas_per_host
-        self._cursor = 0
-        self._uniform = len(set(self._sizes)) == 1
+        self._split = replicas.split(global_batch, options.auto_shard_policy)
+        self._count = replicas.count
+        # Other hosts' rows after ours, dropped only when the next step starts: the
+        # previous step may still alias the current element (see next_step).
+        self._rows_to_skip = 0
         self.global_batch_size = global_batch
 
     @property
     def rows_per_replica(self) -> int:
-        return max(self._sizes)
+        return self._split.rows_per_replica
 
     @property
     def spec(self) -> ElementSpec:
         if self._stream.spec is None:
-            raise ValueError("experimental_distribute_dataset: this host's input is empty.")
+            raise ValueError(f"{self._WHERE}: the dataset is empty.")
         return self._stream.spec
 
     def next_step(self) -> Step | None:
-        if self._stream.exhausted:
+        self._stream.skip(self._rows_to_skip)
+        if not self._stream.has_rows():
             return None
-        rows = self.rows_per_replica
-        if self._uniform:  # every minibatch is full-size: try a zero-copy view of the rows
-            block = self._stream.take_aligned(self._replicas, rows)
+        split = self._split
+        self._stream.skip(split.offset)
+        self._rows_to_skip = split.rows_after
+        if split.full:  # every minibatch is full-size: try a zero-copy view of the rows
+            # The views stay valid until the stream moves on, which is after the
+            # infeed copied this step (a dataset may refill one buffer in place).
+            block = self._stream.take_aligned(self._count, split.rows_per_replica)
             if block is not None:
-                return Step(block, np.full(self._replicas, rows, np.int32))
-        step = empty_step(self.spec, rows, self._replicas)
-        for r in range(self._replicas):
-            step.counts[r] = self._stream.take_into(step.leaves, r, self._sizes[self._cursor])
-            self._cursor = (self._cursor + 1) % len(self._sizes)
-        return step if step.counts.any() else None
+                return Step(block, np.full(self._count, split.rows_per_replica, np.int32))
+        step = empty_step(self.spec, split.rows_per_replica, self._count)
+        for r, size in enumerate(split.sizes):
+            step.counts[r] = self._stream.take_into(step.leaves, r, size)
+        return step
 
 
 class FunctionFeed:

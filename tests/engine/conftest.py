@@ -1,14 +1,20 @@
-"""Fixtures for the engine's semantic tests: strategies over 1, 2 and 8 replicas.
+"""Fixtures for the engine's semantic tests: strategies over 1, 2, 8 and 16 replicas.
 
-Every strategy fixture is parametrized over two backends: ``local`` (the in-process
-``jaxpod.TPUStrategy``) and ``remote`` (a ``RemoteStrategy`` from ``jaxpod.connect()``
-on a real ``jaxpod serve --local`` child process, over loopback gRPC, whose host
-workers run the same engine). The same tests run unchanged against both.
+Every strategy fixture is parametrized over backends: ``local`` (the in-process
+``jaxpod.TPUStrategy``) and the remote ones, each a ``RemoteStrategy`` from
+``jaxpod.connect()`` on a real ``jaxpod serve --local`` child process, over loopback
+gRPC, whose host workers run the same engine: ``remote`` on one-host slices,
+``remote-2hosts`` and ``remote-4hosts`` on slices of 2 and 4 hosts (one worker process
+per host, gloo collectives). The same tests run unchanged against all of them; a test
+asking for a replica count a backend has no slice for is deselected (``sstrategy``) or
+skipped (``strategy_of``). Multi-host slices cost a process per host, so the 4-host
+backend runs the ``sstrategy`` tests only, at 16 replicas (4 per host).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -16,9 +22,35 @@ import pytest
 
 import jaxpod
 
-BACKENDS = ("local", "remote")
-#: The remote backend's slices: one host each, with 1, 4 and 8 simulated chips.
-REMOTE_SLICES = {1: "v6e-1", 2: "v6e-4", 8: "v6e-8"}
+
+@dataclass(frozen=True)
+class RemoteSlice:
+    """A slice of the embedded service, configured for one replica count."""
+
+    accelerator_type: str
+    num_replicas: int | None = None
+    computation_shape: tuple[int, ...] | None = None
+
+
+#: Each backend's slices, by replica count. Multi-host slices have 4 chips per host,
+#: so 2 replicas on 2 hosts take 4 chips (logical devices) each.
+REMOTE_SLICES: dict[str, dict[int, RemoteSlice]] = {
+    "remote": {1: RemoteSlice("v6e-1"), 2: RemoteSlice("v6e-4", num_replicas=2),
+               8: RemoteSlice("v6e-8")},
+    "remote-2hosts": {2: RemoteSlice("v4-16", computation_shape=(4, 1, 1, 1)),
+                      8: RemoteSlice("v4-16")},
+    "remote-4hosts": {16: RemoteSlice("v4-32")},
+}
+BACKENDS = ("local", *REMOTE_SLICES)
+#: Replica counts of the in-process backend (the test process has 8 CPU devices).
+LOCAL_REPLICAS = (1, 2, 8)
+#: The ``sstrategy`` sizes, over all backends.
+SSTRATEGY_REPLICAS = (1, 2, 8, 16)
+
+
+def replica_counts(backend: str) -> tuple[int, ...]:
+    """The replica counts ``backend`` has strategies for."""
+    return LOCAL_REPLICAS if backend == "local" else tuple(REMOTE_SLICES[backend])
 
 
 def make_strategy(num_replicas: int, steps_per_run: int = 1) -> jaxpod.TPUStrategy:
@@ -28,33 +60,45 @@ def make_strategy(num_replicas: int, steps_per_run: int = 1) -> jaxpod.TPUStrate
 
 
 class _Remote:
-    """The remote backend: one embedded service and one slice per replica count,
-    shared by the whole session (strategies with other ``steps_per_run`` share it)."""
+    """The remote backends: one embedded service holding every backend's slices, and
+    one strategy per slice, shared by the whole session (strategies with other
+    ``steps_per_run`` share their slice)."""
 
     def __init__(self) -> None:
         self._service: Any = None
         self._client: Any = None
-        #: The strategies that own each slice, by replica count (``steps_per_run`` 1).
-        self._bases: dict[int, Any] = {}
+        #: The strategies that own each slice (``steps_per_run`` 1).
+        self._bases: dict[RemoteSlice, Any] = {}
         #: Copies of those with other ``steps_per_run``, sharing their slices.
-        self._copies: dict[tuple[int, int], Any] = {}
+        self._copies: dict[tuple[RemoteSlice, int], Any] = {}
 
-    def strategy(self, num_replicas: int, steps_per_run: int = 1) -> Any:
-        base = self._bases.get(num_replicas)
+    def strategy(self, backend: str, num_replicas: int, steps_per_run: int = 1) -> Any:
+        """``backend``'s strategy of ``num_replicas`` (skips the test if it has none)."""
+        spec = REMOTE_SLICES[backend].get(num_replicas)
+        if spec is None:
+            pytest.skip(f"{backend} has no slice of {num_replicas} replicas "
+                        f"(it has {sorted(REMOTE_SLICES[backend])}).")
+        base = self._bases.get(spec)
         if base is None:
-            if self._client is None:
-                from jaxpod.client import embedded
-
-                self._service = embedded.start(",".join(REMOTE_SLICES.values()))
-                self._client = jaxpod.connect(self._service.address, token=self._service.token)
-            base = self._bases[num_replicas] = self._client.strategy(
-                REMOTE_SLICES[num_replicas], num_replicas=num_replicas)
+            base = self._bases[spec] = self._connect().strategy(
+                spec.accelerator_type, num_replicas=spec.num_replicas,
+                computation_shape=spec.computation_shape)
         if steps_per_run == 1:
             return base
-        key = (num_replicas, steps_per_run)
+        key = (spec, steps_per_run)
         if key not in self._copies:
             self._copies[key] = base.with_steps_per_run(steps_per_run)
         return self._copies[key]
+
+    def _connect(self) -> Any:
+        if self._client is None:
+            from jaxpod.client import embedded
+
+            slices = [s.accelerator_type for by_count in REMOTE_SLICES.values()
+                      for s in by_count.values()]
+            self._service = embedded.start(",".join(slices))
+            self._client = jaxpod.connect(self._service.address, token=self._service.token)
+        return self._client
 
     def close(self) -> None:
         # Closing the session releases every slice and marks the strategies closed.
@@ -79,16 +123,38 @@ def shared_strategy(num_replicas: int, steps_per_run: int = 1) -> jaxpod.TPUStra
     return _SHARED[key]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "one_logical_device: needs one device per replica; deselected on "
+        "backends whose slice of that size gives replicas several logical devices")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Runs ``in_process`` tests on the local backend only: what they observe (Python
-    side effects of a step function) happens in the worker for a remote strategy."""
-    remote_only_local = [
-        item for item in items
-        if item.get_closest_marker("in_process") is not None
-        and getattr(getattr(item, "callspec", None), "params", {}).get("backend") == "remote"]
-    if remote_only_local:
-        config.hook.pytest_deselected(items=remote_only_local)
-        items[:] = [item for item in items if item not in remote_only_local]
+    """Deselects what a backend cannot run: ``in_process`` tests on remote backends
+    (what they observe, Python side effects of a step function, happens in the
+    worker), ``sstrategy`` sizes a backend has no strategy for, and
+    ``one_logical_device`` tests where that size's replicas span several devices."""
+    deselected = [item for item in items if not _runs_on_its_backend(item)]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item not in deselected]
+
+
+def _runs_on_its_backend(item: pytest.Item) -> bool:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    backend = params.get("backend")
+    if backend is None:
+        return True
+    if backend != "local" and item.get_closest_marker("in_process") is not None:
+        return False
+    n = params.get("sstrategy")
+    if n is None:
+        return True
+    if n not in replica_counts(backend):
+        return False
+    spec = REMOTE_SLICES.get(backend, {}).get(n)
+    multi_device = spec is not None and spec.computation_shape is not None
+    return not (multi_device and item.get_closest_marker("one_logical_device") is not None)
 
 
 @pytest.fixture(scope="session")
@@ -102,7 +168,7 @@ def remote_backend() -> Iterator[_Remote]:
 
 @pytest.fixture(scope="session", params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
-    """``local`` or ``remote``: every strategy fixture of a test uses the same one."""
+    """One of ``BACKENDS``: every strategy fixture of a test uses the same one."""
     return str(request.param)
 
 
@@ -110,18 +176,20 @@ def _of(backend: str, request: pytest.FixtureRequest) -> Callable[..., Any]:
     if backend == "local":
         return shared_strategy
     remote: _Remote = request.getfixturevalue("remote_backend")
-    return remote.strategy
+    return lambda n, steps_per_run=1: remote.strategy(backend, n, steps_per_run)
 
 
-@pytest.fixture(scope="session", params=[1, 2, 8], ids=lambda n: f"{n}replicas")
+@pytest.fixture(scope="session", params=SSTRATEGY_REPLICAS, ids=lambda n: f"{n}replicas")
 def sstrategy(request: pytest.FixtureRequest, backend: str) -> Any:
-    """A strategy over 1, 2 and 8 replicas, shared for the whole session."""
+    """A strategy over 1, 2, 8 or 16 replicas (those its backend has), shared for the
+    whole session."""
     return _of(backend, request)(request.param)
 
 
 @pytest.fixture(scope="session")
 def strategy_of(request: pytest.FixtureRequest, backend: str) -> Callable[..., Any]:
-    """``strategy_of(n, steps_per_run=1)``: the session's shared strategy of that size."""
+    """``strategy_of(n, steps_per_run=1)``: the session's shared strategy of that size
+    (the test is skipped on a backend without one)."""
     return _of(backend, request)
 
 

@@ -27,7 +27,7 @@ from engine_np_reference import (
 )
 
 import jaxpod
-from jaxpod.worker.input import rebatch_sizes
+from jaxpod.worker.input import HostReplicas, RebatchFeed, per_replica_sizes
 
 Tree = Any
 
@@ -63,38 +63,86 @@ def check_distributed_steps(strategy: jaxpod.TPUStrategy, dist: Any,
         leaves_equal(padded, stacked)
 
 
-# ----------------------------------------------------------------- rebatch sizes
-def test_rebatch_sizes_tf_documented_example() -> None:
-    """TF's batch_sizes_for_worker: G=7, 2 workers, 2 replicas per worker."""
-    assert rebatch_sizes(7, 2, 2, 0) == [2, 2, 2, 1]
-    assert rebatch_sizes(7, 2, 2, 1) == [2, 1, 2, 2]
-
-
-@pytest.mark.parametrize("hosts", [1, 2, 3, 4])
-@pytest.mark.parametrize("per_host", [1, 2, 3, 8])
-def test_rebatch_sizes_tf_constraints(hosts: int, per_host: int) -> None:
-    """TF's constraints (A)-(D): W*R sizes per worker summing to G; each global step
-    (R entries from every worker, each at its own cursor) consumes G; sizes differ by
-    at most one; host 0 matches the even split with the extra rows first."""
-    n = hosts * per_host
-    for g in range(1, 3 * n + 2):
-        lists = [rebatch_sizes(g, hosts, per_host, h) for h in range(hosts)]
-        assert lists[0] == tf_per_replica_sizes(g, n)
-        for sizes in lists:
-            assert len(sizes) == n  # (A)
-            assert sum(sizes) == g  # (B)
-            assert max(sizes) - min(sizes) <= 1  # (D)
-        for step in range(n):  # (C)
-            consumed = sum(sizes[(step * per_host + k) % n]
-                           for sizes in lists for k in range(per_host))
-            assert consumed == g
-
-
-@pytest.mark.parametrize(("g", "r"), [(10, 8), (4, 8), (7, 2), (5, 5), (16, 8)])
-def test_per_replica_sizes_of_one_host(g: int, r: int) -> None:
+# --------------------------------------------- splitting global batches over hosts
+@pytest.mark.parametrize(("g", "r"), [(10, 8), (4, 8), (7, 2), (5, 5), (16, 8), (3, 8)])
+def test_per_replica_sizes_of_one_global_batch(g: int, r: int) -> None:
     want = [-(-g // r)] * (g % r) + [g // r] * (r - g % r)
-    assert rebatch_sizes(g, 1, r, 0) == want
-    assert tf_per_replica_sizes(g, r) == want
+    assert per_replica_sizes(g, r) == want == tf_per_replica_sizes(g, r)
+
+
+def _layouts(per_host: list[int]) -> list[HostReplicas]:
+    """Each host's place in the replica order, for hosts holding ``per_host`` replicas."""
+    firsts = np.cumsum([0, *per_host])
+    n = sum(per_host)
+    return [HostReplicas(int(firsts[h]), c, n, min(per_host)) for h, c in enumerate(per_host)]
+
+
+@pytest.mark.parametrize("per_host", [[1], [3], [2, 2], [4, 4], [3, 3, 3], [4, 4, 4, 4],
+                                      [4, 2], [1, 3]])
+def test_hosts_split_each_global_batch_in_replica_order(per_host: list[int]) -> None:
+    """AUTO/DATA: the hosts' shares, in host order, are the one-host split over all
+    replicas: contiguous, covering the batch, padded to one size on every host."""
+    n = sum(per_host)
+    for g in range(1, 3 * n + 2):
+        splits = [h.split(g, jaxpod.AutoShardPolicy.AUTO) for h in _layouts(per_host)]
+        assert [s for split in splits for s in split.sizes] == tf_per_replica_sizes(g, n)
+        for before, split in zip([0, *itertools.accumulate(sum(s.sizes) for s in splits)],
+                                 splits, strict=False):
+            assert split.offset == before
+            assert split.offset + sum(split.sizes) + split.rows_after == g
+            assert split.rows_per_replica == -(-g // n)
+        assert splits == [h.split(g, jaxpod.AutoShardPolicy.DATA) for h in _layouts(per_host)]
+
+
+@pytest.mark.parametrize("per_host", [[2, 2], [4, 2], [3, 3, 3]])
+def test_off_policy_splits_the_whole_batch_on_every_host(per_host: list[int]) -> None:
+    """OFF: each host's replicas split the whole batch among themselves; the padding
+    fits the host with the fewest replicas, so every host's arrays have one shape."""
+    for g in range(1, 20):
+        for h in _layouts(per_host):
+            split = h.split(g, jaxpod.AutoShardPolicy.OFF)
+            assert list(split.sizes) == tf_per_replica_sizes(g, h.count)
+            assert (split.offset, split.rows_after) == (0, 0)
+            assert split.rows_per_replica == -(-g // min(per_host))
+
+
+def _feed_steps(feed: Any) -> list[tuple[list[np.ndarray], np.ndarray]]:
+    """Every step of a host feed, copied (a step may alias the dataset's buffers)."""
+    steps = []
+    while (step := feed.next_step()) is not None:
+        steps.append(([np.array(leaf) for leaf in step.leaves], step.counts.copy()))
+    return steps
+
+
+@pytest.mark.parametrize("per_host", [[2, 2], [4, 4], [4, 4, 4, 4], [4, 2], [1, 3]])
+@pytest.mark.parametrize(("batch_sizes", "option"), [
+    ([8, 8, 8], None), ([5, 3, 7], None), ([10, 10, 3], None), ([6, 6, 1], 5), ([3], None),
+    ([3], 7), ([16, 16], 16), ([1, 1, 1], None)])
+def test_host_feeds_together_equal_one_host(per_host: list[int], batch_sizes: list[int],
+                                            option: int | None) -> None:
+    """Each host's feed, put side by side in host order, gives exactly the steps (rows,
+    padding, counts) a single host feeding every replica gives; also for a dataset that
+    refills one buffer."""
+    n = sum(per_host)
+    total = sum(batch_sizes)
+    data = np.arange(total * 2, dtype=np.float32).reshape(total, 2)
+    bounds = np.cumsum([0, *batch_sizes])
+    elements = [data[a:b] for a, b in itertools.pairwise(bounds)]
+    options = jaxpod.InputOptions(global_batch_size=option)
+    want = _feed_steps(RebatchFeed(elements, options, HostReplicas.single(n)))
+    assert len(want) == -(-total // (option or batch_sizes[0]))
+    datasets: list[Any] = [elements]
+    if len(set(batch_sizes)) == 1:
+        datasets.append(ReusedBufferDataset(data, batch_sizes[0]))
+    for dataset in datasets:
+        per_host_steps = [_feed_steps(RebatchFeed(dataset, options, h))
+                          for h in _layouts(per_host)]
+        assert all(len(steps) == len(want) for steps in per_host_steps)
+        for s, (leaves, counts) in enumerate(want):
+            joined = [np.concatenate([host[s][0][0] for host in per_host_steps])]
+            np.testing.assert_array_equal(joined[0], leaves[0], err_msg=f"step {s}")
+            np.testing.assert_array_equal(
+                np.concatenate([host[s][1] for host in per_host_steps]), counts)
 
 
 # ------------------------------------------------------ experimental_distribute_dataset
@@ -236,6 +284,17 @@ def test_row_mask_and_count_inside_the_step(sstrategy: jaxpod.TPUStrategy) -> No
 
 
 # ------------------------------------------------ distribute_datasets_from_function
+def this_hosts_elements(ctx: jaxpod.InputContext, elements: list[Any]) -> list[Any]:
+    """What a ``dataset_fn`` returns on the host ``ctx`` names so that replica ``r`` of
+    step ``s`` dequeues element ``s * R + r`` whatever the number of hosts (each host
+    holds an equal, contiguous range of the replicas): a dataset_fn shards its input
+    by ``ctx`` on several hosts, as in TF; on one host this is every element."""
+    r = ctx.num_replicas_in_sync
+    per_host = r // ctx.num_input_pipelines
+    first = ctx.input_pipeline_id * per_host
+    return [e for i, e in enumerate(elements) if first <= i % r < first + per_host]
+
+
 def _per_replica_elements(sizes: list[int], seed: int) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
     return [{"x": rng.normal(size=(n, 3)).astype(np.float32),
@@ -281,8 +340,7 @@ def test_datasets_from_function_with_a_generator_and_run(
 
     def dataset_fn(ctx: jaxpod.InputContext) -> Iterator[np.ndarray]:
         b = ctx.get_per_replica_batch_size(global_batch)
-        for i in range(0, len(data), b):
-            yield data[i:i + b]
+        yield from this_hosts_elements(ctx, [data[i:i + b] for i in range(0, len(data), b)])
 
     per_replica = [data[i:i + 4] for i in range(0, len(data), 4)]
     expected = from_function_steps(per_replica, r, empty_like=data)
@@ -310,7 +368,8 @@ def test_datasets_from_function_equal_short_rows_reduce_elementwise(
     strategy = strategy_of(2)
     first = [np.arange(8, dtype=np.float32).reshape(4, 2) + 10 * i for i in range(2)]
     short = [np.arange(4, dtype=np.float32).reshape(2, 2) + 100 * i for i in range(2)]
-    dist = strategy.distribute_datasets_from_function(lambda _: first + short)
+    dist = strategy.distribute_datasets_from_function(
+        lambda ctx: this_hosts_elements(ctx, first + short))
     batches = list(dist)
     assert len(batches) == 2
     last = batches[1]

@@ -2,11 +2,13 @@
 
 Checks that the engine built from the global device list gives cross-process
 ``reduce`` and ``gather`` results equal to numpy on the whole dataset, with each host
-feeding only its own shard of the input (TF's DATA sharding + rebatching).
+feeding only its own replicas' rows of each global batch (TF's rebatching over all
+replicas of all hosts).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -18,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxpod.worker.input import rebatch_sizes
+from jaxpod.worker.input import per_replica_sizes
 
 PROGRAM = Path(__file__).with_name("two_host_program.py")
 DEADLINE_S = 180
@@ -31,22 +33,17 @@ def _free_port() -> int:
 
 
 def _expected_steps() -> list[np.ndarray]:
-    """Rows per global replica per step, by TF's rules, computed independently."""
+    """Rows per global replica per step, by TF's rules, computed independently: each
+    step splits one global batch of the whole stream over all 4 replicas of both hosts,
+    the first replicas taking the extra rows."""
     data = np.arange(16 * 2, dtype=np.float32).reshape(16, 2)
-    batches = [data[0:6], data[6:12], data[12:16]]
-    hosts, per_host, global_batch = 2, 2, 6
-    streams = [np.concatenate(batches[h::hosts]) for h in range(hosts)]
-    sizes = [rebatch_sizes(global_batch, hosts, per_host, h) for h in range(hosts)]
-    offsets, cursor, steps = [0, 0], [0, 0], []
-    while any(offsets[h] < len(streams[h]) for h in range(hosts)):
-        replicas = []
-        for h in range(hosts):
-            for _ in range(per_host):
-                n = sizes[h][cursor[h] % len(sizes[h])]
-                cursor[h] += 1
-                replicas.append(streams[h][offsets[h]:offsets[h] + n])
-                offsets[h] += len(replicas[-1])
-        steps.append(replicas)
+    replicas, global_batch = 4, 6
+    sizes = [2, 2, 1, 1]  # 6 rows over 4 replicas
+    assert sizes == per_replica_sizes(global_batch, replicas)
+    steps = []
+    for start in range(0, len(data), global_batch):
+        bounds = np.minimum(start + np.cumsum([0, *sizes]), len(data))
+        steps.append([data[a:b] for a, b in itertools.pairwise(bounds)])
     return steps
 
 

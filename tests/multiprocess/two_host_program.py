@@ -30,7 +30,8 @@ def main(coordinator: str, process_id: int, out_path: str) -> None:
         rid = ctx.replica_id_in_sync_group
         return {"x": x * scale + rid, "total": ctx.all_reduce("SUM", jax.numpy.sum(x))}
 
-    # The global dataset: 3 batches of 6 rows (the last one of 4) -> hosts shard by batch.
+    # The global dataset: 3 batches of 6 rows (the last one of 4), each split over
+    # the 4 replicas of both hosts.
     data = np.arange(16 * 2, dtype=np.float32).reshape(16, 2)
     batches = [data[0:6], data[6:12], data[12:16]]
     results: dict = {"process_index": jax.process_index(),
