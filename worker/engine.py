@@ -740,6 +740,9 @@ class LocalIterator(DistributedIterator):
                               steps_per_run or engine.steps_per_run)
         weakref.finalize(self, self._infeed.close)
         self._leftover: Chunk | None = None
+        #: Why this iterator cannot go on (its dataset raised here or on another host):
+        #: every later ``next`` raises it again, on every host, without a collective.
+        self._failure: BaseException | None = None
 
     def __iter__(self) -> LocalIterator:
         return self
@@ -763,13 +766,26 @@ class LocalIterator(DistributedIterator):
           EndOfDataError: no host has input left.
         """
         eng, infeed = self._engine, self._infeed
-        chunk = self._local_chunk(infeed, k)
+        if self._failure is not None:
+            raise self._failure
+        try:
+            chunk = self._local_chunk(infeed, k)
+        except Exception as e:
+            self._failure = e
+            if eng.num_hosts > 1:  # the others must not wait for this host's counts
+                eng.allgather_host(np.full((eng.num_local_replicas, k), -1, np.int32))
+            raise
         if chunk is None and eng.num_hosts == 1:
             raise EndOfDataError("The distributed dataset has no more input.")
         # A host whose input ended still takes part: it may be the only one.
         local = (chunk.counts if chunk is not None
                  else np.zeros((eng.num_local_replicas, k), np.int32))
         counts = eng.allgather_host(local)
+        if (counts < 0).any():
+            self._failure = PeerHostError(
+                "The distributed dataset raised on another host of the slice (see that "
+                "host's error); this iterator cannot go on. Create a new one.")
+            raise self._failure
         n = int(np.count_nonzero(counts.any(axis=0)))
         if n == 0:  # before empty_chunk: an empty dataset has no element spec
             raise EndOfDataError("The distributed dataset has no more input.")

@@ -21,6 +21,7 @@ from jaxpod.service.allocator import SliceAllocator
 from jaxpod.service.group_engine import GroupEngine
 from jaxpod.service.local_cluster import LocalTPUCluster
 from jaxpod.service.workers import start_replica_group
+from jaxpod.shipping import ship_object
 
 CLUSTER_SLICES = "v4-16"
 HOSTS, REPLICAS = 2, 8
@@ -141,8 +142,6 @@ def test_a_dataset_function_that_fails_on_one_host_leaves_no_dataset(
 
 def test_a_dataset_that_loads_on_one_host_only_is_distributed_nowhere(
         group: GroupEngine) -> None:
-    from jaxpod.shipping import ship_object
-
     batches = [np.ones((8, 2), np.float32)]
     shipped = ship_object(FailsToLoadOnHostOne(batches), "the dataset", "")
     with pytest.raises(HostOneError, match="unpickling failed on purpose") as info:
@@ -160,7 +159,8 @@ class IterFailsOnHostOne:
 
 def test_an_iterator_that_fails_to_start_on_one_host_exists_nowhere(
         group: GroupEngine) -> None:
-    dataset = group.experimental_distribute_dataset(IterFailsOnHostOne())
+    dataset = group.experimental_distribute_dataset(
+        ship_object(IterFailsOnHostOne(), "the dataset", ""))
     with pytest.raises(HostOneError, match=r"iter\(dataset\) failed on purpose") as info:
         iter(dataset)
     _failed_on_host_one(info)
@@ -217,3 +217,33 @@ def test_a_step_traced_differently_on_one_host_fails_and_the_slice_goes_on(
         group.run(step, args=(value,))
     _normal_round(group)
     _hosts_agree(group)
+
+
+class RaisesMidStreamOnHostOne:
+    """Two global batches of 8 rows; host 1's copy raises before the second."""
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        yield np.arange(8, dtype=np.float32)
+        _fail_on_host_one("the dataset's second batch")
+        yield np.arange(8, dtype=np.float32) + 8
+
+
+@pytest.mark.parametrize("consumer", ["next", "run_steps"])
+def test_a_dataset_that_raises_mid_stream_on_one_host_stops_its_iterator_everywhere(
+        group: GroupEngine, consumer: str) -> None:
+    shipped = ship_object(RaisesMidStreamOnHostOne(), "the dataset", "")
+    it = iter(group.experimental_distribute_dataset(shipped))  # as the coordinator does
+    np.testing.assert_allclose(group.reduce("SUM", next(it), axis=0), np.arange(8).sum())
+
+    def consume() -> Any:
+        if consumer == "next":
+            return next(it)
+        return group.run_steps(lambda x: x * 2, it, steps=1)
+
+    with pytest.raises(HostOneError, match="second batch failed on purpose") as info:
+        consume()
+    _failed_on_host_one(info)
+    with pytest.raises(HostOneError, match="second batch failed on purpose"):
+        consume()  # it stays failed, on every host alike, and nothing waits
+    _hosts_agree(group)
+    _normal_round(group)
