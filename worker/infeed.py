@@ -89,6 +89,7 @@ class Infeed:
                                         daemon=True)
         self._thread.start()
         _live.add(self)
+        _close_all_first_at_exit()
 
     @property
     def spec(self) -> input_lib.ElementSpec:
@@ -223,7 +224,14 @@ def _prefetch_depth(explicit: int | None) -> int:
 _live: weakref.WeakSet[Infeed] = weakref.WeakSet()
 
 
-@atexit.register
+def _close_all_first_at_exit() -> None:
+    """Makes :func:`_close_all` the exit handler registered last, so it runs first:
+    before JAX's own (registered when its backends start), which tear down what a
+    producer thread may still be using."""
+    atexit.unregister(_close_all)
+    atexit.register(_close_all)
+
+
 def _close_all() -> None:
     for infeed in list(_live):
         infeed.close(CLOSE_TIMEOUT.seconds())
