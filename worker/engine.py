@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -71,6 +72,8 @@ class _Program:
 
     call: Callable[..., Any]
     row_outputs: Any
+    #: Input signatures every host has compiled this program for (several hosts only).
+    agreed: set[Hashable] = dataclasses.field(default_factory=set)
 
 
 class Engine:
@@ -124,8 +127,8 @@ class Engine:
         inputs = self._split_inputs("run", args, kwargs)
         key = ("run", fn, inputs.treedef, inputs.kinds, inputs.batch_rows)
         program = self._cached(key, lambda: self._compile_run(fn, inputs))
-        outputs = program.call(inputs.distributed, inputs.mirrored,
-                               self._counts(inputs.valid_rows, inputs.batch_rows))
+        outputs = self._dispatch(program, inputs.distributed, inputs.mirrored,
+                                 self._counts(inputs.valid_rows, inputs.batch_rows))
         return self._wrap_outputs(outputs, inputs.batch_rows, inputs.valid_rows,
                                   program.row_outputs)
 
@@ -174,6 +177,37 @@ class Engine:
         flags = jax.tree.map(lambda s: len(s.shape) >= 2 and s.shape[1] == rows + 1,
                              outputs_of(grown))
         return _Program(call, flags)
+
+    def _dispatch(self, program: _Program, *args: Any) -> Any:
+        """Calls ``program``. On several hosts, the first call for an input signature
+        first traces and compiles it here and has every host say whether it could: a
+        step that fails to trace on some hosts only (one branching on
+        ``jax.process_index()``) then fails on all of them, before any host enters a
+        collective the others would never reach."""
+        if self.num_hosts > 1:
+            signature = tuple((np.shape(a), str(getattr(a, "dtype", type(a))),
+                               getattr(a, "weak_type", None)) for a in jax.tree.leaves(args))
+            if signature not in program.agreed:
+                self._agree(lambda: program.call.lower(*args).compile())  # type: ignore[attr-defined]
+                program.agreed.add(signature)
+        return program.call(*args)
+
+    def _agree(self, compile_here: Callable[[], Any]) -> None:
+        """Runs ``compile_here``; returns once every host's succeeded. Raises this
+        host's error, or ``PeerHostError`` where only another host's failed."""
+        error: BaseException | None = None
+        try:
+            compile_here()
+        except Exception as e:
+            error = e
+        ok = self.allgather_host(np.array([error is None], np.int32))
+        if error is not None:
+            raise error
+        if not ok.all():
+            failed = [h for h, flag in enumerate(ok) if not flag]
+            raise PeerHostError(
+                f"The step function failed to trace or compile on host(s) {failed} (see "
+                "their error) and ran on none: every host must trace it alike.")
 
     def _map(self, body: Callable[..., Any], in_specs: tuple[Any, ...]) -> Callable[..., Any]:
         return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
@@ -304,7 +338,7 @@ class Engine:
                batch.rows)
         program = self._cached(key, lambda: self._compile_steps(
             fn, has_state, state.treedef, batch, state_leaves))
-        new_state, outputs = program.call(state_leaves, batch.arrays, batch.counts)
+        new_state, outputs = self._dispatch(program, state_leaves, batch.arrays, batch.counts)
         last_valid = batch.valid_rows[:, -1] if batch.valid_rows is not None else None
         outputs = self._wrap_outputs(outputs, batch.rows, last_valid, program.row_outputs)
         if not has_state:
