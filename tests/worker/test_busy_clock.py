@@ -115,6 +115,11 @@ def _device_step(x: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, 40, lambda _, y: jnp.tanh(y @ y), x)
 
 
+def _step_body(x: jax.Array) -> jax.Array:
+    """``_device_step``'s work, as a step function the worker compiles itself."""
+    return jax.lax.fori_loop(0, 40, lambda _, y: jnp.tanh(y @ y), x)
+
+
 def test_device_bound_pipeline_holds_bounded_state() -> None:
     # As run_steps does: each operation dispatches a computation on the previous one's
     # output (so they queue on the device), watches its output and adds its interval.
@@ -147,3 +152,42 @@ def test_device_bound_pipeline_holds_bounded_state() -> None:
     # The intervals [start, checked] are disjoint, so their sum cannot exceed the union;
     # counting any time twice would exceed the wall time.
     assert known_busy <= clock.seconds() <= run_end - run_start
+
+
+def test_a_worker_running_50000_device_bound_operations_holds_bounded_busy_state() -> None:
+    """The same through a real HostOperations: 50,000 Run operations, each a step on the
+    previous one's output (freed with the next operation, as a client drops it)."""
+    from jaxpod import operations as ops
+    from jaxpod.shipping import ship
+    from jaxpod.worker.engine import Engine
+    from jaxpod.worker.host_operations import HostOperations
+
+    run_start = time.perf_counter()
+    host = HostOperations(0, Engine())
+    seq = 0
+
+    def execute(op: ops.Operation[object], dropped: ops.Dropped | None = None) -> object:
+        nonlocal seq
+        result = host.execute(ops.Envelope(seq, op, dropped, first_id=seq + 1))
+        seq += 1
+        assert not isinstance(result, ops.RemoteError), result
+        return result
+
+    step = execute(ops.Define(ship(_step_body)))
+    start_ids = execute(ops.ValuesFromFunction(execute(ops.Define(ship(
+        lambda ctx: np.eye(16, dtype=np.float32) * 0.5)))))
+    older, previous = 0, start_ids.id
+    most = Held(0, 0)
+    for _ in range(50_000):  # frees the output before the one it runs on
+        info = execute(ops.Run(step, (ops.Handle(previous),), None),
+                       ops.Dropped(values=(older,)))
+        older, previous = previous, info.id
+        held = host._busy.held()
+        most = Held(max(most.segments, held.segments), max(most.open_watches,
+                                                           held.open_watches))
+    stats = execute(ops.Stats())
+    assert wait_for(lambda: host._busy.held().open_watches == 0, 60)
+    run_end = time.perf_counter()
+    assert most.segments <= MAX_SEGMENTS and most.open_watches <= MAX_OPEN_WATCHES
+    assert stats.num_values == 2 and stats.operations == 50_000 + 3
+    assert 0 < host._busy.seconds() <= run_end - run_start
