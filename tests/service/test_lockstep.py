@@ -197,8 +197,9 @@ def test_a_host_stuck_past_the_time_out_gets_the_slice_reset(
     _hosts_agree(group)
 
 
+@pytest.mark.parametrize("method", ["run", "run_steps"])
 def test_a_step_traced_differently_on_one_host_fails_and_the_slice_goes_on(
-        group: GroupEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+        group: GroupEngine, monkeypatch: pytest.MonkeyPatch, method: str) -> None:
     value = group.experimental_distribute_values_from_function(
         lambda ctx: np.full((2,), ctx.replica_id_in_sync_group, np.float32))
 
@@ -208,6 +209,13 @@ def test_a_step_traced_differently_on_one_host_fails_and_the_slice_goes_on(
         assert ctx is not None
         return ctx.all_reduce("SUM", x)
 
+    def call() -> Any:
+        if method == "run":
+            return group.run(step, args=(value,))
+        rows = [np.arange(8, dtype=np.float32)] * 2
+        it = iter(group.experimental_distribute_dataset(ship_object(rows, "rows", "")))
+        return group.run_steps(step, it, steps=2)
+
     resets = group.group.resets
     # The hosts agree that they have the program before any dispatches it: an ordinary
     # failure, the user's own, with the slice and its values kept (the time-out and a
@@ -215,7 +223,7 @@ def test_a_step_traced_differently_on_one_host_fails_and_the_slice_goes_on(
     with monkeypatch.context() as env, pytest.raises(
             HostOneError, match="tracing the step failed on purpose") as info:
         env.setenv("JAXPOD_OPERATION_TIMEOUT_S", STUCK_TIMEOUT_S)
-        group.run(step, args=(value,))
+        call()
     _failed_on_host_one(info)
     assert group.group.resets == resets
     np.testing.assert_allclose(group.gather(value, axis=0), np.repeat(np.arange(8), 2))
