@@ -98,3 +98,20 @@ class UnknownHandleError(HandleError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "unknown handle"
+
+
+class JobNotFoundError(JaxpodError, KeyError):
+    """A job id that the service's job store has never recorded.
+
+    Built from the id (and where it was looked up), so it pickles by its arguments like
+    every other jaxpod error.
+    """
+
+    def __init__(self, job_id: str, where: str = "") -> None:
+        super().__init__(job_id, where)
+        self.job_id = job_id
+
+    def __str__(self) -> str:
+        where = f" in {self.args[1]}" if len(self.args) > 1 and self.args[1] else ""
+        return (f"No job with id {self.args[0]!r}{where}. List the known jobs with "
+                "`jaxpod jobs` or `client.jobs()` and pass one of their ids.")

@@ -1,0 +1,144 @@
+"""The job state machine of DESIGN §3, with every allowed transition in one place.
+
+Modelled on Ray Train v2's ``controller/state.py``: an enum names the states, and one
+small frozen dataclass per state carries the data that only makes sense in that state
+(a queue position while ``PENDING``, the attempt number while ``ALLOCATING``, ...). The
+job manager holds one of these objects per job; the store persists its name (and the
+step, error or reason it carries) and refuses any move that :data:`TRANSITIONS` does
+not allow, so an illegal move is an error at the point it is attempted, never a job
+record that contradicts its own history.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+from jaxpod.errors import JaxpodError
+
+
+class JobState(enum.Enum):
+    """The name of a job's state, as stored and as shown to users."""
+
+    PENDING = "PENDING"
+    ALLOCATING = "ALLOCATING"
+    RUNNING = "RUNNING"
+    RETRYING = "RETRYING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+    @classmethod
+    def parse(cls, name: str | JobState) -> JobState:
+        """``name`` as a state; a clear error (listing the states) for anything else."""
+        if isinstance(name, JobState):
+            return name
+        try:
+            return cls(str(name).upper())
+        except ValueError:
+            known = ", ".join(s.value for s in cls)
+            raise ValueError(f"Unknown job state {name!r}; expected one of {known}.") from None
+
+
+#: States a job never leaves.
+TERMINAL_STATES: frozenset[JobState] = frozenset(
+    {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+
+_S = JobState
+#: Every allowed move, and only these. RETRYING -> FAILED: the retry budget can run out
+#: (or the coordinator restart) while the job waits for a new slice.
+TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
+    _S.PENDING: frozenset({_S.ALLOCATING, _S.CANCELLED}),
+    _S.ALLOCATING: frozenset({_S.RUNNING, _S.FAILED, _S.CANCELLED}),
+    _S.RUNNING: frozenset({_S.SUCCEEDED, _S.FAILED, _S.CANCELLED, _S.RETRYING}),
+    _S.RETRYING: frozenset({_S.ALLOCATING, _S.FAILED, _S.CANCELLED}),
+    _S.SUCCEEDED: frozenset(),
+    _S.FAILED: frozenset(),
+    _S.CANCELLED: frozenset(),
+}
+
+
+class IllegalTransitionError(JaxpodError, ValueError):
+    """A job state change that the state machine does not allow (nothing was recorded)."""
+
+
+def check_transition(old: JobState, new: JobState) -> None:
+    """Raise :class:`IllegalTransitionError` unless ``old -> new`` is allowed."""
+    allowed = TRANSITIONS[old]
+    if new in allowed:
+        return
+    if old.is_terminal:
+        hint = f"{old.value} is terminal: the job is over; submit a new job to run it again."
+    else:
+        hint = "allowed from there: " + ", ".join(sorted(s.value for s in allowed)) + "."
+    raise IllegalTransitionError(
+        f"Illegal job state transition {old.value} -> {new.value}; {hint}")
+
+
+@dataclass(frozen=True)
+class Pending:
+    """Queued for a free slice of its type; ``queue_position`` 0 is next."""
+
+    queue_position: int
+    state: ClassVar[JobState] = JobState.PENDING
+
+
+@dataclass(frozen=True)
+class Allocating:
+    """Acquiring a slice for attempt number ``attempt`` (1 is the first)."""
+
+    attempt: int
+    state: ClassVar[JobState] = JobState.ALLOCATING
+
+
+@dataclass(frozen=True)
+class Running:
+    """Attempt ``attempt`` runs on its slice; ``step`` steps are done."""
+
+    attempt: int
+    step: int
+    state: ClassVar[JobState] = JobState.RUNNING
+
+
+@dataclass(frozen=True)
+class Retrying:
+    """Attempt ``attempt`` ended for ``cause`` (a lost host, a preempted slice) and a new
+    one will be allocated."""
+
+    attempt: int
+    cause: str
+    state: ClassVar[JobState] = JobState.RETRYING
+
+
+@dataclass(frozen=True)
+class Succeeded:
+    """All steps ran; the result is stored."""
+
+    state: ClassVar[JobState] = JobState.SUCCEEDED
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Over for good; ``error`` is what users see (the user's exception type, message and
+    remote traceback, or the service's reason)."""
+
+    error: str
+    state: ClassVar[JobState] = JobState.FAILED
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """Cancelled by ``reason`` (who asked, or why)."""
+
+    reason: str
+    state: ClassVar[JobState] = JobState.CANCELLED
+
+
+#: A state together with its data.
+JobStateData = Pending | Allocating | Running | Retrying | Succeeded | Failed | Cancelled

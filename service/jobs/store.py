@@ -1,0 +1,705 @@
+"""The job store: every job, its history, attempts, metrics, logs and result, in SQLite.
+
+One file, ``<state dir>/jobs.sqlite``, in WAL mode, so a coordinator restarted on the
+same state dir (or a second process reading it, such as a CLI) sees every committed
+job. Large payloads and results live next to it, under ``<state dir>/jobs/<id>/``, and
+the database names them by a path relative to the state dir (the dir can be moved).
+
+Every public write is one ``BEGIN IMMEDIATE`` transaction: it either lands whole or not
+at all, and concurrent writers from other processes queue on SQLite's lock instead of
+failing half-way. State changes go through :func:`~jaxpod.service.jobs.states.check_transition`
+inside that transaction, so an illegal one writes nothing.
+
+The schema has a version (table ``schema_version``) and a migration path
+(:data:`MIGRATIONS`, applied in order at open, all in one transaction); a database
+written by a newer jaxpod is refused rather than misread.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import math
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxpod.errors import JaxpodError, JobNotFoundError, VersionMismatchError
+from jaxpod.service.jobs.states import (
+    TERMINAL_STATES,
+    Cancelled,
+    Failed,
+    JobState,
+    JobStateData,
+    Retrying,
+    Running,
+    check_transition,
+)
+
+#: Payloads up to this size are kept in the database; larger ones in a file beside it
+#: (SQLite handles big blobs, but they bloat the file every reader pages through).
+INLINE_PAYLOAD_LIMIT = 1 << 20
+
+#: The reason recorded for jobs a restarted coordinator finds in flight.
+RESTART_REASON = "coordinator restarted"
+
+#: How long a write waits for another process's transaction before giving up.
+BUSY_TIMEOUT_S = 30.0
+
+
+class JobStoreError(JaxpodError, ValueError):
+    """A value the job store cannot record (nothing of that call was written)."""
+
+
+class SchemaVersionError(VersionMismatchError):
+    """The job database was written by a jaxpod with a newer schema than this one."""
+
+
+# --------------------------------------------------------------------------- schema
+
+_V1 = [
+    """CREATE TABLE jobs (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- creation order (timestamps can tie)
+        id TEXT NOT NULL UNIQUE,
+        name TEXT NOT NULL,
+        accelerator_type TEXT,                  -- NULL: the service's default type
+        spec TEXT NOT NULL,                     -- JSON of the plain submit arguments
+        payload BLOB,                           -- the shipped payload, when small
+        payload_path TEXT,                      -- else its file, relative to the state dir
+        created_at REAL NOT NULL,
+        state TEXT NOT NULL,
+        step INTEGER NOT NULL DEFAULT 0,
+        steps INTEGER NOT NULL,
+        error TEXT,
+        CHECK ((payload IS NULL) <> (payload_path IS NULL))
+    )""",
+    """CREATE TABLE transitions (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        job_id TEXT NOT NULL REFERENCES jobs(id),
+        from_state TEXT,                        -- NULL for the creation (-> PENDING)
+        to_state TEXT NOT NULL,
+        at REAL NOT NULL,
+        reason TEXT NOT NULL DEFAULT ''
+    )""",
+    "CREATE INDEX transitions_by_job ON transitions(job_id, seq)",
+    """CREATE TABLE attempts (
+        job_id TEXT NOT NULL REFERENCES jobs(id),
+        number INTEGER NOT NULL,
+        started_at REAL NOT NULL,
+        ended_at REAL,
+        cause TEXT,
+        step_reached INTEGER,
+        PRIMARY KEY (job_id, number)
+    )""",
+    """CREATE TABLE metrics (
+        job_id TEXT NOT NULL REFERENCES jobs(id),
+        name TEXT NOT NULL,
+        step INTEGER NOT NULL,
+        value REAL,                             -- NULL is NaN (SQLite stores NaN as NULL)
+        PRIMARY KEY (job_id, name, step)
+    )""",
+    """CREATE TABLE logs (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        job_id TEXT NOT NULL REFERENCES jobs(id),
+        host INTEGER NOT NULL,
+        line TEXT NOT NULL,
+        at REAL NOT NULL
+    )""",
+    "CREATE INDEX logs_by_job ON logs(job_id, seq)",
+    """CREATE TABLE results (
+        job_id TEXT PRIMARY KEY REFERENCES jobs(id),
+        path TEXT NOT NULL,                     -- .npz (state and outputs), relative path
+        saved_at REAL NOT NULL
+    )""",
+]
+
+_TERMINAL_SQL = ", ".join(f"'{s.value}'" for s in sorted(TERMINAL_STATES, key=lambda s: s.value))
+
+# v2: start and finish times on the job row (JobStatus shows them; listing many jobs
+# should not scan transitions), backfilled from the history, and an index for list(state).
+_V2 = [
+    "ALTER TABLE jobs ADD COLUMN started_at REAL",
+    "ALTER TABLE jobs ADD COLUMN finished_at REAL",
+    """UPDATE jobs SET
+        started_at = (SELECT MIN(at) FROM transitions t
+                      WHERE t.job_id = jobs.id AND t.to_state = 'RUNNING'),
+        finished_at = (SELECT MAX(at) FROM transitions t
+                       WHERE t.job_id = jobs.id AND t.to_state IN (""" + _TERMINAL_SQL + "))",
+    "CREATE INDEX jobs_by_state ON jobs(state, seq)",
+]
+
+
+def _statements(statements: Sequence[str]) -> Callable[[sqlite3.Connection], None]:
+    # One execute() per statement: executescript() would commit the open transaction
+    # and so break the all-or-nothing migration.
+    def apply(conn: sqlite3.Connection) -> None:
+        for statement in statements:
+            conn.execute(statement)
+    return apply
+
+
+#: MIGRATIONS[i] takes a database from schema version i to i + 1. Append only: never
+#: edit a released one (databases in the field were built by it).
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_statements(_V1), _statements(_V2)]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def schema_version(conn: sqlite3.Connection) -> int:
+    """The schema version recorded in ``conn``'s database (0: an empty database)."""
+    conn.execute("CREATE TABLE IF NOT EXISTS schema_version ("
+                 "id INTEGER PRIMARY KEY CHECK (id = 1), version INTEGER NOT NULL)")
+    row = conn.execute("SELECT version FROM schema_version WHERE id = 1").fetchone()
+    return 0 if row is None else int(row[0])
+
+
+def migrate(conn: sqlite3.Connection, target: int = SCHEMA_VERSION, where: str = "") -> int:
+    """Bring ``conn``'s database to schema ``target``; returns the version it had.
+
+    Runs inside the caller's transaction, so a failing migration leaves the database as
+    it was. A database newer than this jaxpod is refused (:class:`SchemaVersionError`).
+    """
+    found = schema_version(conn)
+    if found > SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"The job database {where or '(in memory)'} has schema version {found}, but "
+            f"this jaxpod knows versions up to {SCHEMA_VERSION}: it was written by a "
+            "newer jaxpod. Upgrade jaxpod to the version that wrote it, or start the "
+            "service with another --state-dir (or JAXPOD_STATE_DIR).")
+    for version in range(found, target):
+        MIGRATIONS[version](conn)
+    if target > found:
+        conn.execute("INSERT INTO schema_version (id, version) VALUES (1, ?) "
+                     "ON CONFLICT (id) DO UPDATE SET version = excluded.version", (target,))
+    return found
+
+
+# --------------------------------------------------------------------------- records
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One job as stored. ``spec`` is the JSON-decoded plain submit arguments."""
+
+    id: str
+    name: str
+    accelerator_type: str | None
+    spec: Mapping[str, Any]
+    state: JobState
+    step: int
+    steps: int
+    error: str | None
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    attempts: int
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One state change; ``from_state`` is None for the creation (-> PENDING)."""
+
+    from_state: JobState | None
+    to_state: JobState
+    at: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt at running a job (1 is the first); open while ``ended_at`` is None."""
+
+    number: int
+    started_at: float
+    ended_at: float | None
+    cause: str | None
+    step_reached: int | None
+
+
+@dataclass(frozen=True)
+class LogLine:
+    """A line the job's code printed; ``seq`` orders lines over hosts (and tails them)."""
+
+    seq: int
+    host: int
+    line: str
+    at: float
+
+
+@dataclass(frozen=True)
+class StoredResult:
+    """A job's final state (a nest of numpy arrays) and last reduced outputs."""
+
+    state: Any
+    outputs: Any
+    saved_at: float
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What :meth:`JobStore.recover` found: jobs to queue again (in creation order) and
+    the in-flight jobs it marked FAILED."""
+
+    requeue: tuple[JobRecord, ...]
+    failed: tuple[JobRecord, ...]
+
+
+_JOB_COLUMNS = ("id, name, accelerator_type, spec, state, step, steps, error, created_at, "
+                "started_at, finished_at, "
+                "(SELECT COUNT(*) FROM attempts a WHERE a.job_id = jobs.id)")
+
+
+def _job(row: Sequence[Any]) -> JobRecord:
+    return JobRecord(id=row[0], name=row[1], accelerator_type=row[2], spec=json.loads(row[3]),
+                     state=JobState(row[4]), step=row[5], steps=row[6], error=row[7],
+                     created_at=row[8], started_at=row[9], finished_at=row[10],
+                     attempts=row[11])
+
+
+# --------------------------------------------------------------------------- the store
+
+class JobStore:
+    """The jobs of one state dir. Thread-safe: one connection, one lock (SQLite
+    serialises writers anyway); other processes may open the same dir at the same time.
+    """
+
+    def __init__(self, state_dir: Path, clock: Callable[[], float] = time.time) -> None:
+        self.state_dir = Path(state_dir)
+        self.path = self.state_dir / "jobs.sqlite"
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._conn = _connect(self.path)
+        try:
+            with self._write() as conn:
+                migrate(conn, where=str(self.path))
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> JobStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        # IMMEDIATE takes the write lock up front: two processes that both read then
+        # write can otherwise deadlock (SQLITE_BUSY on the upgrade) half-way through.
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+                self._conn.execute("COMMIT")
+            except BaseException:
+                if self._conn.in_transaction:  # also when COMMIT itself failed
+                    self._conn.execute("ROLLBACK")
+                raise
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        # One read transaction: the queries of one call see one snapshot.
+        with self._lock:
+            self._conn.execute("BEGIN")
+            try:
+                yield self._conn
+            finally:
+                self._conn.execute("COMMIT")
+
+    # ------------------------------------------------------------------ jobs
+
+    def create_job(self, *, steps: int, payload: bytes, spec: Mapping[str, Any] | None = None,
+                   name: str | None = None, accelerator_type: str | None = None,
+                   job_id: str | None = None) -> JobRecord:
+        """Record a new ``PENDING`` job; ``name`` defaults to its id."""
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise JobStoreError(f"steps must be an int >= 1; got {steps!r}.")
+        if not isinstance(payload, bytes | bytearray | memoryview):
+            raise JobStoreError(f"payload must be bytes; got {type(payload).__name__}.")
+        spec_json = _spec_json(spec or {})
+        job_id = job_id or secrets.token_hex(6)
+        now = self._clock()
+        inline, rel_path = self._place_payload(job_id, bytes(payload))
+        try:
+            with self._write() as conn:
+                conn.execute(
+                    "INSERT INTO jobs (id, name, accelerator_type, spec, payload, payload_path,"
+                    " created_at, state, steps) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (job_id, name or job_id, accelerator_type, spec_json, inline, rel_path, now,
+                     JobState.PENDING.value, steps))
+                conn.execute("INSERT INTO transitions (job_id, from_state, to_state, at, reason)"
+                             " VALUES (?, NULL, ?, ?, 'submitted')",
+                             (job_id, JobState.PENDING.value, now))
+                return self._get(conn, job_id)
+        except BaseException:
+            if rel_path is not None:
+                (self.state_dir / rel_path).unlink(missing_ok=True)
+            raise
+
+    def _place_payload(self, job_id: str, payload: bytes) -> tuple[bytes | None, str | None]:
+        if len(payload) <= INLINE_PAYLOAD_LIMIT:
+            return payload, None
+        rel = Path("jobs") / job_id / "payload.bin"
+        _write_file_atomically(self.state_dir / rel, lambda f: f.write(payload))
+        return None, rel.as_posix()
+
+    def load_payload(self, job_id: str) -> bytes:
+        """The payload shipped with the job (from the database or its file)."""
+        with self._read() as conn:
+            row = conn.execute("SELECT payload, payload_path FROM jobs WHERE id = ?",
+                               (job_id,)).fetchone()
+        if row is None:
+            raise self._not_found(job_id)
+        return bytes(row[0]) if row[1] is None else (self.state_dir / row[1]).read_bytes()
+
+    def get(self, job_id: str) -> JobRecord:
+        with self._read() as conn:
+            return self._get(conn, job_id)
+
+    def _get(self, conn: sqlite3.Connection, job_id: str) -> JobRecord:
+        row = conn.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise self._not_found(job_id)
+        return _job(row)
+
+    def _not_found(self, job_id: str) -> JobNotFoundError:
+        return JobNotFoundError(str(job_id), f"the job store {self.path}")
+
+    def _require(self, conn: sqlite3.Connection, job_id: str) -> JobState:
+        row = conn.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise self._not_found(job_id)
+        return JobState(row[0])
+
+    # ------------------------------------------------------------------ state
+
+    def transition(self, job_id: str, new: JobStateData, reason: str | None = None) -> JobRecord:
+        """Move the job to ``new`` (validated against the state machine) and record the
+        change with its time and reason, atomically; returns the updated record.
+
+        ``reason`` defaults to what ``new`` carries (a failure's error, a cancellation's
+        or retry's cause).
+        """
+        with self._write() as conn:
+            self._transition(conn, job_id, new, reason)
+            return self._get(conn, job_id)
+
+    def _transition(self, conn: sqlite3.Connection, job_id: str, new: JobStateData,
+                    reason: str | None) -> None:
+        old = self._require(conn, job_id)
+        check_transition(old, new.state)
+        now = self._clock()
+        sets = ["state = ?"]
+        args: list[Any] = [new.state.value]
+        if isinstance(new, Running):
+            sets += ["step = ?", "started_at = COALESCE(started_at, ?)"]
+            args += [new.step, now]
+        if isinstance(new, Failed):
+            sets.append("error = ?")
+            args.append(new.error)
+        if new.state.is_terminal:
+            sets.append("finished_at = ?")
+            args.append(now)
+        conn.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE id = ?", (*args, job_id))
+        conn.execute("INSERT INTO transitions (job_id, from_state, to_state, at, reason) "
+                     "VALUES (?, ?, ?, ?, ?)",
+                     (job_id, old.value, new.state.value, now,
+                      _default_reason(new) if reason is None else reason))
+
+    def history(self, job_id: str) -> builtins.list[Transition]:
+        """Every state change of the job, oldest first (the first is the submission)."""
+        with self._read() as conn:
+            self._require(conn, job_id)
+            rows = conn.execute("SELECT from_state, to_state, at, reason FROM transitions "
+                                "WHERE job_id = ? ORDER BY seq", (job_id,)).fetchall()
+        return [Transition(None if r[0] is None else JobState(r[0]), JobState(r[1]), r[2], r[3])
+                for r in rows]
+
+    def set_step(self, job_id: str, step: int) -> None:
+        """Record progress: ``step`` steps are done."""
+        _check_step(step)
+        with self._write() as conn:
+            self._require(conn, job_id)
+            conn.execute("UPDATE jobs SET step = ? WHERE id = ?", (step, job_id))
+
+    # ------------------------------------------------------------------ attempts
+
+    def record_attempt(self, job_id: str) -> int:
+        """Start the job's next attempt; returns its number (1 for the first)."""
+        with self._write() as conn:
+            self._require(conn, job_id)
+            (number,) = conn.execute("SELECT COALESCE(MAX(number), 0) + 1 FROM attempts "
+                                     "WHERE job_id = ?", (job_id,)).fetchone()
+            conn.execute("INSERT INTO attempts (job_id, number, started_at) VALUES (?, ?, ?)",
+                         (job_id, number, self._clock()))
+            return int(number)
+
+    def end_attempt(self, job_id: str, number: int, *, cause: str, step_reached: int) -> None:
+        """End an open attempt with its ``cause`` ("succeeded", "preempted", ...)."""
+        _check_step(step_reached)
+        with self._write() as conn:
+            self._require(conn, job_id)
+            row = conn.execute("SELECT ended_at FROM attempts WHERE job_id = ? AND number = ?",
+                               (job_id, number)).fetchone()
+            if row is None or row[0] is not None:
+                what = "was never started" if row is None else "has already ended"
+                raise JobStoreError(f"Attempt {number} of job {job_id!r} {what}; end only "
+                                    "the attempt record_attempt() returned, once.")
+            conn.execute("UPDATE attempts SET ended_at = ?, cause = ?, step_reached = ? "
+                         "WHERE job_id = ? AND number = ?",
+                         (self._clock(), cause, step_reached, job_id, number))
+
+    def attempts(self, job_id: str) -> builtins.list[Attempt]:
+        with self._read() as conn:
+            self._require(conn, job_id)
+            rows = conn.execute("SELECT number, started_at, ended_at, cause, step_reached "
+                                "FROM attempts WHERE job_id = ? ORDER BY number",
+                                (job_id,)).fetchall()
+        return [Attempt(*r) for r in rows]
+
+    # ------------------------------------------------------------------ metrics, logs
+
+    def add_metrics(self, job_id: str, step: int, values: Mapping[str, Any]) -> None:
+        """Record ``values`` (name -> a real number) at ``step``, and ``step`` as the job's
+        progress, in one transaction. A step recorded again (a resumed attempt redoing it)
+        replaces the earlier values."""
+        _check_step(step)
+        with self._write() as conn:
+            self._require(conn, job_id)
+            conn.execute("UPDATE jobs SET step = ? WHERE id = ?", (step, job_id))
+            # Converted row by row inside the transaction: a bad value rolls back the
+            # rows and the step written before it.
+            for name, value in values.items():
+                conn.execute("INSERT OR REPLACE INTO metrics (job_id, name, step, value) "
+                             "VALUES (?, ?, ?, ?)", (job_id, str(name), step,
+                                                     _metric_value(name, value)))
+
+    def metrics(self, job_id: str) -> dict[str, builtins.list[tuple[int, float]]]:
+        """Every metric series of the job: name -> [(step, value)] by step."""
+        with self._read() as conn:
+            self._require(conn, job_id)
+            rows = conn.execute("SELECT name, step, value FROM metrics WHERE job_id = ? "
+                                "ORDER BY name, step", (job_id,)).fetchall()
+        series: dict[str, builtins.list[tuple[int, float]]] = {}
+        for name, step, value in rows:
+            series.setdefault(name, []).append((step, math.nan if value is None else value))
+        return series
+
+    def append_logs(self, job_id: str, host: int, lines: Iterable[str]) -> None:
+        now = self._clock()
+        with self._write() as conn:
+            self._require(conn, job_id)
+            conn.executemany("INSERT INTO logs (job_id, host, line, at) VALUES (?, ?, ?, ?)",
+                             [(job_id, int(host), str(line), now) for line in lines])
+
+    def logs(self, job_id: str, after: int = 0) -> builtins.list[LogLine]:
+        """The job's log lines in the order they were appended; ``after``: only lines with
+        a larger ``seq`` (to tail)."""
+        with self._read() as conn:
+            self._require(conn, job_id)
+            rows = conn.execute("SELECT seq, host, line, at FROM logs WHERE job_id = ? AND "
+                                "seq > ? ORDER BY seq", (job_id, after)).fetchall()
+        return [LogLine(*r) for r in rows]
+
+    # ------------------------------------------------------------------ results
+
+    def save_result(self, job_id: str, state: Any, outputs: Any) -> Path:
+        """Store the job's final state and outputs (nests of dict/list/tuple/None with
+        numpy leaves) as ``jobs/<id>/result.npz``; returns the file's path."""
+        arrays: dict[str, np.ndarray] = {}
+        structure = {"state": _flatten(state, "state", arrays),
+                     "outputs": _flatten(outputs, "outputs", arrays)}
+        arrays["__structure__"] = np.frombuffer(json.dumps(structure).encode(), np.uint8)
+        rel = Path("jobs") / job_id / "result.npz"
+        with self._write() as conn:
+            self._require(conn, job_id)
+            # Written whole under a temporary name, then renamed: a reader never opens a
+            # half-written result, and a failed write leaves no file behind.
+            _write_file_atomically(self.state_dir / rel,
+                                   lambda f: np.savez(f, allow_pickle=False, **arrays))
+            conn.execute("INSERT OR REPLACE INTO results (job_id, path, saved_at) "
+                         "VALUES (?, ?, ?)", (job_id, rel.as_posix(), self._clock()))
+        return self.state_dir / rel
+
+    def load_result(self, job_id: str) -> StoredResult | None:
+        """The stored result, or None when the job has none (yet)."""
+        with self._read() as conn:
+            self._require(conn, job_id)
+            row = conn.execute("SELECT path, saved_at FROM results WHERE job_id = ?",
+                               (job_id,)).fetchone()
+        if row is None:
+            return None
+        with np.load(self.state_dir / row[0], allow_pickle=False) as npz:
+            arrays = {key: npz[key] for key in npz.files}
+        structure = json.loads(arrays.pop("__structure__").tobytes())
+        return StoredResult(state=_unflatten(structure["state"], arrays),
+                            outputs=_unflatten(structure["outputs"], arrays), saved_at=row[1])
+
+    # ------------------------------------------------------------------ listing, recovery
+
+    def recover(self) -> Recovery:
+        """For a coordinator starting on this state dir: fail the jobs the last one left
+        in flight (no checkpoint resume yet) and return the PENDING ones to queue again."""
+        with self._write() as conn:
+            stuck = conn.execute(
+                "SELECT id, state, step, steps FROM jobs WHERE state IN (?, ?, ?) ORDER BY seq",
+                (JobState.ALLOCATING.value, JobState.RUNNING.value,
+                 JobState.RETRYING.value)).fetchall()
+            for job_id, state, step, steps in stuck:
+                error = (f"{RESTART_REASON} while the job was {state} (step {step} of "
+                         f"{steps}); submit it again to rerun it.")
+                self._transition(conn, job_id, Failed(error), RESTART_REASON)
+                conn.execute("UPDATE attempts SET ended_at = ?, cause = ?, step_reached = ? "
+                             "WHERE job_id = ? AND ended_at IS NULL",
+                             (self._clock(), RESTART_REASON, step, job_id))
+            failed = tuple(self._get(conn, r[0]) for r in stuck)
+            pending = conn.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state = ? "
+                                   "ORDER BY seq", (JobState.PENDING.value,)).fetchall()
+        return Recovery(requeue=tuple(_job(r) for r in pending), failed=failed)
+
+    def list(self, state: JobState | str | None = None, limit: int | None = None,
+             offset: int = 0) -> builtins.list[JobRecord]:
+        """Jobs in creation order, optionally only those in ``state``; ``limit`` and
+        ``offset`` page through them."""
+        if (limit is not None and limit < 0) or offset < 0:
+            raise JobStoreError(f"limit and offset must be >= 0; got {limit=}, {offset=}.")
+        where, args = "", []
+        if state is not None:
+            where, args = "WHERE state = ?", [JobState.parse(state).value]
+        with self._read() as conn:
+            rows = conn.execute(f"SELECT {_JOB_COLUMNS} FROM jobs {where} ORDER BY seq "
+                                "LIMIT ? OFFSET ?",
+                                (*args, -1 if limit is None else limit, offset)).fetchall()
+        return [_job(r) for r in rows]
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _connect(path: Path) -> sqlite3.Connection:
+    # isolation_level=None: we issue BEGIN/COMMIT ourselves (sqlite3's implicit
+    # transactions would not cover DDL in migrations nor start IMMEDIATE).
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
+                           timeout=BUSY_TIMEOUT_S)
+    try:
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise JobStoreError(f"Could not put {path} in WAL mode (SQLite answered "
+                                f"{mode!r}); the state dir must be on a local file system.")
+        # NORMAL in WAL mode: a committed write survives the process being killed (only
+        # an OS crash can lose the last ones), and writes need no fsync each.
+        conn.execute("PRAGMA synchronous = NORMAL")
+        conn.execute("PRAGMA foreign_keys = ON")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _write_file_atomically(path: Path, write: Callable[[Any], object]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _spec_json(spec: Mapping[str, Any]) -> str:
+    try:
+        return json.dumps(dict(spec), sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise JobStoreError(f"The job spec must be plain JSON values (numbers, strings, "
+                            f"lists, dicts, None); {e}. Ship anything else in the "
+                            "payload.") from None
+
+
+def _check_step(step: int) -> None:
+    if not isinstance(step, int | np.integer) or isinstance(step, bool) or step < 0:
+        raise JobStoreError(f"A step must be an int >= 0; got {step!r}.")
+
+
+def _metric_value(name: object, value: object) -> float:
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise JobStoreError(
+            f"Metric {name!r} must be a real number (a scalar); got "
+            f"{type(value).__name__} {value!r:.80}. Reduce it to one number per step."
+        ) from None
+
+
+def _default_reason(new: JobStateData) -> str:
+    if isinstance(new, Failed):
+        return new.error
+    if isinstance(new, Cancelled):
+        return new.reason
+    if isinstance(new, Retrying):
+        return new.cause
+    return ""
+
+
+# Results: a nest of dict (str keys) / list / tuple / None with numpy leaves, stored as
+# npz leaves plus a JSON description of the nest (no pickle: a result file is safe to
+# open and readable with plain numpy).
+_PY_SCALARS = (bool, int, float, complex)
+
+
+def _flatten(tree: Any, where: str, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    if tree is None:
+        return {"t": "none"}
+    if isinstance(tree, np.ndarray | np.generic) or type(tree) in _PY_SCALARS:
+        array = np.asarray(tree)
+        if array.dtype.hasobject:
+            raise JobStoreError(f"Cannot store the object array at {where} in a job result; "
+                                "results hold numeric numpy arrays only.")
+        key = f"leaf_{len(arrays)}"
+        arrays[key] = array
+        kind = ("array" if isinstance(tree, np.ndarray)
+                else "scalar" if isinstance(tree, np.generic) else "py")
+        return {"t": kind, "k": key}
+    if type(tree) is dict:
+        bad = [k for k in tree if not isinstance(k, str)]
+        if bad:
+            raise JobStoreError(f"Dict keys in a job result must be strings; {where} has "
+                                f"{bad[0]!r}.")
+        return {"t": "dict", "items": [[k, _flatten(v, f"{where}[{k!r}]", arrays)]
+                                       for k, v in tree.items()]}
+    if type(tree) in (list, tuple):
+        return {"t": type(tree).__name__,
+                "items": [_flatten(v, f"{where}[{i}]", arrays) for i, v in enumerate(tree)]}
+    raise JobStoreError(
+        f"Cannot store {type(tree).__name__} at {where} in a job result: results are nests "
+        "of dict/list/tuple/None with numpy array leaves. Convert it first (for example "
+        "flax.serialization.to_state_dict, or a dict of its fields).")
+
+
+def _unflatten(node: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> Any:
+    kind = node["t"]
+    if kind == "none":
+        return None
+    if kind == "array":
+        return arrays[node["k"]]
+    if kind == "scalar":
+        return arrays[node["k"]][()]
+    if kind == "py":
+        return arrays[node["k"]].item()
+    if kind == "dict":
+        return {k: _unflatten(v, arrays) for k, v in node["items"]}
+    items = [_unflatten(v, arrays) for v in node["items"]]
+    return items if kind == "list" else tuple(items)

@@ -1,0 +1,488 @@
+"""The job store and the job state machine: real SQLite files under tmp_path, no mocks."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import pickle
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from jaxpod.errors import JobNotFoundError
+from jaxpod.service.jobs.states import (
+    TERMINAL_STATES,
+    TRANSITIONS,
+    Allocating,
+    Cancelled,
+    Failed,
+    IllegalTransitionError,
+    JobState,
+    Pending,
+    Retrying,
+    Running,
+    Succeeded,
+    check_transition,
+)
+from jaxpod.service.jobs.store import (
+    INLINE_PAYLOAD_LIMIT,
+    MIGRATIONS,
+    RESTART_REASON,
+    SCHEMA_VERSION,
+    JobStore,
+    JobStoreError,
+    SchemaVersionError,
+    Transition,
+    migrate,
+)
+
+S = JobState
+
+
+class Clock:
+    """Deterministic time: 1000.0, 1001.0, ... one second per reading."""
+
+    def __init__(self) -> None:
+        self._ticks = itertools.count()
+
+    def __call__(self) -> float:
+        return 1000.0 + next(self._ticks)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Any:
+    with JobStore(tmp_path / "state", clock=Clock()) as s:
+        yield s
+
+
+def _run_to(store: JobStore, job_id: str, *path: Any) -> None:
+    for state in path:
+        store.transition(job_id, state)
+
+
+# --------------------------------------------------------------------------- states
+
+def test_transition_table_is_the_design_one() -> None:
+    expected = {
+        (S.PENDING, S.ALLOCATING), (S.PENDING, S.CANCELLED),
+        (S.ALLOCATING, S.RUNNING), (S.ALLOCATING, S.FAILED), (S.ALLOCATING, S.CANCELLED),
+        (S.RUNNING, S.SUCCEEDED), (S.RUNNING, S.FAILED), (S.RUNNING, S.CANCELLED),
+        (S.RUNNING, S.RETRYING),
+        (S.RETRYING, S.ALLOCATING), (S.RETRYING, S.FAILED), (S.RETRYING, S.CANCELLED),
+    }
+    for old, new in itertools.product(S, S):
+        if (old, new) in expected:
+            check_transition(old, new)
+        else:
+            with pytest.raises(IllegalTransitionError, match=f"{old.value} -> {new.value}"):
+                check_transition(old, new)
+    assert {s for s in S if not TRANSITIONS[s]} == TERMINAL_STATES
+    assert {S.SUCCEEDED, S.FAILED, S.CANCELLED} == TERMINAL_STATES
+
+
+def test_illegal_transition_message_says_why() -> None:
+    with pytest.raises(IllegalTransitionError, match=r"SUCCEEDED is terminal.*submit a new job"):
+        check_transition(S.SUCCEEDED, S.RUNNING)
+    with pytest.raises(IllegalTransitionError, match="allowed from there: ALLOCATING, CANCELLED"):
+        check_transition(S.PENDING, S.RUNNING)
+
+
+def test_state_classes_carry_their_names_and_data() -> None:
+    instances = [Pending(3), Allocating(1), Running(1, 7), Retrying(2, "host lost"),
+                 Succeeded(), Failed("boom"), Cancelled("user")]
+    assert [i.state for i in instances] == list(S)
+    assert Running(attempt=1, step=7).step == 7
+    with pytest.raises(AttributeError):
+        Running(1, 7).step = 8  # type: ignore[misc]
+    assert JobState.parse("running") is S.RUNNING
+    with pytest.raises(ValueError, match="Unknown job state 'DONE'; expected one of PENDING"):
+        JobState.parse("DONE")
+
+
+# --------------------------------------------------------------------------- jobs
+
+def test_create_and_get_round_trip(store: JobStore) -> None:
+    spec = {"steps": 10, "outputs": {"loss": "MEAN"}, "steps_per_run": 5, "name": None}
+    job = store.create_job(steps=10, payload=b"\x00pickled", spec=spec,
+                           accelerator_type="v4-16", job_id="j1")
+    assert job == store.get("j1")
+    assert (job.id, job.name, job.accelerator_type, job.steps) == ("j1", "j1", "v4-16", 10)
+    assert job.spec == spec
+    assert (job.state, job.step, job.error, job.attempts) == (S.PENDING, 0, None, 0)
+    assert (job.created_at, job.started_at, job.finished_at) == (1000.0, None, None)
+    assert store.load_payload("j1") == b"\x00pickled"
+    named = store.create_job(steps=1, payload=b"", name="nightly")
+    assert named.name == "nightly" and len(named.id) == 12 and named.id != "j1"
+    assert store.load_payload(named.id) == b""
+
+
+def test_large_payload_lives_in_a_file_under_the_job_dir(store: JobStore) -> None:
+    payload = bytes(range(256)) * (INLINE_PAYLOAD_LIMIT // 256 + 1)
+    store.create_job(steps=1, payload=payload, job_id="big")
+    assert (store.state_dir / "jobs" / "big" / "payload.bin").read_bytes() == payload
+    assert store.load_payload("big") == payload
+    with sqlite3.connect(store.path) as conn:
+        row = conn.execute("SELECT payload, payload_path FROM jobs WHERE id = 'big'").fetchone()
+    assert row == (None, "jobs/big/payload.bin")
+
+
+def test_bad_job_input_is_refused_and_writes_nothing(store: JobStore) -> None:
+    with pytest.raises(JobStoreError, match="plain JSON values"):
+        store.create_job(steps=1, payload=b"", spec={"fn": object()}, job_id="x")
+    with pytest.raises(JobStoreError, match="steps must be an int >= 1; got 0"):
+        store.create_job(steps=0, payload=b"", job_id="x")
+    assert store.list() == []
+
+
+def test_unknown_job_id_is_a_typed_error_that_says_how_to_list(store: JobStore) -> None:
+    for call in (store.get, store.history, store.metrics, store.logs, store.load_result,
+                 store.load_payload, store.attempts, store.record_attempt):
+        with pytest.raises(JobNotFoundError) as info:
+            call("nope")
+        assert "'nope'" in str(info.value) and "jaxpod jobs" in str(info.value)
+        assert isinstance(info.value, KeyError)
+    with pytest.raises(JobNotFoundError):
+        store.transition("nope", Allocating(1))
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert type(copy) is JobNotFoundError and str(copy) == str(info.value)
+    assert copy.job_id == "nope"
+
+
+# --------------------------------------------------------------------------- transitions
+
+def test_every_transition_is_recorded_with_time_and_reason(store: JobStore) -> None:
+    store.create_job(steps=100, payload=b"", job_id="j")            # t=1000
+    _run_to(store, "j", Allocating(1), Running(1, 0))                # t=1001, 1002
+    running = store.transition("j", Retrying(1, "slice preempted"))  # t=1003
+    assert running.state is S.RETRYING
+    _run_to(store, "j", Allocating(2), Running(2, 40))               # t=1004, 1005
+    done = store.transition("j", Succeeded(), reason="all steps ran")  # t=1006
+    assert (done.state, done.step, done.started_at, done.finished_at) == (
+        S.SUCCEEDED, 40, 1002.0, 1006.0)
+    assert store.history("j") == [
+        Transition(None, S.PENDING, 1000.0, "submitted"),
+        Transition(S.PENDING, S.ALLOCATING, 1001.0, ""),
+        Transition(S.ALLOCATING, S.RUNNING, 1002.0, ""),
+        Transition(S.RUNNING, S.RETRYING, 1003.0, "slice preempted"),
+        Transition(S.RETRYING, S.ALLOCATING, 1004.0, ""),
+        Transition(S.ALLOCATING, S.RUNNING, 1005.0, ""),
+        Transition(S.RUNNING, S.SUCCEEDED, 1006.0, "all steps ran"),
+    ]
+
+
+def test_failure_and_cancellation_keep_their_error_and_reason(store: JobStore) -> None:
+    store.create_job(steps=1, payload=b"", job_id="f")
+    store.create_job(steps=1, payload=b"", job_id="c")
+    _run_to(store, "f", Allocating(1), Running(1, 0))
+    failed = store.transition("f", Failed("ValueError: bad batch\nTraceback ..."))
+    assert failed.error == "ValueError: bad batch\nTraceback ..."
+    assert store.history("f")[-1].reason == failed.error
+    cancelled = store.transition("c", Cancelled("cancelled by the user"))
+    assert (cancelled.state, cancelled.error, cancelled.finished_at) == (
+        S.CANCELLED, None, 1005.0)
+    assert store.history("c")[-1] == Transition(S.PENDING, S.CANCELLED, 1005.0,
+                                                "cancelled by the user")
+
+
+@pytest.mark.parametrize(("path", "illegal"), [
+    ((Allocating(1), Running(1, 5), Succeeded()), Running(1, 6)),
+    ((), Running(1, 0)),
+    ((Cancelled("user"),), Allocating(1)),
+    ((Allocating(1),), Retrying(1, "lost")),
+])
+def test_illegal_transition_is_refused_and_writes_nothing(
+        store: JobStore, path: tuple[Any, ...], illegal: Any) -> None:
+    store.create_job(steps=10, payload=b"", job_id="j")
+    _run_to(store, "j", *path)
+    before, history = store.get("j"), store.history("j")
+    with pytest.raises(IllegalTransitionError, match=f"-> {illegal.state.value}"):
+        store.transition("j", illegal)
+    assert store.get("j") == before
+    assert store.history("j") == history
+
+
+# --------------------------------------------------------------------------- attempts
+
+def test_attempts_round_trip(store: JobStore) -> None:
+    store.create_job(steps=10, payload=b"", job_id="j")
+    assert store.record_attempt("j") == 1                   # t=1001
+    store.end_attempt("j", 1, cause="preempted", step_reached=4)  # t=1002
+    assert store.record_attempt("j") == 2                   # t=1003
+    assert store.get("j").attempts == 2
+    attempts = store.attempts("j")
+    assert [(a.number, a.started_at, a.ended_at, a.cause, a.step_reached) for a in attempts] == [
+        (1, 1001.0, 1002.0, "preempted", 4), (2, 1003.0, None, None, None)]
+    with pytest.raises(JobStoreError, match="Attempt 1 of job 'j' has already ended"):
+        store.end_attempt("j", 1, cause="again", step_reached=5)
+    with pytest.raises(JobStoreError, match="Attempt 3 of job 'j' was never started"):
+        store.end_attempt("j", 3, cause="x", step_reached=0)
+    assert store.attempts("j") == attempts
+
+
+# --------------------------------------------------------------------------- metrics, logs
+
+def test_metrics_round_trip(store: JobStore) -> None:
+    store.create_job(steps=10, payload=b"", job_id="j")
+    store.add_metrics("j", 5, {"loss": 0.5, "acc": np.float32(0.25)})
+    store.add_metrics("j", 10, {"loss": math.nan, "acc": math.inf})
+    assert store.get("j").step == 10
+    series = store.metrics("j")
+    assert set(series) == {"loss", "acc"}
+    assert series["acc"] == [(5, 0.25), (10, math.inf)]
+    assert series["loss"][0] == (5, 0.5)
+    assert series["loss"][1][0] == 10 and math.isnan(series["loss"][1][1])
+    # A resumed attempt redoing step 5 replaces its values instead of failing.
+    store.add_metrics("j", 5, {"loss": 0.75})
+    assert store.metrics("j")["loss"][0] == (5, 0.75)
+    assert store.get("j").step == 5
+
+
+def test_a_failed_metrics_write_lands_nothing(store: JobStore) -> None:
+    store.create_job(steps=10, payload=b"", job_id="j")
+    store.add_metrics("j", 1, {"loss": 1.0})
+    # The step and "loss" are written before "acc" fails inside the same transaction.
+    with pytest.raises(JobStoreError, match=r"Metric 'acc' must be a real number.*got str"):
+        store.add_metrics("j", 2, {"loss": 0.5, "acc": "high"})
+    with pytest.raises(JobStoreError, match="got ndarray"):
+        store.add_metrics("j", 2, {"loss": 0.5, "vec": np.ones(3)})
+    assert store.metrics("j") == {"loss": [(1, 1.0)]}
+    assert store.get("j").step == 1
+
+
+def test_logs_round_trip_and_tail(store: JobStore) -> None:
+    store.create_job(steps=1, payload=b"", job_id="j")
+    store.append_logs("j", 0, ["epoch 1", "loss 0.5"])   # t=1001
+    store.append_logs("j", 1, ["host one says hi"])      # t=1002
+    lines = store.logs("j")
+    assert [(ln.host, ln.line, ln.at) for ln in lines] == [
+        (0, "epoch 1", 1001.0), (0, "loss 0.5", 1001.0), (1, "host one says hi", 1002.0)]
+    assert [ln.line for ln in store.logs("j", after=lines[1].seq)] == ["host one says hi"]
+
+
+# --------------------------------------------------------------------------- results
+
+def _assert_same_tree(got: Any, want: Any) -> None:
+    assert type(got) is type(want), (type(got), type(want))
+    if isinstance(want, dict):
+        assert list(got) == list(want)
+        for k in want:
+            _assert_same_tree(got[k], want[k])
+    elif isinstance(want, list | tuple):
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            _assert_same_tree(g, w)
+    elif isinstance(want, np.ndarray | np.generic):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want, strict=True)
+    else:
+        assert got == want
+
+
+def test_result_round_trip_keeps_values_dtypes_and_structure(store: JobStore) -> None:
+    store.create_job(steps=1, payload=b"", job_id="j")
+    rng = np.random.default_rng(0)
+    state = {
+        "params": {"w": rng.standard_normal((3, 4)).astype(np.float32),
+                   "b": np.arange(4, dtype=np.float16)},
+        "opt": [np.array(7, dtype=np.int64), (np.uint8(255), None)],
+        "mask": np.array([True, False]),
+        "z": np.array([1 + 2j], dtype=np.complex64),
+        "empty": np.zeros((0, 2), dtype=np.int8),
+    }
+    outputs = {"loss": np.float32(0.125), "per_class": np.array([0.5, 0.25]), "n": 3}
+    path = store.save_result("j", state, outputs)
+    assert path == store.state_dir / "jobs" / "j" / "result.npz"
+    result = store.load_result("j")
+    assert result is not None
+    _assert_same_tree(result.state, state)
+    _assert_same_tree(result.outputs, outputs)
+    # Plain numpy can read the file (no pickle needed).
+    with np.load(path, allow_pickle=False) as npz:
+        assert "__structure__" in npz.files
+
+
+def test_a_result_that_cannot_be_stored_writes_nothing(store: JobStore) -> None:
+    store.create_job(steps=1, payload=b"", job_id="j")
+    assert store.load_result("j") is None
+    bad_trees = [{"w": np.ones(2), "x": np.array([object()])},
+                 {"w": np.ones(2), "fn": print},
+                 {1: np.ones(2)}]
+    for bad in bad_trees:
+        with pytest.raises(JobStoreError, match="job result"):
+            store.save_result("j", bad, {})
+    assert store.load_result("j") is None
+    assert not (store.state_dir / "jobs" / "j").exists()
+
+
+# --------------------------------------------------------------------------- readers
+
+def test_a_second_store_sees_committed_writes(store: JobStore) -> None:
+    store.create_job(steps=10, payload=b"p", job_id="j")
+    with JobStore(store.state_dir) as other:
+        assert other.get("j").state is S.PENDING
+        store.transition("j", Allocating(1))
+        store.add_metrics("j", 3, {"loss": 2.0})
+        assert other.get("j").state is S.ALLOCATING      # no reopen needed
+        assert other.metrics("j") == {"loss": [(3, 2.0)]}
+        other.transition("j", Running(1, 3))
+    assert store.get("j").state is S.RUNNING
+    with sqlite3.connect(store.path) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+_CHILD = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from jaxpod.service.jobs.states import Succeeded
+    from jaxpod.service.jobs.store import JobStore
+    with JobStore(Path(sys.argv[1])) as store:
+        job = store.get("j")
+        seen = {"state": job.state.value, "step": job.step, "spec": job.spec,
+                "metrics": store.metrics("j"),
+                "history": [t.to_state.value for t in store.history("j")],
+                "result": store.load_result("j").outputs}
+        store.transition("j", Succeeded(), reason="child")
+    print(json.dumps(seen))
+""")
+
+
+def test_another_process_reads_what_this_one_committed(store: JobStore) -> None:
+    store.create_job(steps=4, payload=b"p", spec={"steps_per_run": 2}, job_id="j")
+    _run_to(store, "j", Allocating(1), Running(1, 0))
+    store.add_metrics("j", 4, {"loss": 0.5})
+    store.save_result("j", {"w": np.ones(2)}, {"loss": 0.5})
+    # This store stays open (its connection holds the WAL) while the child reads.
+    child = subprocess.run([sys.executable, "-c", _CHILD, str(store.state_dir)],
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert child.returncode == 0, child.stderr
+    seen = json.loads(child.stdout.strip().splitlines()[-1])
+    assert seen == {"state": "RUNNING", "step": 4, "spec": {"steps_per_run": 2},
+                    "metrics": {"loss": [[4, 0.5]]},
+                    "history": ["PENDING", "ALLOCATING", "RUNNING"],
+                    "result": {"loss": 0.5}}
+    assert store.get("j").state is S.SUCCEEDED
+    assert store.history("j")[-1].reason == "child"
+
+
+# --------------------------------------------------------------------------- recovery
+
+def test_recover_requeues_pending_and_fails_in_flight_jobs(tmp_path: Path) -> None:
+    with JobStore(tmp_path, clock=Clock()) as store:
+        paths: dict[str, tuple[Any, ...]] = {
+            "p1": (), "alloc": (Allocating(1),), "p2": (),
+            "run": (Allocating(1), Running(1, 7)),
+            "retry": (Allocating(1), Running(1, 3), Retrying(1, "host lost")),
+            "done": (Allocating(1), Running(1, 0), Succeeded()),
+            "gone": (Cancelled("user"),), "p3": (),
+        }
+        for job_id, path in paths.items():
+            store.create_job(steps=10, payload=b"", job_id=job_id)
+            if path:
+                store.record_attempt(job_id)
+            _run_to(store, job_id, *path)
+        before = {j: store.get(j) for j in ("done", "gone")}
+    with JobStore(tmp_path, clock=Clock()) as restarted:
+        recovery = restarted.recover()
+        assert [j.id for j in recovery.requeue] == ["p1", "p2", "p3"]
+        assert all(j.state is S.PENDING for j in recovery.requeue)
+        assert [j.id for j in recovery.failed] == ["alloc", "run", "retry"]
+        for job, was in zip(recovery.failed, ["ALLOCATING", "RUNNING", "RETRYING"], strict=True):
+            assert job == restarted.get(job.id)
+            assert job.state is S.FAILED and job.finished_at is not None
+            assert job.error is not None and job.error.startswith(
+                f"{RESTART_REASON} while the job was {was}")
+            last = restarted.history(job.id)[-1]
+            assert (last.from_state, last.to_state, last.reason) == (
+                S[was], S.FAILED, RESTART_REASON)
+            assert restarted.attempts(job.id)[-1].cause == RESTART_REASON
+        assert restarted.get("run").error == (
+            f"{RESTART_REASON} while the job was RUNNING (step 7 of 10); "
+            "submit it again to rerun it.")
+        assert restarted.attempts("run")[-1].step_reached == 7
+        assert {j: restarted.get(j) for j in ("done", "gone")} == before
+        again = restarted.recover()
+        assert again.failed == () and [j.id for j in again.requeue] == ["p1", "p2", "p3"]
+
+
+# --------------------------------------------------------------------------- schema
+
+def test_a_database_from_a_newer_jaxpod_is_refused(tmp_path: Path) -> None:
+    JobStore(tmp_path).close()
+    db = tmp_path / "jobs.sqlite"
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION + 1,))
+    with pytest.raises(SchemaVersionError) as info:
+        JobStore(tmp_path)
+    message = str(info.value)
+    assert f"schema version {SCHEMA_VERSION + 1}" in message
+    assert f"versions up to {SCHEMA_VERSION}" in message
+    assert "Upgrade jaxpod" in message and "--state-dir" in message
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == (
+            SCHEMA_VERSION + 1)
+
+
+def test_a_version_1_database_is_migrated_with_its_jobs(tmp_path: Path) -> None:
+    assert SCHEMA_VERSION >= 2 and len(MIGRATIONS) == SCHEMA_VERSION
+    conn = sqlite3.connect(tmp_path / "jobs.sqlite", isolation_level=None)
+    conn.execute("BEGIN")
+    assert migrate(conn, target=1) == 0
+    conn.execute("INSERT INTO jobs (id, name, spec, payload, created_at, state, step, steps) "
+                 "VALUES ('old', 'old', '{\"steps\": 3}', x'00', 10.0, 'SUCCEEDED', 3, 3)")
+    conn.executemany(
+        "INSERT INTO transitions (job_id, from_state, to_state, at, reason) VALUES (?,?,?,?,?)",
+        [("old", None, "PENDING", 10.0, "submitted"), ("old", "PENDING", "ALLOCATING", 11.0, ""),
+         ("old", "ALLOCATING", "RUNNING", 12.0, ""), ("old", "RUNNING", "SUCCEEDED", 15.0, "")])
+    conn.execute("COMMIT")
+    columns = {r[1] for r in conn.execute("PRAGMA table_info(jobs)")}
+    assert "started_at" not in columns
+    conn.close()
+    with JobStore(tmp_path) as store:
+        old = store.get("old")
+        assert (old.state, old.step, old.spec) == (S.SUCCEEDED, 3, {"steps": 3})
+        assert (old.created_at, old.started_at, old.finished_at) == (10.0, 12.0, 15.0)
+        assert [t.to_state for t in store.history("old")][-1] is S.SUCCEEDED
+        new = store.create_job(steps=1, payload=b"", job_id="new")
+        assert new.started_at is None
+        assert [j.id for j in store.list(state="SUCCEEDED")] == ["old"]
+    with sqlite3.connect(tmp_path / "jobs.sqlite") as check:
+        assert check.execute("SELECT version FROM schema_version").fetchone()[0] == (
+            SCHEMA_VERSION)
+
+
+def test_reopening_a_current_database_keeps_its_data(tmp_path: Path) -> None:
+    with JobStore(tmp_path) as store:
+        store.create_job(steps=1, payload=b"x", job_id="j")
+    with JobStore(tmp_path) as store:
+        assert store.load_payload("j") == b"x"
+        assert len(store.history("j")) == 1
+
+
+# --------------------------------------------------------------------------- listing
+
+def test_list_orders_by_creation_filters_and_pages(tmp_path: Path) -> None:
+    # One timestamp for all and ids in reverse order: only creation order sorts them.
+    with JobStore(tmp_path, clock=lambda: 5.0) as store:
+        for job_id in ["e", "d", "c", "b", "a"]:
+            store.create_job(steps=1, payload=b"", job_id=job_id)
+        store.transition("d", Allocating(1))
+        store.transition("b", Allocating(1))
+        assert [j.id for j in store.list()] == ["e", "d", "c", "b", "a"]
+        assert [j.id for j in store.list(state=S.ALLOCATING)] == ["d", "b"]
+        assert [j.id for j in store.list(state="pending")] == ["e", "c", "a"]
+        assert [j.id for j in store.list(limit=2)] == ["e", "d"]
+        assert [j.id for j in store.list(limit=2, offset=2)] == ["c", "b"]
+        assert [j.id for j in store.list(limit=2, offset=4)] == ["a"]
+        assert [j.id for j in store.list(state="PENDING", limit=1, offset=1)] == ["c"]
+        assert store.list(state=S.SUCCEEDED) == []
+        with pytest.raises(ValueError, match="Unknown job state 'DONE'"):
+            store.list(state="DONE")
+        with pytest.raises(JobStoreError, match="limit and offset must be >= 0"):
+            store.list(offset=-1)
