@@ -116,6 +116,17 @@ class HostStats:
     operations: int
 
 
+@dataclass(frozen=True)
+class HostReset:
+    """What :class:`ResetHost` freed on one host, and what it kept for the next holder."""
+
+    values: int
+    datasets: int
+    iterators: int
+    functions_kept: int
+    pid: int
+
+
 # ---------------------------------------------------------------------- operations
 R = TypeVar("R")
 
@@ -351,6 +362,17 @@ class Stats(Operation[HostStats]):
         return host.stats(self)
 
 
+@dataclass(frozen=True)
+class ResetHost(Operation[HostReset]):
+    """Frees every value, dataset and iterator and zeroes the work figures, keeping the
+    defined (and compiled) functions: the slice's next holder starts on warm workers."""
+
+    counts_as_work: ClassVar[bool] = False
+
+    def apply(self, host: Host) -> HostReset:
+        return host.reset_host(self)
+
+
 class Host(Protocol):
     """What runs host operations: one method per operation, named after it."""
 
@@ -381,6 +403,8 @@ class Host(Protocol):
     def local_results(self, op: LocalResults) -> tuple[Any, ...]: ...
 
     def stats(self, op: Stats) -> HostStats: ...
+
+    def reset_host(self, op: ResetHost) -> HostReset: ...
 
 
 def values_in(infos: ValueInfos) -> Dropped:

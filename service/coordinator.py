@@ -53,6 +53,9 @@ class SliceProvider(Protocol):
 
     def cluster(self) -> list[pb.ClusterSlice]: ...
 
+    def close(self) -> None:
+        """Stops every slice kept warm (service shutdown)."""
+
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
     """The RPC handlers.
@@ -121,6 +124,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def close_all(self) -> None:
         for session in self.sessions.all():
             await self.close_session(session.id, "closed: the service is stopping")
+        await self._blocking(self.slices.close)  # after the sessions: they release to it
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -------------------------------------------------------------------- slices

@@ -89,10 +89,14 @@ def _is_value(x: object) -> bool:
 class GroupEngine:
     """``TPUStrategy`` methods executed by a replica group's workers."""
 
-    def __init__(self, group: ReplicaGroup, steps_per_run: int = 1) -> None:
+    def __init__(self, group: ReplicaGroup, steps_per_run: int = 1,
+                 functions: weakref.WeakKeyDictionary[Any, str] | None = None) -> None:
         self.group = group
         self.steps_per_run = steps_per_run
-        self._functions: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        # fn -> id of what the workers have defined; a warm group's next engine takes
+        # over the previous one's (the workers kept the functions).
+        self._functions: weakref.WeakKeyDictionary[Any, str] = (
+            weakref.WeakKeyDictionary() if functions is None else functions)
         self.dropped = DropQueue()
         self._num_replicas: int | None = None
         self._configured: ops.Configure | None = None
@@ -111,6 +115,24 @@ class GroupEngine:
         self.dropped.take()
         if self._configured is not None:
             self.group.call(self._configured)
+
+    @property
+    def functions(self) -> weakref.WeakKeyDictionary[Any, str]:
+        """The functions this engine defined on the workers (fn -> id)."""
+        return self._functions
+
+    def reset_workers(self, timeout: float | None = None) -> list[ops.HostReset]:
+        """Frees every value, dataset and iterator on the workers, keeping their
+        functions, for the slice's next holder; what is queued to drop goes too (it is
+        freed already). Returns what each host freed.
+
+        Raises:
+          Whatever the group's call raises (a lost worker, a broken group, a time-out):
+          the caller must then stop the workers instead of handing them on.
+        """
+        resets = self.group.call(ops.ResetHost(), timeout=timeout)
+        self.dropped.take()
+        return resets
 
     @property
     def num_replicas_in_sync(self) -> int:

@@ -101,6 +101,16 @@ class ReplicaGroup:
         return len(self._workers)
 
     @property
+    def broken(self) -> str | None:
+        """Why the group can take no more operations (``None``: it can)."""
+        return self._broken
+
+    @property
+    def pids(self) -> list[int]:
+        """The workers' process ids, in host order."""
+        return [int(i["pid"]) for i in self.info]
+
+    @property
     def num_replicas(self) -> int:
         return int(self.info[0]["num_replicas"])
 
@@ -254,6 +264,14 @@ class ReplicaGroup:
                 f"{type(why).__name__}: {why}. The coordinator and the workers must run "
                 "the same versions of the packages whose objects the reply holds.") from why
         return results
+
+    def kill(self) -> None:
+        """Kills the workers without leaving the group first: for a group that lost a
+        worker, whose others would wait for it in ``jax.distributed.shutdown``."""
+        self._stopped = True
+        self._close_channels()
+        _kill(self._workers)
+        self._broken = "stopped"
 
     def stop(self, timeout: float | None = None) -> None:
         """Shuts the group down (``jax.distributed.shutdown`` with a limit), then kills."""

@@ -309,6 +309,10 @@ class _DeferredSlices:
             f"{timeout.env_var}, default {timeout.default_s:g}s", timeout.env_var,
             ServiceUnavailableError).cluster()
 
+    def close(self) -> None:
+        if self._target is not None:
+            self._target.close()
+
 
 async def _reap(service: CoordinatorService, stop: asyncio.Event) -> None:
     interval = max(0.05, min(1.0, service.sessions.default_lease_s / 4))

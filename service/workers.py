@@ -2,20 +2,37 @@
 
 The allocator hands out whole slices (placement groups, one bundle per host, with the
 environment each host's JAX process needs); this module starts one host worker per
-bundle and forms their ``jax.distributed`` group.
+bundle and forms their ``jax.distributed`` group. A released slice keeps its workers
+warm (everything on them freed, their functions kept) for the next acquire of the same
+shape, which then skips allocation, worker start-up and ``jax.distributed``.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from jaxpod.errors import SliceResetError
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.allocator import Allocation, SliceAllocator
 from jaxpod.service.group_engine import GroupEngine
 from jaxpod.service.replica_group import HostPlacement, ReplicaGroup
 from jaxpod.service.sessions import HeldSlice
+from jaxpod.timeouts import Timeout
 from jaxpod.worker.host_worker import SIMULATED_PLATFORM
+
+logger = logging.getLogger(__name__)
+
+#: How long a released slice's workers may take to free what its holder left there.
+WARM_RESET_TIMEOUT = Timeout("JAXPOD_WARM_RESET_TIMEOUT_S", 30.0)
+
+#: What a warm slice can serve: (accelerator type, number of slices). The device
+#: assignment and steps per run are configured again on every acquire.
+WarmKey = tuple[str, int]
 
 
 def placements(allocation: Allocation) -> list[HostPlacement]:
@@ -48,8 +65,33 @@ def start_replica_group(allocation: Allocation, platform: str = SIMULATED_PLATFO
                               start_timeout_s)
 
 
+@dataclass(eq=False)
+class WarmSlice:
+    """A released slice whose workers were reset and wait for the next acquire; it
+    keeps its placement groups (so Ray counts it as held) but has no holder."""
+
+    key: WarmKey
+    group: ReplicaGroup
+    allocation: Allocation
+    functions: weakref.WeakKeyDictionary[Any, str]
+
+    def stop(self) -> None:
+        """Stops the workers and releases the allocation."""
+        try:
+            if self.group.broken:  # a lost worker: the others would wait for it
+                self.group.kill()
+            else:
+                self.group.stop()
+        finally:
+            self.allocation.release()
+
+
 class RaySlices:
     """The coordinator's slice provider: allocation, host workers, device assignment.
+
+    Released slices stay warm, one pool per :data:`WarmKey`, until an acquire of the
+    same shape takes them, an acquire that finds no free capacity needs them, or
+    :meth:`close`.
 
     Args:
       allocator: whole-slice allocation on the Ray cluster this process joined.
@@ -63,26 +105,135 @@ class RaySlices:
         self.allocator = allocator or SliceAllocator()
         self.platform = platform
         self.start_timeout_s = start_timeout_s
+        self._warm: list[WarmSlice] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def warm(self) -> list[WarmSlice]:
+        """The warm slices now, oldest first."""
+        with self._lock:
+            return list(self._warm)
 
     def acquire(self, request: pb.AcquireSliceRequest, slice_id: str) -> HeldSlice:
-        """Allocates, starts and configures; on any failure nothing stays held."""
-        allocation = self.allocator.allocate(request.accelerator_type,
-                                             request.num_slices or 1,
+        """A warm slice of the request's shape if one still works, else allocates,
+        starts and configures; on any failure nothing stays held."""
+        key = _key(request)
+        while (warm := self._take_warm(key)) is not None:
+            held = self._reuse(warm, request, slice_id)
+            if held is not None:
+                return held
+        self._make_room(key)
+        return self._start(request, slice_id, key)
+
+    def _start(self, request: pb.AcquireSliceRequest, slice_id: str, key: WarmKey
+               ) -> HeldSlice:
+        allocation = self.allocator.allocate(request.accelerator_type, key[1],
                                              timeout_s=request.timeout_s or None)
         group: ReplicaGroup | None = None
         try:
             group = start_replica_group(allocation, self.platform, self.start_timeout_s)
             engine = GroupEngine(group)
-            engine.configure(request.steps_per_run or 1,
-                             list(request.computation_shape) or None,
-                             request.num_replicas or None)
+            _configure(engine, request)
         except BaseException:
             if group is not None:
                 group.stop()
             allocation.release()
             raise
-        return HeldSlice(slice_id, engine, _release_once(group, allocation),
+        return self._held(slice_id, engine, allocation, key)
+
+    def _reuse(self, warm: WarmSlice, request: pb.AcquireSliceRequest, slice_id: str
+               ) -> HeldSlice | None:
+        """``warm`` configured for ``request``; ``None`` when its workers are lost
+        (they are stopped and released: the caller tries the next or starts fresh)."""
+        engine = GroupEngine(warm.group, functions=warm.functions)
+        try:
+            _configure(engine, request)  # also tells whether every worker still answers
+        except Exception as e:
+            if warm.group.broken is None and not isinstance(e, SliceResetError):
+                self._park(warm)  # every worker answered: the request itself is wrong
+                raise
+            logger.warning("warm slice %s is lost (%s: %s); stopping it and starting "
+                           "fresh workers", _names(warm.allocation), type(e).__name__, e)
+            _stop_quietly(warm)
+            return None
+        return self._held(slice_id, engine, warm.allocation, warm.key)
+
+    def _held(self, slice_id: str, engine: GroupEngine, allocation: Allocation,
+              key: WarmKey) -> HeldSlice:
+        return HeldSlice(slice_id, engine, self._releaser(engine, allocation, key),
                          _describe(allocation))
+
+    def _releaser(self, engine: GroupEngine, allocation: Allocation, key: WarmKey
+                  ) -> Callable[[], None]:
+        """The slice's release (idempotent): its workers reset and kept warm."""
+        lock = threading.Lock()
+        done = [False]
+
+        def release() -> None:
+            with lock:
+                if done[0]:
+                    return
+                done[0] = True
+            self._keep_warm(WarmSlice(key, engine.group, allocation, engine.functions),
+                            engine)
+
+        return release
+
+    def _keep_warm(self, warm: WarmSlice, engine: GroupEngine) -> None:
+        """Resets ``warm``'s workers and pools them; stops them where that fails."""
+        if self._closed:
+            warm.stop()
+            return
+        try:
+            resets = engine.reset_workers(WARM_RESET_TIMEOUT.seconds())
+        except Exception as e:
+            logger.warning("slice %s failed its reset (%s: %s); stopping its workers",
+                           _names(warm.allocation), type(e).__name__, e)
+            warm.stop()
+            return
+        logger.info("slice %s kept warm; freed per host: %s", _names(warm.allocation),
+                    [(r.values, r.datasets, r.iterators) for r in resets])
+        self._park(warm)
+
+    def _park(self, warm: WarmSlice) -> None:
+        with self._lock:
+            if not self._closed:
+                self._warm.append(warm)
+                return
+        warm.stop()  # the service closed meanwhile
+
+    def _take_warm(self, key: WarmKey) -> WarmSlice | None:
+        with self._lock:
+            for i in reversed(range(len(self._warm))):  # the most recently used first
+                if self._warm[i].key == key:
+                    return self._warm.pop(i)
+        return None
+
+    def _make_room(self, key: WarmKey) -> None:
+        """Stops the warm slices that hold the capacity this acquire needs, when the
+        cluster has too little free: warm slices must never make an acquire wait. Only
+        those of the same accelerator type (kept for another number of slices) can
+        free any: slices of other types are other hosts."""
+        with self._lock:
+            blocking = [w for w in self._warm if w.key[0] == key[0]]
+        if not blocking or _idle_slices(key[0]) >= key[1]:
+            return
+        with self._lock:
+            evicted = [w for w in blocking if w in self._warm]
+            self._warm = [w for w in self._warm if w not in evicted]
+        for w in evicted:
+            logger.info("stopping warm slice %s to make room for %s", _names(w.allocation),
+                        key)
+            _stop_quietly(w)
+
+    def close(self) -> None:
+        """Stops every warm slice; slices released from now on are stopped at once
+        (service shutdown)."""
+        with self._lock:
+            self._closed = True
+            warm, self._warm = self._warm, []
+        for w in warm:
+            _stop_quietly(w)
 
     def cluster(self) -> list[pb.ClusterSlice]:
         from jaxpod.service.resolvers.ray import snapshot
@@ -92,21 +243,33 @@ class RaySlices:
                                 num_hosts=len(s.hosts)) for s in slices]
 
 
-def _release_once(group: ReplicaGroup, allocation: Allocation) -> Any:
-    lock = threading.Lock()
-    done = [False]
+def _key(request: pb.AcquireSliceRequest) -> WarmKey:
+    return request.accelerator_type.strip().lower(), request.num_slices or 1
 
-    def release() -> None:
-        with lock:
-            if done[0]:
-                return
-            done[0] = True
-        try:
-            group.stop()
-        finally:
-            allocation.release()
 
-    return release
+def _configure(engine: GroupEngine, request: pb.AcquireSliceRequest) -> None:
+    engine.configure(request.steps_per_run or 1, list(request.computation_shape) or None,
+                     request.num_replicas or None)
+
+
+def _idle_slices(accelerator_type: str) -> int:
+    from jaxpod.service.resolvers.ray import snapshot
+
+    slices, _ = snapshot()
+    return sum(1 for s in slices if s.idle and s.info.accelerator_type == accelerator_type)
+
+
+def _stop_quietly(warm: WarmSlice) -> None:
+    """Stops a warm slice; a failure is logged (nobody waits on it, and the next one
+    must still be stopped)."""
+    try:
+        warm.stop()
+    except Exception:
+        logger.exception("stopping warm slice %s failed", _names(warm.allocation))
+
+
+def _names(allocation: Allocation) -> list[str]:
+    return [s.info.name for s in allocation.slices]
 
 
 def _describe(allocation: Allocation) -> dict[str, Any]:

@@ -333,6 +333,9 @@ class _Provider:
     def cluster(self) -> list[pb.ClusterSlice]:
         return [pb.ClusterSlice(name="sim-0-v4-8", accelerator_type="v4-8", num_hosts=1)]
 
+    def close(self) -> None:
+        pass
+
 
 def _in_thread(fn: Any) -> tuple[threading.Event, list[Any]]:
     """Runs ``fn`` on a thread; the event is set when it returned or raised."""

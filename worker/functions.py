@@ -40,6 +40,10 @@ class FunctionRegistry:
         self._bytes = 0
         self._lock = threading.Lock()
 
+    def __len__(self) -> int:
+        """How many functions are kept."""
+        return len(self._functions)
+
     @property
     def held_bytes(self) -> int:
         """The summed pickle sizes of the functions kept."""

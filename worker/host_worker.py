@@ -91,7 +91,8 @@ class HostWorker:
         return {"process_index": jax.process_index(), "process_count": jax.process_count(),
                 "global_devices": jax.device_count(),
                 "local_devices": jax.local_device_count(),
-                "num_replicas": self._host.engine.num_replicas_in_sync}
+                "num_replicas": self._host.engine.num_replicas_in_sync,
+                "pid": os.getpid()}
 
     def open_channel(self, key: bytes) -> ChannelAddress:
         """Starts serving operations over a direct socket (see

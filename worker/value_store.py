@@ -54,6 +54,13 @@ class ValueStore:
         with self._lock:
             return sum(self._values.pop(h, None) is not None for h in handles)
 
+    def clear(self) -> int:
+        """Drops every value (the slice goes to its next holder); returns how many."""
+        with self._lock:
+            count = len(self._values)
+            self._values.clear()
+            return count
+
     def stats(self) -> StoreStats:
         with self._lock:
             values = list(self._values.values())
