@@ -372,8 +372,7 @@ def _launch(recipe: _Recipe) -> tuple[list[Any], list[dict[str, int]], list[sock
     except BaseException as e:
         for sock in channels:
             sock.close()
-        for w in workers:
-            ray.kill(w)
+        _kill(workers)
         if isinstance(e, WorkerStartError):
             raise
         raise WorkerStartError(

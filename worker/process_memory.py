@@ -149,25 +149,6 @@ def _set_ptracer(pid: int) -> bool:
                            ctypes.c_ulong(0), ctypes.c_ulong(0))) == 0
 
 
-def read(pid: int, into: memoryview, offset: int, spans: Sequence[tuple[int, int, int]]
-         ) -> None:
-    """Copies spans of process ``pid``'s memory into ``into``.
-
-    Args:
-      spans: ``(offset in into, address in pid, length)`` each, ``offset`` added to
-        the first.
-    Raises:
-      ValueError: a span does not fit in ``into``.
-      OSError: the process is gone or its memory cannot be read (``errno`` says why).
-    """
-    for at, _, length in spans:
-        if at < 0 or length < 0 or offset + at + length > into.nbytes:
-            raise ValueError(f"A span of {length} bytes at {offset} + {at} does not fit "
-                             f"in the {into.nbytes} bytes it is read into.")
-    base = address_of(into) + offset
-    _read_spans(pid, [(base + at, address, length) for at, address, length in spans])
-
-
 def read_into(pid: int, spans: Sequence[tuple[memoryview, int]]) -> None:
     """Fills each writable view with process ``pid``'s memory from its address.
 
@@ -207,7 +188,7 @@ def reads_back(pid: int, address: int, expected: bytes) -> bool:
         return False
     out = bytearray(len(expected))
     try:
-        read(pid, memoryview(out), 0, [(0, address, len(expected))])
+        read_into(pid, [(memoryview(out), address)])
     except OSError:
         return False
     return bytes(out) == expected

@@ -2,9 +2,10 @@
 
 A test module that needs a cluster sets ``CLUSTER_SLICES = "v4-16,v4-8"`` (default
 ``"v4-16"``) and uses ``ray_cluster``: one cluster per module, with this process
-connected as the driver. Tear-down disconnects, stops the cluster, asserts that
-every process started under it is gone, and undoes the driver's loopback setting so
-later tests in the same pytest process see Ray as it was.
+connected as the driver; ``group`` is a v4-16 replica group on it (one per module).
+Tear-down disconnects, stops the cluster, asserts that every process started under it
+is gone, and undoes the driver's loopback setting so later tests in the same pytest
+process see Ray as it was.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from collections.abc import Iterator
 
 import pytest
 
+from jaxpod.service.allocator import SliceAllocator
+from jaxpod.service.group_engine import GroupEngine
 from jaxpod.service.local_cluster import (
     LOOPBACK_ENV,
     LocalTPUCluster,
     descendants,
     is_running,
 )
+from jaxpod.service.workers import start_replica_group
 
 
 @pytest.fixture(scope="module")
@@ -48,3 +52,15 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[LocalTPUCluster]:
         cluster.stop()
         survivors = [p for p, start in started.items() if is_running(p, start)]
         assert not survivors, f"processes of the local cluster survived stop(): {survivors}"
+
+
+@pytest.fixture(scope="module")
+def group(ray_cluster: LocalTPUCluster) -> Iterator[GroupEngine]:
+    """Host workers on a whole v4-16 (2 hosts x 4 chips), with the strategy methods."""
+    allocation = SliceAllocator().allocate("v4-16", timeout_s=60)
+    replica_group = start_replica_group(allocation, start_timeout_s=120)
+    try:
+        yield GroupEngine(replica_group)
+    finally:
+        replica_group.stop()
+        allocation.release()

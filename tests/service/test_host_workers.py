@@ -22,20 +22,9 @@ from jaxpod.service.allocator import SliceAllocator
 from jaxpod.service.group_engine import GatherParts, GroupEngine
 from jaxpod.service.local_cluster import LocalTPUCluster
 from jaxpod.service.replica_group import ReplicaGroup
-from jaxpod.service.workers import placements, start_replica_group
+from jaxpod.service.workers import placements
 
 CLUSTER_SLICES = "v4-16,v4-16"  # one for the shared group, one for start-up faults
-
-
-@pytest.fixture(scope="module")
-def group(ray_cluster: LocalTPUCluster) -> Iterator[GroupEngine]:
-    allocation = SliceAllocator().allocate("v4-16", timeout_s=60)
-    replica_group = start_replica_group(allocation, start_timeout_s=120)
-    try:
-        yield GroupEngine(replica_group)
-    finally:
-        replica_group.stop()
-        allocation.release()
 
 
 @pytest.fixture(scope="module")

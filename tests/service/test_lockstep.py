@@ -18,25 +18,11 @@ import numpy as np
 import pytest
 
 import jaxpod
-from jaxpod.service.allocator import SliceAllocator
 from jaxpod.service.group_engine import GroupEngine
-from jaxpod.service.local_cluster import LocalTPUCluster
-from jaxpod.service.workers import start_replica_group
 from jaxpod.shipping import ship_object
 
 CLUSTER_SLICES = "v4-16"
 HOSTS, REPLICAS = 2, 8
-
-
-@pytest.fixture(scope="module")
-def group(ray_cluster: LocalTPUCluster) -> Iterator[GroupEngine]:
-    allocation = SliceAllocator().allocate("v4-16", timeout_s=60)
-    replica_group = start_replica_group(allocation, start_timeout_s=120)
-    try:
-        yield GroupEngine(replica_group)
-    finally:
-        replica_group.stop()
-        allocation.release()
 
 
 class HostOneError(Exception):

@@ -43,7 +43,8 @@ def test_reads_spans_of_another_process_into_bytes(holder: tuple[int, int, np.nd
     spans = [(i * 600, address + i * 512, 500) for i in range(1500)]
     out, view = process_memory.new_bytes(1500 * 600 + 3)
     view[:] = b"\xff" * view.nbytes
-    process_memory.read(pid, view, 3, spans)
+    process_memory.read_into(pid, [(view[3 + at:3 + at + n], remote)
+                                   for at, remote, n in spans])
     assert type(out) is bytes and len(out) == 1500 * 600 + 3
     got = np.frombuffer(out, np.uint8)
     for at, remote, n in spans[::97] + spans[-1:]:
@@ -65,16 +66,7 @@ def test_reading_memory_that_is_not_there_raises_oserror(
     pid, _, _ = holder
     _, view = process_memory.new_bytes(16)
     with pytest.raises(OSError, match=f"reading process {pid}'s memory"):
-        process_memory.read(pid, view, 0, [(0, 8, 16)])
-
-
-def test_a_span_that_does_not_fit_is_refused_before_reading(
-        holder: tuple[int, int, np.ndarray]) -> None:
-    pid, address, _ = holder
-    _, view = process_memory.new_bytes(100)
-    with pytest.raises(ValueError, match="A span of 60 bytes at 50 \\+ 0 does not fit "
-                                         "in the 100 bytes"):
-        process_memory.read(pid, view, 50, [(0, address, 60)])
+        process_memory.read_into(pid, [(view, 8)])
 
 
 def test_the_switch_takes_0_or_1(monkeypatch: pytest.MonkeyPatch) -> None:
