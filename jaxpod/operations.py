@@ -364,13 +364,39 @@ class Stats(Operation[HostStats]):
 
 @dataclass(frozen=True)
 class ResetHost(Operation[HostReset]):
-    """Frees every value, dataset and iterator and zeroes the work figures, keeping the
-    defined (and compiled) functions: the slice's next holder starts on warm workers."""
+    """Frees every value, dataset and iterator, zeroes the work figures and stops
+    capturing output (discarding it), keeping the defined (and compiled) functions: the
+    slice's next holder starts on warm workers."""
 
     counts_as_work: ClassVar[bool] = False
 
     def apply(self, host: Host) -> HostReset:
         return host.reset_host(self)
+
+
+@dataclass(frozen=True)
+class CaptureOutput(Operation[None]):
+    """Starts (``enabled``) or stops keeping what the host's code prints on stdout and
+    stderr; starting while capturing keeps the one capture. Stopping keeps what was
+    captured (an unfinished last line becomes a line) until it is taken."""
+
+    enabled: bool
+    counts_as_work: ClassVar[bool] = False  # bookkeeping, as Stats: no busy time
+
+    def apply(self, host: Host) -> None:
+        return host.capture_output(self)
+
+
+@dataclass(frozen=True)
+class TakeOutput(Operation["list[str]"]):
+    """The complete lines the host printed since the last take, in order (stdout and
+    stderr together). Text ``jax.debug.print`` writes comes when the computation
+    that prints it runs: it may come with a later take."""
+
+    counts_as_work: ClassVar[bool] = False
+
+    def apply(self, host: Host) -> list[str]:
+        return host.take_output(self)
 
 
 class Host(Protocol):
@@ -405,6 +431,10 @@ class Host(Protocol):
     def stats(self, op: Stats) -> HostStats: ...
 
     def reset_host(self, op: ResetHost) -> HostReset: ...
+
+    def capture_output(self, op: CaptureOutput) -> None: ...
+
+    def take_output(self, op: TakeOutput) -> list[str]: ...
 
 
 def values_in(infos: ValueInfos) -> Dropped:

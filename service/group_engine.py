@@ -100,6 +100,7 @@ class GroupEngine:
         self.dropped = DropQueue()
         self._num_replicas: int | None = None
         self._configured: ops.Configure | None = None
+        self._capturing = False  # restarted workers capture again
 
     def _call(self, op: ops.Operation[_R], layout: PieceLayout | None = None) -> list[_R]:
         try:
@@ -115,6 +116,8 @@ class GroupEngine:
         self.dropped.take()
         if self._configured is not None:
             self.group.call(self._configured)
+        if self._capturing:
+            self.group.call(ops.CaptureOutput(True))
 
     @property
     def functions(self) -> weakref.WeakKeyDictionary[Any, str]:
@@ -132,6 +135,7 @@ class GroupEngine:
         """
         resets = self.group.call(ops.ResetHost(), timeout=timeout)
         self.dropped.take()
+        self._capturing = False  # the reset stopped it
         return resets
 
     @property
@@ -302,6 +306,17 @@ class GroupEngine:
         """Each host's values, device bytes and iterators held, and the seconds it spent
         running operations (``busy_s``, over ``operations`` of them)."""
         return [dataclasses.asdict(s) for s in self._call(ops.Stats())]
+
+    def capture_output(self, enabled: bool) -> None:
+        """Starts (or stops) keeping what code prints on each host's stdout and stderr
+        (it still reaches the workers' logs); read it with :meth:`take_output`."""
+        self._call(ops.CaptureOutput(enabled))
+        self._capturing = enabled
+
+    def take_output(self) -> list[list[str]]:
+        """Each host's complete lines printed since the last take, in host order.
+        ``jax.debug.print`` text comes once the computation printing it has run."""
+        return self._call(ops.TakeOutput())
 
 
 class GroupDataset:

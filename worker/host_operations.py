@@ -27,6 +27,7 @@ from jaxpod.worker.busy_clock import BusyClock
 from jaxpod.worker.device_assignment import DeviceAssignment
 from jaxpod.worker.engine import Engine
 from jaxpod.worker.functions import FunctionRegistry
+from jaxpod.worker.output_capture import OutputCapture
 from jaxpod.worker.value_store import ValueStore
 
 
@@ -52,6 +53,7 @@ class HostOperations(ops.Host):
         self._busy_base = 0.0  # busy seconds before the slice's current holder
         self._operations = 0
         self._started_at = 0.0
+        self._output = OutputCapture()
 
     def execute(self, envelope: ops.Envelope) -> Any:
         """Runs the envelope's operation if it is the next in this group's sequence.
@@ -83,9 +85,11 @@ class HostOperations(ops.Host):
                 self._operations += 1
 
     def close(self) -> None:
-        """Stops every iterator's infeed and drops the datasets."""
+        """Stops every iterator's infeed, drops the datasets, and stops capturing output
+        (putting the process's streams back), discarding what was captured."""
         self.iterators.clear()
         self.datasets.clear()
+        self._output.discard()
 
     # ------------------------------------------------------------------ helpers
     def _drop(self, dropped: Dropped) -> None:
@@ -220,10 +224,19 @@ class HostOperations(ops.Host):
         freed = ops.HostReset(values=self.store.clear(), datasets=len(self.datasets),
                               iterators=len(self.iterators),
                               functions_kept=len(self.functions), pid=os.getpid())
-        self.close()  # stops the iterators' infeed threads
+        self.close()  # stops the iterators' infeed threads and the output capture
         # An offset, not a new clock: a new one would leave the old one's thread behind.
         self._busy_base, self._operations = self._busy.seconds(), 0
         return freed
+
+    def capture_output(self, op: ops.CaptureOutput) -> None:
+        if op.enabled:
+            self._output.start()
+        else:
+            self._output.stop()
+
+    def take_output(self, op: ops.TakeOutput) -> list[str]:
+        return self._output.take()
 
 
 def _unshipped(value: Any) -> Any:
