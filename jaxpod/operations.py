@@ -161,8 +161,9 @@ class Operation(abc.ABC, Generic[R]):
 
 @dataclass(frozen=True)
 class Configure(Operation[int]):
-    """Replaces the host's engine with one for this device assignment (as
-    ``DeviceAssignment.build`` takes it); returns the replica count."""
+    """Sets the host's engine for this device assignment (as ``DeviceAssignment.build``
+    takes it) and default steps per run; returns the replica count. An engine already
+    built for the same assignment is kept, with its compiled programs."""
 
     steps_per_run: int
     computation_shape: tuple[int, ...] | None

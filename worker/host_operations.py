@@ -54,6 +54,10 @@ class HostOperations(ops.Host):
         self._operations = 0
         self._started_at = 0.0
         self._output = OutputCapture()
+        # The device assignment the engine was built for: a Configure asking for the
+        # same keeps the engine, and with it every compiled program (a warm slice's
+        # next holder or job then compiles nothing it already ran).
+        self._assignment: tuple[Any, ...] | None = None
 
     def execute(self, envelope: ops.Envelope) -> Any:
         """Runs the envelope's operation if it is the next in this group's sequence.
@@ -153,9 +157,18 @@ class HostOperations(ops.Host):
         # Only before any value exists: values belong to one mesh.
         if self.store.stats().num_values or self.iterators:
             raise RuntimeError("configure must come before any value or iterator exists.")
-        computation_shape = None if op.computation_shape is None else list(op.computation_shape)
-        assignment = DeviceAssignment.build(None, computation_shape, op.num_replicas)
-        self.engine = Engine(assignment, op.steps_per_run)
+        wanted = (op.computation_shape, op.num_replicas)
+        if wanted == self._assignment:
+            if op.steps_per_run < 1:
+                raise ValueError(f"steps_per_run must be a positive int. Got "
+                                 f"{op.steps_per_run!r}.")
+            self.engine.steps_per_run = op.steps_per_run
+        else:
+            computation_shape = (None if op.computation_shape is None
+                                 else list(op.computation_shape))
+            assignment = DeviceAssignment.build(None, computation_shape, op.num_replicas)
+            self.engine = Engine(assignment, op.steps_per_run)
+            self._assignment = wanted
         self.datasets.clear()
         return int(self.engine.num_replicas_in_sync)
 

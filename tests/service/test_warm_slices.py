@@ -133,6 +133,29 @@ def test_released_slice_is_reused_with_its_workers_and_functions(slices: RaySlic
     assert [w.group for w in slices.warm()] == [group]
 
 
+def _traced_loudly(x: jax.Array) -> jax.Array:
+    print("tracing _traced_loudly")  # on the workers, once per trace
+    return x + 1.0
+
+
+def test_a_warm_slice_keeps_its_compiled_programs(slices: RaySlices) -> None:
+    x = np.arange(4, dtype=np.float32)
+    held = _acquire(slices)
+    held.engine.capture_output(True)
+    held.engine.run(_traced_loudly, args=(x,))
+    assert all("tracing _traced_loudly" in lines for lines in held.engine.take_output())
+    held.release()
+    again = _acquire(slices, steps_per_run=3)  # the same device assignment
+    try:
+        again.engine.capture_output(True)
+        for part in again.engine.experimental_local_results(
+                again.engine.run(_traced_loudly, args=(x,))):
+            np.testing.assert_array_equal(part, x + 1.0)
+        assert again.engine.take_output() == [[], []]  # nothing traced again
+    finally:
+        again.release()
+
+
 def test_warm_slice_whose_worker_died_is_replaced(slices: RaySlices) -> None:
     held = _acquire(slices)
     held.release()
