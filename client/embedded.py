@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +42,7 @@ class EmbeddedService:
     address: str
     token: str
     process: subprocess.Popen[bytes]
+    state_dir: str | None = None
     _stopped: bool = field(default=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -62,6 +64,8 @@ class EmbeddedService:
             proc.stdin.close()
         if proc.stdout:
             proc.stdout.close()
+        if self.state_dir:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
 def start(slices: str | None = None, log_path: str | None = None,
@@ -86,13 +90,16 @@ def start(slices: str | None = None, log_path: str | None = None,
     deadline = Deadline(limit)
     token = secrets.token_hex(16)
     slices = slices or os.environ.get(SLICES_ENV)
+    import tempfile
+
+    # A state dir of its own: another process's embedded service must not take this
+    # one's running jobs for a crashed coordinator's. Removed when it stops.
+    state_dir = tempfile.mkdtemp(prefix=f"jaxpod-embedded-{os.getpid()}-")
     command = [sys.executable, "-m", "jaxpod.cli", "serve", "--local", "--port", "0",
-               "--stop-on-stdin-eof"]
+               "--stop-on-stdin-eof", "--state-dir", state_dir]
     if slices:
         command += ["--slices", slices]
     if log_path is None:
-        import tempfile
-
         log_path = os.path.join(tempfile.gettempdir(), f"jaxpod-embedded-{os.getpid()}.log")
     if not quiet:
         print(f"jaxpod: starting the embedded local service (simulated "
@@ -102,7 +109,7 @@ def start(slices: str | None = None, log_path: str | None = None,
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=log, env=env, start_new_session=True)
-    service = EmbeddedService("", token, proc)
+    service = EmbeddedService("", token, proc, state_dir)
     atexit.register(service.stop)
     try:
         service.address = _read_address(proc, deadline, log_path)

@@ -115,3 +115,28 @@ class JobNotFoundError(JaxpodError, KeyError):
         where = f" in {self.args[1]}" if len(self.args) > 1 and self.args[1] else ""
         return (f"No job with id {self.args[0]!r}{where}. List the known jobs with "
                 "`jaxpod jobs` or `client.jobs()` and pass one of their ids.")
+
+
+class JobFailedError(JaxpodError):
+    """``result()`` of a job that ended ``FAILED``; ``error`` is the recorded reason (the
+    user's exception type, message and remote traceback, or what the service saw)."""
+
+    def __init__(self, job_id: str, error: str) -> None:
+        super().__init__(job_id, error)
+        self.job_id = job_id
+        self.error = error
+
+    def __str__(self) -> str:
+        return f"Job {self.args[0]} failed: {self.args[1]}"
+
+
+class JobCancelledError(JaxpodError):
+    """``result()`` of a job that ended ``CANCELLED``; ``reason`` says who or what did."""
+
+    def __init__(self, job_id: str, reason: str) -> None:
+        super().__init__(job_id, reason)
+        self.job_id = job_id
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"Job {self.args[0]} was cancelled ({self.args[1]}); it has no result."

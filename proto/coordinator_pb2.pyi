@@ -430,29 +430,180 @@ class ClusterSlice(_message.Message):
     def __init__(self, name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_hosts: _Optional[int] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("session_id", "payload")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    payload: bytes
-    def __init__(self, session_id: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    __slots__ = ("name", "accelerator_type", "num_slices", "steps", "steps_per_run", "step_fn", "init_fn", "dataset", "dataset_fn", "outputs", "checkpoint_every", "max_retries_preemption", "max_retries_failure", "runtime_versions")
+    class OutputsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class RuntimeVersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLICES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_RUN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FN_FIELD_NUMBER: _ClassVar[int]
+    INIT_FN_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FN_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    MAX_RETRIES_PREEMPTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_RETRIES_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    accelerator_type: str
+    num_slices: int
+    steps: int
+    steps_per_run: int
+    step_fn: bytes
+    init_fn: bytes
+    dataset: bytes
+    dataset_fn: bytes
+    outputs: _containers.ScalarMap[str, str]
+    checkpoint_every: int
+    max_retries_preemption: int
+    max_retries_failure: int
+    runtime_versions: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_slices: _Optional[int] = ..., steps: _Optional[int] = ..., steps_per_run: _Optional[int] = ..., step_fn: _Optional[bytes] = ..., init_fn: _Optional[bytes] = ..., dataset: _Optional[bytes] = ..., dataset_fn: _Optional[bytes] = ..., outputs: _Optional[_Mapping[str, str]] = ..., checkpoint_every: _Optional[int] = ..., max_retries_preemption: _Optional[int] = ..., max_retries_failure: _Optional[int] = ..., runtime_versions: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class JobRequest(_message.Message):
-    __slots__ = ("job_id",)
+    __slots__ = ("job_id", "detail")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+    detail: bool
+    def __init__(self, job_id: _Optional[str] = ..., detail: _Optional[bool] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ("state", "limit", "offset")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    limit: int
+    offset: int
+    def __init__(self, state: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class JobTransition(_message.Message):
+    __slots__ = ("from_state", "to_state", "at", "reason")
+    FROM_STATE_FIELD_NUMBER: _ClassVar[int]
+    TO_STATE_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    from_state: str
+    to_state: str
+    at: float
+    reason: str
+    def __init__(self, from_state: _Optional[str] = ..., to_state: _Optional[str] = ..., at: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class JobAttempt(_message.Message):
+    __slots__ = ("number", "started_at", "ended_at", "cause", "step_reached")
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    STEP_REACHED_FIELD_NUMBER: _ClassVar[int]
+    number: int
+    started_at: float
+    ended_at: float
+    cause: str
+    step_reached: int
+    def __init__(self, number: _Optional[int] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., cause: _Optional[str] = ..., step_reached: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state")
+    __slots__ = ("job_id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "history", "attempt_records")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_TYPE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_RECORDS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
+    name: str
+    accelerator_type: str
+    step: int
+    steps: int
+    attempts: int
+    queue_position: int
+    error: str
+    metrics: _containers.ScalarMap[str, float]
+    created_at: float
+    started_at: float
+    finished_at: float
+    history: _containers.RepeatedCompositeFieldContainer[JobTransition]
+    attempt_records: _containers.RepeatedCompositeFieldContainer[JobAttempt]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., attempts: _Optional[int] = ..., queue_position: _Optional[int] = ..., error: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., history: _Optional[_Iterable[_Union[JobTransition, _Mapping]]] = ..., attempt_records: _Optional[_Iterable[_Union[JobAttempt, _Mapping]]] = ...) -> None: ...
 
 class JobList(_message.Message):
     __slots__ = ("jobs",)
     JOBS_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...
+
+class MetricSeries(_message.Message):
+    __slots__ = ("name", "steps", "values")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, name: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class JobMetrics(_message.Message):
+    __slots__ = ("series",)
+    SERIES_FIELD_NUMBER: _ClassVar[int]
+    series: _containers.RepeatedCompositeFieldContainer[MetricSeries]
+    def __init__(self, series: _Optional[_Iterable[_Union[MetricSeries, _Mapping]]] = ...) -> None: ...
+
+class JobLogsRequest(_message.Message):
+    __slots__ = ("job_id", "after")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    after: int
+    def __init__(self, job_id: _Optional[str] = ..., after: _Optional[int] = ...) -> None: ...
+
+class LogLine(_message.Message):
+    __slots__ = ("seq", "host", "line", "at")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    host: int
+    line: str
+    at: float
+    def __init__(self, seq: _Optional[int] = ..., host: _Optional[int] = ..., line: _Optional[str] = ..., at: _Optional[float] = ...) -> None: ...
+
+class JobLogs(_message.Message):
+    __slots__ = ("lines",)
+    LINES_FIELD_NUMBER: _ClassVar[int]
+    lines: _containers.RepeatedCompositeFieldContainer[LogLine]
+    def __init__(self, lines: _Optional[_Iterable[_Union[LogLine, _Mapping]]] = ...) -> None: ...

@@ -146,7 +146,7 @@ class CoordinatorStub:
                 _registered_method=True)
         self.ListJobs = channel.unary_unary(
                 '/jaxpod.v1.Coordinator/ListJobs',
-                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.Empty.SerializeToString,
+                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.ListJobsRequest.SerializeToString,
                 response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobList.FromString,
                 _registered_method=True)
         self.WatchJob = channel.unary_stream(
@@ -158,6 +158,21 @@ class CoordinatorStub:
                 '/jaxpod.v1.Coordinator/CancelJob',
                 request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
                 response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.FromString,
+                _registered_method=True)
+        self.GetJobResult = channel.unary_stream(
+                '/jaxpod.v1.Coordinator/GetJobResult',
+                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
+                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.ResultChunk.FromString,
+                _registered_method=True)
+        self.GetJobMetrics = channel.unary_unary(
+                '/jaxpod.v1.Coordinator/GetJobMetrics',
+                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
+                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobMetrics.FromString,
+                _registered_method=True)
+        self.GetJobLogs = channel.unary_unary(
+                '/jaxpod.v1.Coordinator/GetJobLogs',
+                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobLogsRequest.SerializeToString,
+                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobLogs.FromString,
                 _registered_method=True)
 
 
@@ -293,14 +308,16 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SubmitJob(self, request, context):
-        """Jobs (reserved for the jobs issue; answered UNIMPLEMENTED until then).
+        """Jobs: submitted, queued per accelerator type, run on whole slices by the service
+        and kept in its job store; they need no session and outlive their client.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetJob(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """with history and attempts if detail
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -312,12 +329,32 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchJob(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """one per change; ends when over
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CancelJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJobResult(self, request, context):
+        """{"state", "outputs"}
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJobMetrics(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJobLogs(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -438,7 +475,7 @@ def add_CoordinatorServicer_to_server(servicer, server):
             ),
             'ListJobs': grpc.unary_unary_rpc_method_handler(
                     servicer.ListJobs,
-                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.Empty.FromString,
+                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.ListJobsRequest.FromString,
                     response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobList.SerializeToString,
             ),
             'WatchJob': grpc.unary_stream_rpc_method_handler(
@@ -450,6 +487,21 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.CancelJob,
                     request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.FromString,
                     response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.SerializeToString,
+            ),
+            'GetJobResult': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetJobResult,
+                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.FromString,
+                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.ResultChunk.SerializeToString,
+            ),
+            'GetJobMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJobMetrics,
+                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.FromString,
+                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobMetrics.SerializeToString,
+            ),
+            'GetJobLogs': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJobLogs,
+                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobLogsRequest.FromString,
+                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobLogs.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1071,7 +1123,7 @@ class Coordinator:
             request,
             target,
             '/jaxpod.v1.Coordinator/ListJobs',
-            jaxpod_dot_proto_dot_coordinator__pb2.Empty.SerializeToString,
+            jaxpod_dot_proto_dot_coordinator__pb2.ListJobsRequest.SerializeToString,
             jaxpod_dot_proto_dot_coordinator__pb2.JobList.FromString,
             options,
             channel_credentials,
@@ -1127,6 +1179,87 @@ class Coordinator:
             '/jaxpod.v1.Coordinator/CancelJob',
             jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
             jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobResult(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/jaxpod.v1.Coordinator/GetJobResult',
+            jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
+            jaxpod_dot_proto_dot_coordinator__pb2.ResultChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxpod.v1.Coordinator/GetJobMetrics',
+            jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
+            jaxpod_dot_proto_dot_coordinator__pb2.JobMetrics.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxpod.v1.Coordinator/GetJobLogs',
+            jaxpod_dot_proto_dot_coordinator__pb2.JobLogsRequest.SerializeToString,
+            jaxpod_dot_proto_dot_coordinator__pb2.JobLogs.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,6 +33,8 @@ from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
 from jaxpod.proto import tensors
 from jaxpod.service.group_engine import DefinedFunction, GatherParts, GroupValue
+from jaxpod.service.jobs.handlers import JobsServicer
+from jaxpod.service.jobs.manager import JobManager
 from jaxpod.service.sessions import HeldSlice, Session, SessionManager
 from jaxpod.service.status import status_of
 from jaxpod.shipping import ShippedFunction, runtime_versions
@@ -53,22 +55,28 @@ class SliceProvider(Protocol):
 
     def cluster(self) -> list[pb.ClusterSlice]: ...
 
+    def has_free(self, accelerator_type: str, num_slices: int) -> bool:
+        """Whether an acquire of that shape would get slices without waiting."""
+        ...
+
     def close(self) -> None:
         """Stops every slice kept warm (service shutdown)."""
 
 
-class CoordinatorService(pb_grpc.CoordinatorServicer):
-    """The RPC handlers.
+class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
+    """The RPC handlers (the job RPCs come from :class:`JobsServicer`).
 
     Args:
       slices: where slices come from (Ray allocation and host workers).
       sessions: the session table (its default lease comes from the environment).
       max_workers: threads running blocking slice operations.
+      jobs: the job manager (``None``: the service takes no jobs).
     """
 
     def __init__(self, slices: SliceProvider, sessions: SessionManager | None = None,
-                 max_workers: int = 32) -> None:
+                 max_workers: int = 32, jobs: JobManager | None = None) -> None:
         self.slices = slices
+        self.jobs = jobs
         self.sessions = sessions if sessions is not None else SessionManager()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers, thread_name_prefix="jaxpod-slice")
@@ -111,8 +119,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def close_session(self, session_id: str, why: str) -> None:
         for held in self.sessions.close(session_id):
-            await self._blocking(held.release)
+            await self._release(held)
         logger.info("session %s %s", session_id, why)
+
+    async def _release(self, held: HeldSlice) -> None:
+        await self._blocking(held.release)
+        if self.jobs is not None:  # a queued job may take the slice
+            self.jobs.wake()
 
     async def reap_expired(self) -> list[str]:
         """Closes every session whose lease ran out; returns their ids."""
@@ -122,6 +135,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return expired
 
     async def close_all(self) -> None:
+        if self.jobs is not None:  # running jobs stop and give their slices back first
+            await self._blocking(self.jobs.close)
         for session in self.sessions.all():
             await self.close_session(session.id, "closed: the service is stopping")
         await self._blocking(self.slices.close)  # after the sessions: they release to it
@@ -136,7 +151,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         try:
             session.add_slice(held)
         except SessionError:
-            await self._blocking(held.release)
+            await self._release(held)
             raise
         d = held.description
         return pb.SliceInfo(slice_id=held.id, accelerator_type=d["accelerator_type"],
@@ -147,7 +162,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def ReleaseSlice(self, request: pb.SliceRequest, context: Any) -> pb.Empty:
         held = self.sessions.get(request.session_id).pop_slice(request.slice_id)
-        await self._blocking(held.release)
+        await self._release(held)
         return pb.Empty()
 
     def _slice(self, request: Any) -> tuple[Session, HeldSlice]:
@@ -338,22 +353,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         holders = {name: tensors.holder_label(s.id) for s in self.sessions.all()
                    for h in s.slices.values()
                    for name in h.description["slice_names"]}
+        if self.jobs is not None:
+            holders.update(self.jobs.holders())
         for s in slices:
             s.holder = holders.get(s.name, "")
         return pb.ClusterStatusResponse(slices=slices, num_sessions=len(self.sessions),
                                         server_version=jaxpod.__version__)
-
-    # ---------------------------------------------------------------------- jobs
-    async def _no_jobs(self, request: Any, context: Any) -> Any:
-        raise NotImplementedError(
-            "Jobs are not available in this jaxpod version; use client.strategy(...).")
-
-    SubmitJob = GetJob = ListJobs = CancelJob = _no_jobs
-
-    async def WatchJob(self, request: pb.JobRequest, context: Any
-                       ) -> AsyncIterator[pb.JobStatus]:
-        await self._no_jobs(request, context)
-        yield pb.JobStatus()  # pragma: no cover
 
 
 # ---------------------------------------------------------------- error mapping

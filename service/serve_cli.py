@@ -14,6 +14,17 @@ from typing import Any
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 TOKEN_ENV = "JAXPOD_TOKEN"
+STATE_DIR_ENV = "JAXPOD_STATE_DIR"
+
+
+def default_state_dir() -> str:
+    """``$JAXPOD_STATE_DIR``, else ``~/.local/state/jaxpod`` (``$XDG_STATE_HOME`` if set)."""
+    explicit = os.environ.get(STATE_DIR_ENV)
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                            ".local", "state")
+    return os.path.join(base, "jaxpod")
 
 
 def is_loopback(host: str) -> bool:
@@ -77,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-on-stdin-eof", action="store_true",
                         help="also stop when stdin closes (for a parent process that "
                              "runs this service as its child)")
+    parser.add_argument("--state-dir", default=None, metavar="DIR",
+                        help="where jobs are kept (jobs.sqlite) (default "
+                             f"${STATE_DIR_ENV}, else ~/.local/state/jaxpod)")
     parser.add_argument("--platform", default="cpu", choices=("cpu", "tpu"),
                         help="what the host workers run JAX on (default cpu: simulated)")
 
@@ -122,9 +136,12 @@ def run_serve(args: argparse.Namespace) -> int:
     def listening(where: str) -> None:
         print(f"{LISTENING} {json.dumps({'address': where, 'pid': os.getpid()})}", flush=True)
 
+    from pathlib import Path
+
+    state_dir = Path(args.state_dir or default_state_dir()).expanduser()
     try:
         asyncio.run(serve(address, make_slices, token, args.lease, listening,
-                          args.stop_on_stdin_eof))
+                          args.stop_on_stdin_eof, state_dir=state_dir))
     finally:
         import ray
 

@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -42,6 +43,8 @@ from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
 from jaxpod.proto import tensors
 from jaxpod.proto.tensors import channel_options
 from jaxpod.service.coordinator import CoordinatorService, SliceProvider
+from jaxpod.service.jobs.manager import JobManager
+from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.sessions import SessionManager
 from jaxpod.service.status import status_of
 from jaxpod.timeouts import Deadline, Timeout
@@ -169,7 +172,7 @@ async def _set_serving(health: health_async.HealthServicer, serving: bool) -> No
 async def serve(address: str, make_slices: Callable[[], SliceProvider],
                 token: str | None = None, lease_s: float | None = None,
                 on_listening: Callable[[str], None] | None = None,
-                stop_on_stdin_eof: bool = False) -> None:
+                stop_on_stdin_eof: bool = False, state_dir: Path | None = None) -> None:
     """Runs the coordinator until SIGTERM or SIGINT, then stops gracefully.
 
     Args:
@@ -181,10 +184,13 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
       on_listening: called with ``host:port`` once bound.
       stop_on_stdin_eof: also stop when stdin closes (the parent that started this
         service as its child exited, however it exited).
+      state_dir: where the job store lives (``None``: the service takes no jobs).
     """
     sessions = SessionManager(lease_s)
     provider = _DeferredSlices()
-    service = CoordinatorService(provider, sessions)
+    store = JobStore(state_dir) if state_dir is not None else None
+    jobs = JobManager(store, provider) if store is not None else None
+    service = CoordinatorService(provider, sessions, jobs=jobs)
     server, port, health = create_server(address, service, token)
     await _set_serving(health, False)  # the health service starts out SERVING
     await server.start()
@@ -202,6 +208,9 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
     if stop_on_stdin_eof:
         loop.add_reader(sys.stdin.fileno(), _stop_on_eof, stop)
     reaper = asyncio.create_task(_reap(service, stop))
+    if jobs is not None:
+        jobs.start()  # queued jobs wait for the cluster like acquires do
+        logger.info("jobs kept in %s", store.path if store else None)
     try:
         try:
             target = await asyncio.to_thread(make_slices)
@@ -224,6 +233,8 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
         with contextlib.suppress(asyncio.CancelledError):
             await reaper
         await service.close_all()
+        if store is not None:
+            store.close()
 
 
 def _stop_on_eof(stop: asyncio.Event) -> None:
@@ -299,6 +310,11 @@ class _DeferredSlices:
         waited.CopyFrom(request)
         waited.timeout_s = max(deadline.remaining(), 1e-3)
         return target.acquire(waited, slice_id)
+
+    def has_free(self, accelerator_type: str, num_slices: int) -> bool:
+        """False until the cluster is up (a job then waits in its queue)."""
+        return self._target is not None and self._target.has_free(accelerator_type,
+                                                                   num_slices)
 
     def cluster(self) -> list[pb.ClusterSlice]:
         if self._target is not None:

@@ -125,6 +125,17 @@ class RaySlices:
         self._make_room(key)
         return self._start(request, slice_id, key)
 
+    def has_free(self, accelerator_type: str, num_slices: int) -> bool:
+        """Whether an acquire of that shape would get slices without waiting: a warm
+        one of that shape, or enough idle (or warm, which an acquire stops to make
+        room) slices of the type."""
+        key = (accelerator_type.strip().lower(), num_slices)
+        with self._lock:
+            if any(w.key == key for w in self._warm):
+                return True
+            warm = sum(w.key[1] for w in self._warm if w.key[0] == key[0])
+        return warm + _idle_slices(key[0]) >= num_slices
+
     def _start(self, request: pb.AcquireSliceRequest, slice_id: str, key: WarmKey
                ) -> HeldSlice:
         allocation = self.allocator.allocate(request.accelerator_type, key[1],

@@ -9,3 +9,22 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
+
+
+def pytest_configure(config: object) -> None:
+    # Every `jaxpod serve` a test starts keeps its jobs here unless it names its own
+    # --state-dir: never in the user's ~/.local/state.
+    import os
+    import tempfile
+
+    if "JAXPOD_STATE_DIR" not in os.environ:
+        os.environ["JAXPOD_STATE_DIR"] = tempfile.mkdtemp(prefix="jaxpod-test-state-")
+        os.environ["JAXPOD_TEST_OWNS_STATE_DIR"] = "1"
+
+
+def pytest_unconfigure(config: object) -> None:
+    import os
+    import shutil
+
+    if os.environ.pop("JAXPOD_TEST_OWNS_STATE_DIR", None):
+        shutil.rmtree(os.environ.pop("JAXPOD_STATE_DIR"), ignore_errors=True)

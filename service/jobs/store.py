@@ -497,6 +497,16 @@ class JobStore:
             series.setdefault(name, []).append((step, math.nan if value is None else value))
         return series
 
+    def latest_metrics(self, job_id: str) -> dict[str, float]:
+        """Each metric's value at the last step it was recorded."""
+        with self._read() as conn:
+            self._require(conn, job_id)
+            rows = conn.execute(
+                "SELECT name, value FROM metrics m WHERE job_id = ? AND step = (SELECT "
+                "MAX(step) FROM metrics WHERE job_id = m.job_id AND name = m.name)",
+                (job_id,)).fetchall()
+        return {name: math.nan if value is None else value for name, value in rows}
+
     def append_logs(self, job_id: str, host: int, lines: Iterable[str]) -> None:
         now = self._clock()
         with self._write() as conn:

@@ -1,0 +1,209 @@
+"""What a job is made of, shared by the client that submits it and the workers that run it.
+
+The client wraps the user's objects before shipping them (:func:`job_parts`): the step
+function in a :class:`JobStep`, which checks what it returns and keeps only the declared
+outputs; a dataset in :class:`Epochs` (or a ``dataset_fn`` in :class:`EpochsFn`), which
+starts over when the input runs out, so a job of ``steps`` steps never runs short; an
+``initial_state`` in :class:`InitialState`, so every job's state starts as
+``strategy.run(init_fn)``. The workers unpickle these by reference (this module is part
+of the installed package) and the user's code inside them by value.
+
+:class:`JobStatus` and :class:`JobResult` are what ``Job.status()`` and ``Job.result()``
+return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxpod.types import ReduceOp
+
+#: The states a job can be in (DESIGN §3); the last three are final.
+JOB_STATES = ("PENDING", "ALLOCATING", "RUNNING", "RETRYING", "SUCCEEDED", "FAILED",
+              "CANCELLED")
+TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """A job as the service last recorded it.
+
+    Attributes:
+      id: the job's id (what ``client.job(id)`` and ``jaxpod job ID`` take).
+      name: its name (its id unless given at submit).
+      state: ``"PENDING"``, ``"ALLOCATING"``, ``"RUNNING"``, ``"RETRYING"``,
+        ``"SUCCEEDED"``, ``"FAILED"`` or ``"CANCELLED"``.
+      step: steps done; steps: steps asked for.
+      attempts: attempts started so far (a retried job has more than one).
+      queue_position: 0 is next for a free slice; ``None`` when not queued.
+      error: for a ``FAILED`` job, the reason (the user's exception type, message and
+        remote traceback, or what the service saw).
+      metrics: each declared output's latest reduced value.
+      goodput: seconds by category and the productive share (``None`` until recorded).
+      created_at, started_at, finished_at: seconds since the epoch (``None``: not yet).
+      accelerator_type: the slice type it runs on.
+    """
+
+    id: str
+    name: str
+    state: str
+    step: int
+    steps: int
+    attempts: int
+    queue_position: int | None
+    error: str | None
+    metrics: Mapping[str, float]
+    goodput: Mapping[str, float] | None
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    accelerator_type: str = ""
+
+    @property
+    def done(self) -> bool:
+        """Whether the job is over (``SUCCEEDED``, ``FAILED`` or ``CANCELLED``)."""
+        return self.state in TERMINAL_STATES
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """A finished job's result.
+
+    Attributes:
+      state: the final state as numpy (replica 0's copy: jobs train mirrored state).
+      outputs: the last reduced outputs (name -> numpy).
+      metrics: every recorded value: name -> ``[(step, value), ...]``.
+      steps: steps run.
+    """
+
+    state: Any
+    outputs: Mapping[str, Any]
+    metrics: Mapping[str, list[tuple[int, float]]] = field(default_factory=dict)
+    steps: int = 0
+
+
+def check_outputs(outputs: Any) -> dict[str, str]:
+    """``outputs`` as ``{name: reduce op name}``; a clear error for anything else."""
+    if outputs is None:
+        return {}
+    if not isinstance(outputs, Mapping):
+        raise TypeError(f"outputs must be a dict of output name -> reduce op (e.g. "
+                        f"{{'loss': 'MEAN'}}). Got {type(outputs).__name__}.")
+    checked = {}
+    for name, op in outputs.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"outputs: names must be non-empty strings. Got {name!r}.")
+        try:
+            checked[name] = ReduceOp.from_value(op).value
+        except ValueError:
+            known = ", ".join(o.value for o in ReduceOp)
+            raise ValueError(f"outputs[{name!r}]: unknown reduce op {op!r}; expected one of "
+                             f"{known} (or jaxpod.ReduceOp.*).") from None
+    return checked
+
+
+@dataclass(frozen=True)
+class JobStep:
+    """The step the workers run: the user's ``step_fn(state, batch) -> (state, outputs)``,
+    checked, with only the declared outputs kept.
+
+    A job without state carries ``()`` on the devices and shows ``step_fn`` ``None``;
+    a job without input shows it ``None`` as the batch.
+    """
+
+    step_fn: Callable[..., Any]
+    outputs: tuple[str, ...]
+    stateful: bool
+    has_input: bool
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
+        result = self.step_fn(state if self.stateful else None,
+                              batch if self.has_input else None)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            got = (f"a tuple of {len(result)}" if isinstance(result, tuple)
+                   else type(result).__name__)
+            raise TypeError(f"step_fn must return a pair (state, outputs); got {got}. Return "
+                            "(new_state, {'loss': loss, ...}), or (None, {...}) for a job "
+                            "without state.")
+        new_state, outputs = result
+        if not self.stateful and new_state is not None:
+            raise TypeError("step_fn returned a state, but the job has none: pass init_fn= "
+                            "or initial_state= to submit, or return (None, outputs).")
+        if not self.outputs:
+            return (new_state if self.stateful else ()), {}
+        if not isinstance(outputs, Mapping):
+            raise TypeError(f"step_fn's outputs must be a dict holding the declared outputs "
+                            f"{list(self.outputs)}; got {type(outputs).__name__}.")
+        missing = [n for n in self.outputs if n not in outputs]
+        if missing:
+            raise ValueError(f"outputs names {missing}, which step_fn does not return (it "
+                             f"returns {sorted(map(str, outputs))}). Return them, or "
+                             "remove them from outputs=.")
+        return (new_state if self.stateful else ()), {n: outputs[n] for n in self.outputs}
+
+
+@dataclass(frozen=True)
+class InitialState:
+    """``initial_state`` as an init function: every replica starts from the value."""
+
+    value: Any
+
+    def __call__(self) -> Any:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Epochs:
+    """A re-iterable dataset read over and over: a job's input never runs out."""
+
+    dataset: Any
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch = 0
+        while True:
+            empty = True
+            for item in self.dataset:
+                empty = False
+                yield item
+            if empty:
+                raise ValueError(
+                    f"The job's dataset ({type(self.dataset).__name__}) yielded no batches"
+                    + (" when read again: it is not re-iterable" if epoch else "")
+                    + ". Pass a list of batches, or an object whose __iter__ starts over.")
+            epoch += 1
+
+
+@dataclass(frozen=True)
+class NoInput:
+    """The input of a job without one: one row per replica, which ``JobStep`` never
+    shows the step function."""
+
+    rows: int
+
+    def __iter__(self) -> Iterator[Any]:
+        import numpy as np
+
+        batch = np.zeros((self.rows,), np.int8)
+        while True:
+            yield batch
+
+
+@dataclass(frozen=True)
+class EpochsFn:
+    """A ``dataset_fn`` whose per-host datasets start over when they run out."""
+
+    dataset_fn: Callable[..., Any]
+
+    def __call__(self, context: Any) -> Epochs:
+        return Epochs(self.dataset_fn(context))
+
+
+def is_reiterable(dataset: Any) -> bool:
+    """Whether iterating ``dataset`` again starts over (an iterator or a generator
+    does not: its second pass is empty)."""
+    try:
+        return iter(dataset) is not dataset
+    except TypeError:
+        return False
