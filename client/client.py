@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -22,8 +22,10 @@ import grpc.experimental  # not loaded by ``import grpc``; ChannelOptions lives 
 
 import jaxpod
 from jaxpod.client import embedded, rpc
+from jaxpod.client.jobs import Job, build_spec, check_state, status_from, submit_spec
 from jaxpod.client.remote import RemoteStrategy
 from jaxpod.errors import SessionError
+from jaxpod.jobs import JobStatus
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
 from jaxpod.proto.tensors import PROTOCOL_VERSION, channel_options, parse_chunk
@@ -198,6 +200,80 @@ class Client:
                           idempotent=True, timeout=rpc.CONTROL_TIMEOUT)
         return [{"name": s.name, "accelerator_type": s.accelerator_type,
                  "num_hosts": s.num_hosts, "holder": s.holder} for s in reply.slices]
+
+    # --------------------------------------------------------------------- jobs
+    def submit(self, step_fn: Callable[..., Any], *, steps: int,
+               accelerator_type: str | None = None, init_fn: Callable[[], Any] | None = None,
+               initial_state: Any = None, dataset: Any = None,
+               dataset_fn: Callable[..., Any] | None = None, steps_per_run: int = 1,
+               outputs: Mapping[str, Any] | None = None, checkpoint_every: int | None = None,
+               name: str | None = None, num_slices: int = 1, max_retries_preemption: int = 10,
+               max_retries_failure: int = 0) -> Job:
+        """Submits a job: ``steps`` steps of ``step_fn`` on whole slices, run by the
+        service whether or not this client stays connected.
+
+        Args:
+          step_fn: ``step_fn(state, batch) -> (state, outputs)``, run per replica as in
+            ``strategy.run_steps`` (the replica context is available).
+          steps: steps to run (>= 1); the input starts over when it runs out.
+          accelerator_type: slice type, e.g. ``"v4-16"`` (``None``: the type of the
+            cluster's first slice).
+          init_fn: builds the state, run per replica (as ``strategy.run(init_fn)``).
+          initial_state: the state every replica starts from (instead of ``init_fn``).
+            With neither, the state is ``None``.
+          dataset: re-iterable global batches (a list, not a generator), split over the
+            replicas as ``experimental_distribute_dataset`` does.
+          dataset_fn: ``dataset_fn(jaxpod.InputContext)``, called once per host, as
+            ``distribute_datasets_from_function`` does (instead of ``dataset``). With
+            neither, ``step_fn`` gets ``None`` as its batch.
+          steps_per_run: steps per on-device loop.
+          outputs: ``{name: reduce op}`` for entries of ``step_fn``'s outputs dict,
+            reduced over replicas after every loop and recorded as metrics.
+          checkpoint_every: steps between checkpoints (``None``: none).
+          name: a name to show (default: the job's id).
+          num_slices: slices the job runs on.
+          max_retries_preemption: retries after a lost host or a preempted slice.
+          max_retries_failure: retries after an exception in the job's code.
+
+        Returns:
+          The job (``job.id`` finds it again from anywhere: ``client.job(id)``).
+
+        Raises:
+          TypeError, ValueError: a bad argument (the message says what to fix).
+          jaxpod.MessageTooLargeError: the shipped objects (a large in-memory dataset)
+            exceed the message limit; pass a ``dataset_fn`` that loads it on the hosts.
+        """
+        self.check_open("submit")
+        spec = build_spec(
+            step_fn, steps=steps, accelerator_type=accelerator_type, init_fn=init_fn,
+            initial_state=initial_state, dataset=dataset, dataset_fn=dataset_fn,
+            steps_per_run=steps_per_run, outputs=outputs, checkpoint_every=checkpoint_every,
+            name=name, num_slices=num_slices, max_retries_preemption=max_retries_preemption,
+            max_retries_failure=max_retries_failure)
+        return submit_spec(self, spec)
+
+    def job(self, job_id: str) -> Job:
+        """The job with this id, submitted by any client.
+
+        Raises:
+          jaxpod.JobNotFoundError: the service has no such job.
+        """
+        self.check_open("job")
+        if not isinstance(job_id, str) or not job_id:
+            raise TypeError(f"job: job_id must be a job's id string (as job.id or `jaxpod "
+                            f"jobs` shows it). Got {job_id!r}.")
+        reply = self.call(self.stub.GetJob, pb.JobRequest(job_id=job_id),
+                          what=f"job({job_id!r})", idempotent=True, timeout=rpc.CONTROL_TIMEOUT)
+        return Job(self, reply.job_id or job_id, reply.name or reply.job_id or job_id)
+
+    def jobs(self, state: str | None = None) -> list[JobStatus]:
+        """Every job the service knows (in the order it lists them), or only those
+        in ``state`` (e.g. ``"RUNNING"``, any case)."""
+        self.check_open("jobs")
+        wanted = check_state(state)
+        reply = self.call(self.stub.ListJobs, pb.ListJobsRequest(state=wanted), what="jobs",
+                          idempotent=True, timeout=rpc.CONTROL_TIMEOUT)
+        return [status_from(s) for s in reply.jobs]
 
     def close(self) -> None:
         """Closes the session: every slice it holds is released (its strategies see

@@ -14,6 +14,8 @@ from jaxpod.errors import (
     EndOfDataError,
     HandleError,
     JaxpodError,
+    JobCancelledError,
+    JobFailedError,
     JobNotFoundError,
     MessageTooLargeError,
     OperationTimeoutError,
@@ -25,12 +27,13 @@ from jaxpod.errors import (
     WorkerLostError,
     WorkerStartError,
 )
+from jaxpod.jobs import JobResult, JobStatus
 from jaxpod.scope import get_strategy
 from jaxpod.types import AutoShardPolicy, InputContext, InputOptions, ReduceOp, ValueContext
 from jaxpod.values import DistributedDataset, DistributedIterator, PerReplica
 
 if TYPE_CHECKING:
-    from jaxpod.client import Client, RemoteStrategy, connect
+    from jaxpod.client import Client, Job, RemoteStrategy, connect
     from jaxpod.service.resolvers import TPUClusterResolver
     from jaxpod.worker.device_assignment import DeviceAssignment, Topology
     from jaxpod.worker.replica_context import ReplicaContext, get_replica_context
@@ -53,7 +56,12 @@ __all__ = [
     "InputContext",
     "InputOptions",
     "JaxpodError",
+    "Job",
+    "JobCancelledError",
+    "JobFailedError",
     "JobNotFoundError",
+    "JobResult",
+    "JobStatus",
     "MessageTooLargeError",
     "OperationTimeoutError",
     "PerReplica",
@@ -80,7 +88,7 @@ __all__ = [
 # Re-exported lazily, so that each part loads only what it uses: a client never loads
 # the engine (``jaxpod.worker``) or Ray (the resolvers, in ``jaxpod.service``).
 _LAZY = {"TPUClusterResolver": "jaxpod.service.resolvers",
-         "connect": "jaxpod.client", "Client": "jaxpod.client",
+         "connect": "jaxpod.client", "Client": "jaxpod.client", "Job": "jaxpod.client",
          "RemoteStrategy": "jaxpod.client",
          "TPUStrategy": "jaxpod.worker.strategy",
          "DeviceAssignment": "jaxpod.worker.device_assignment",

@@ -1,4 +1,4 @@
-"""The ``jaxpod`` command line: ``jaxpod demo``, ``jaxpod cluster``, ..."""
+"""The ``jaxpod`` command line: ``jaxpod demo``, ``jaxpod cluster``, ``jaxpod submit``, ..."""
 
 from __future__ import annotations
 
@@ -43,6 +43,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_arguments(serve)
     serve.set_defaults(handler=_run_serve)
+
+    # submit, jobs, job, cancel: clients of a running service (--address / $JAXPOD_ADDRESS)
+    from jaxpod.client.jobs_cli import add_commands
+
+    add_commands(sub)
     return parser
 
 

@@ -1,0 +1,447 @@
+"""Jobs from the client's side: :func:`build_spec` (what ``client.submit`` sends) and
+:class:`Job` (a handle on a submitted job, from any process).
+
+Everything about the user's input that the client can check is checked here, before
+anything is sent, with an error that names the value and the fix. The user's objects
+travel wrapped in the :mod:`jaxpod.jobs` classes the workers run (``JobStep``,
+``Epochs``, ``EpochsFn``, ``InitialState``), pickled by value.
+
+A job outlives its client: a :class:`Job` holds only the id, and every method asks
+the service.
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from jaxpod import errors
+from jaxpod.client import rpc
+from jaxpod.jobs import (
+    JOB_STATES,
+    TERMINAL_STATES,
+    Epochs,
+    EpochsFn,
+    InitialState,
+    JobResult,
+    JobStatus,
+    JobStep,
+    check_outputs,
+    is_reiterable,
+)
+from jaxpod.proto import coordinator_pb2 as pb
+from jaxpod.proto import tensors
+from jaxpod.timeouts import Timeout
+
+if TYPE_CHECKING:
+    from jaxpod.client.client import Client
+
+#: ``client.submit``'s keyword arguments (what ``jaxpod submit FILE.py`` reads from it).
+SUBMIT_KEYWORDS = ("steps", "accelerator_type", "init_fn", "initial_state", "dataset",
+                   "dataset_fn", "steps_per_run", "outputs", "checkpoint_every", "name",
+                   "num_slices", "max_retries_preemption", "max_retries_failure")
+#: Their defaults (``client.submit``'s signature says the same; a test keeps them equal).
+SUBMIT_DEFAULTS: dict[str, Any] = {
+    "accelerator_type": None, "init_fn": None, "initial_state": None, "dataset": None,
+    "dataset_fn": None, "steps_per_run": 1, "outputs": None, "checkpoint_every": None,
+    "name": None, "num_slices": 1, "max_retries_preemption": 10, "max_retries_failure": 0}
+#: How long a broken watch stream is re-opened for while the service is unreachable
+#: (a coordinator restart); the window starts again with every status received.
+WATCH_RECONNECT_TIMEOUT = Timeout("JAXPOD_WATCH_RECONNECT_S", 120.0)
+_RECONNECT_DELAYS_S = (0.1, 0.25, 0.5, 1.0, 2.0)
+#: Room left in a message for the spec's plain fields and gRPC's framing.
+_SPEC_SLACK_BYTES = 64 * 1024
+
+
+# ------------------------------------------------------------------------ the spec
+def build_spec(step_fn: Callable[..., Any], *, steps: int, accelerator_type: str | None,
+               init_fn: Callable[[], Any] | None, initial_state: Any, dataset: Any,
+               dataset_fn: Callable[..., Any] | None, steps_per_run: int,
+               outputs: Mapping[str, Any] | None, checkpoint_every: int | None,
+               name: str | None, num_slices: int, max_retries_preemption: int,
+               max_retries_failure: int) -> pb.JobSpec:
+    """Checks ``client.submit``'s arguments and builds the ``JobSpec`` it sends.
+
+    Raises:
+      TypeError, ValueError: an argument is of the wrong kind or out of range (the
+        message names it, what was received and how to fix it), or an object cannot
+        be pickled.
+      jaxpod.MessageTooLargeError: the shipped objects exceed the message size limit.
+    """
+    from jaxpod.shipping import runtime_versions, ship_object
+
+    if not callable(step_fn):
+        raise TypeError(
+            f"submit: step_fn must be a function step_fn(state, batch) -> (state, outputs). "
+            f"Got {_show(step_fn)}. Pass the function itself (submit(step_fn, ...)), not "
+            "the result of calling it.")
+    steps = _check_int("steps", steps, 1, "the number of steps the job runs, e.g. steps=1000")
+    steps_per_run = _check_int("steps_per_run", steps_per_run, 1,
+                               "steps per on-device loop, e.g. steps_per_run=10")
+    num_slices = _check_int("num_slices", num_slices, 1, "slices the job runs on, e.g. 1")
+    max_retries_preemption = _check_int(
+        "max_retries_preemption", max_retries_preemption, 0,
+        "how often a preempted job is retried, e.g. 10 (0: never)")
+    max_retries_failure = _check_int(
+        "max_retries_failure", max_retries_failure, 0,
+        "how often a job whose code raised is retried, e.g. 0 (never)")
+    if checkpoint_every is not None:
+        checkpoint_every = _check_int(
+            "checkpoint_every", checkpoint_every, 1,
+            "steps between checkpoints, e.g. checkpoint_every=100, or None for none")
+    if accelerator_type is not None and (not isinstance(accelerator_type, str)
+                                         or not accelerator_type):
+        raise TypeError(f"submit: accelerator_type must be a slice type such as 'v4-16', or "
+                        f"None for the cluster's first slice type. Got {_show(accelerator_type)}.")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"submit: name must be a string (or None: the job's id). "
+                        f"Got {_show(name)}.")
+
+    if init_fn is not None and initial_state is not None:
+        raise ValueError(
+            "submit: got both init_fn and initial_state; pass one of them: init_fn to build "
+            "the state on every replica (as strategy.run(init_fn)), or initial_state to give "
+            "every replica the same value.")
+    if init_fn is not None and not callable(init_fn):
+        raise TypeError(f"submit: init_fn must be a function of no arguments returning the "
+                        f"initial state. Got {_show(init_fn)}. To start from a value, pass "
+                        "initial_state=... instead.")
+    if dataset is not None and dataset_fn is not None:
+        raise ValueError(
+            "submit: got both dataset and dataset_fn; pass one of them: dataset (global "
+            "batches, split over every replica) or dataset_fn (called once per host with a "
+            "jaxpod.InputContext).")
+    if dataset is not None:
+        _check_dataset(dataset)
+    if dataset_fn is not None and not callable(dataset_fn):
+        raise TypeError(f"submit: dataset_fn must be a function dataset_fn(input_context) "
+                        f"returning that host's batches. Got {_show(dataset_fn)}. To pass "
+                        "the batches themselves, use dataset=... instead.")
+    checked_outputs = check_outputs(outputs)
+
+    stateful = init_fn is not None or initial_state is not None
+    has_input = dataset is not None or dataset_fn is not None
+    step = JobStep(step_fn, tuple(checked_outputs), stateful=stateful, has_input=has_input)
+    spec = pb.JobSpec(
+        name=name or "", accelerator_type=accelerator_type or "", num_slices=num_slices,
+        steps=steps, steps_per_run=steps_per_run,
+        step_fn=ship_object(step, f"step_fn {_qualname(step_fn)}", _CAPTURE_FIX).payload,
+        outputs=checked_outputs, checkpoint_every=checkpoint_every or 0,
+        max_retries_preemption=max_retries_preemption,
+        max_retries_failure=max_retries_failure, runtime_versions=runtime_versions())
+    if init_fn is not None:
+        spec.init_fn = ship_object(init_fn, f"init_fn {_qualname(init_fn)}",
+                                   _CAPTURE_FIX).payload
+    elif initial_state is not None:
+        spec.init_fn = ship_object(
+            InitialState(initial_state), f"initial_state ({type(initial_state).__name__})",
+            "initial_state must be a nest of arrays and plain Python values.").payload
+    if dataset is not None:
+        spec.dataset = ship_object(
+            Epochs(dataset), f"dataset ({type(dataset).__name__})",
+            "Pass a list of batches (numpy arrays or nests of them), or use dataset_fn= "
+            "to build the data on the hosts.").payload
+    elif dataset_fn is not None:
+        spec.dataset_fn = ship_object(EpochsFn(dataset_fn),
+                                      f"dataset_fn {_qualname(dataset_fn)}",
+                                      _CAPTURE_FIX).payload
+    _check_spec_size(spec)
+    return spec
+
+
+_CAPTURE_FIX = ("Functions must not capture locks, sockets, open files or similar objects; "
+                "create those inside the function.")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def _qualname(fn: Any) -> str:
+    return repr(getattr(fn, "__qualname__", type(fn).__name__))
+
+
+def _check_int(name: str, value: Any, minimum: int, meaning: str) -> int:
+    """``value`` as an int >= ``minimum``; numpy integers count, bools and floats don't."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"submit: {name} must be an int >= {minimum} ({meaning}). "
+                        f"Got {_show(value)}.")
+    if value < minimum:
+        raise ValueError(f"submit: {name} must be an int >= {minimum} ({meaning}). "
+                         f"Got {value!r}.")
+    return int(value)
+
+
+def _check_dataset(dataset: Any) -> None:
+    try:
+        iter(dataset)
+    except TypeError:
+        raise TypeError(f"submit: dataset must be an iterable of global batches (e.g. a list "
+                        f"of numpy arrays or of dicts of them). Got {_show(dataset)}.") from None
+    if not is_reiterable(dataset):
+        raise TypeError(
+            f"submit: dataset must be re-iterable, but got {_show(dataset)}, which can be "
+            "read only once (an iterator or a generator): a job reads its input again for "
+            "every epoch and every retried attempt. Pass a list of batches (e.g. "
+            "dataset=list(batches)), an object whose __iter__ starts over, or a dataset_fn "
+            "that builds the generator on each host.")
+
+
+def _check_spec_size(spec: pb.JobSpec) -> None:
+    limit = tensors.MAX_MESSAGE_BYTES - _SPEC_SLACK_BYTES
+    size = spec.ByteSize()
+    if size <= limit:
+        return
+    parts = {f: len(getattr(spec, f)) for f in ("step_fn", "init_fn", "dataset", "dataset_fn")}
+    biggest = max(parts, key=lambda f: parts[f])
+    raise errors.MessageTooLargeError(
+        f"submit: the job pickles to {size} bytes, over the {limit}-byte limit; most of it "
+        f"is {biggest} ({parts[biggest]} bytes). Objects travel inside the job's spec: "
+        + ("pass a dataset_fn that reads the data on each host (from files or a bucket) "
+           "instead of the arrays themselves." if biggest == "dataset" else
+           "do not capture large arrays in functions; build or load them on the hosts "
+           "(in init_fn or dataset_fn)."))
+
+
+def check_state(state: str | None) -> str:
+    """A job state named in any case, as the service spells it ("" for ``None``: all)."""
+    if state is None:
+        return ""
+    wanted = state.upper() if isinstance(state, str) else ""
+    if wanted not in JOB_STATES:
+        raise ValueError(f"Unknown job state {state!r}; expected one of "
+                         f"{', '.join(JOB_STATES)} (any case), or none for every job.")
+    return wanted
+
+
+def submit_spec(client: Client, spec: pb.JobSpec) -> Job:
+    """Sends a built spec (:func:`build_spec`); returns the submitted job."""
+    client.check_open("submit")
+    # Not retried: a submission that reached the service would run twice.
+    reply = client.call(client.stub.SubmitJob, spec, what="submit", timeout=rpc.CONTROL_TIMEOUT)
+    return Job(client, reply.job_id, reply.name or reply.job_id)
+
+
+def status_from(message: pb.JobStatus) -> JobStatus:
+    """The :class:`jaxpod.JobStatus` a ``JobStatus`` message stands for."""
+    return JobStatus(
+        id=message.job_id, name=message.name, state=message.state, step=int(message.step),
+        steps=int(message.steps), attempts=int(message.attempts),
+        queue_position=None if message.queue_position < 0 else int(message.queue_position),
+        error=message.error or None, metrics=dict(message.metrics), goodput=None,
+        created_at=message.created_at, started_at=message.started_at or None,
+        finished_at=message.finished_at or None, accelerator_type=message.accelerator_type)
+
+
+# ------------------------------------------------------------------------- the job
+class Job:
+    """A submitted job. It runs on the service whether or not this object (or its
+    client) still exists; ``client.job(id)`` makes another from any process.
+
+    Args:
+      client: the client to ask the service through.
+      job_id: the job's id.
+      name: its name.
+    """
+
+    def __init__(self, client: Client, job_id: str, name: str) -> None:
+        self._client = client
+        self.id = job_id
+        self.name = name
+
+    def _call(self, method: str, request: Any, what: str, idempotent: bool = True) -> Any:
+        self._client.check_open(what)
+        return self._client.call(getattr(self._client.stub, method), request,
+                                 what=f"{what} of job {self.id}", idempotent=idempotent,
+                                 timeout=rpc.CONTROL_TIMEOUT)
+
+    def status(self) -> JobStatus:
+        """The job as the service last recorded it."""
+        return status_from(self._call("GetJob", pb.JobRequest(job_id=self.id), "status()"))
+
+    def watch(self) -> Iterator[JobStatus]:
+        """Yields the job's status once per change, starting with the current one; ends
+        after the first terminal state (``SUCCEEDED``, ``FAILED``, ``CANCELLED``)."""
+        return self._follow(None, None)
+
+    def wait(self, timeout: float | None = None, progress: bool | None = None) -> JobStatus:
+        """Waits until the job is over and returns its final status.
+
+        Args:
+          timeout: seconds to wait at most (``None``: as long as it takes).
+          progress: show a progress bar (step, steps/s and the latest metrics) on
+            stderr; ``None``: only when stderr is a terminal.
+
+        Raises:
+          jaxpod.DeadlineExceededError: ``timeout`` passed first (the job goes on).
+        """
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"wait: timeout must be a positive number of seconds or None. "
+                             f"Got {timeout!r}.")
+        if progress is None:
+            progress = sys.stderr.isatty()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        bar = _ProgressBar(self) if progress else None
+        last: JobStatus | None = None
+        try:
+            for status in self._follow(deadline, timeout):
+                last = status
+                if bar is not None:
+                    bar.show(status)
+        finally:
+            if bar is not None:
+                bar.close()
+        if last is None:  # the watch ended without a status: ask once
+            last = self.status()
+        return last
+
+    def result(self, timeout: float | None = None) -> JobResult:
+        """Waits for the job (no progress bar) and returns its result.
+
+        Args:
+          timeout: seconds to wait at most for the job to finish (``None``: no limit).
+
+        Raises:
+          jaxpod.JobFailedError: the job ended ``FAILED`` (``error`` says why).
+          jaxpod.JobCancelledError: the job ended ``CANCELLED``.
+          jaxpod.DeadlineExceededError: ``timeout`` passed first.
+        """
+        status = self.wait(timeout, progress=False)
+        if status.state == "FAILED":
+            raise errors.JobFailedError(self.id, status.error or "no reason recorded")
+        if status.state == "CANCELLED":
+            raise errors.JobCancelledError(self.id, status.error or "cancelled")
+        self._client.check_open("result()")
+        tree = self._client.stream(self._client.stub.GetJobResult, pb.JobRequest(job_id=self.id),
+                                   tensors.read_result, what=f"result() of job {self.id}")
+        reply = self._call("GetJobMetrics", pb.JobRequest(job_id=self.id), "result()")
+        metrics = {s.name: [(int(k), float(v)) for k, v in zip(s.steps, s.values, strict=True)]
+                   for s in reply.series}
+        return JobResult(state=tree.get("state"), outputs=tree.get("outputs") or {},
+                         metrics=metrics, steps=status.step)
+
+    def cancel(self) -> JobStatus:
+        """Cancels the job: a queued one leaves the queue; a running one stops at its
+        next loop boundary and frees its slice. Returns its status once it stopped
+        (``CANCELLED``), or, if its current loop takes longer than the service waits
+        (``JAXPOD_JOB_CANCEL_WAIT_S``, 10 s), as it is then: ``wait()`` follows it to
+        ``CANCELLED``. Cancelling a finished job changes nothing."""
+        return status_from(self._call("CancelJob", pb.JobRequest(job_id=self.id),
+                                      "cancel()"))
+
+    def logs(self) -> str:
+        """Every line the job's code printed on its hosts so far, each prefixed with
+        ``[host N] ``."""
+        reply = self._call("GetJobLogs", pb.JobLogsRequest(job_id=self.id), "logs()")
+        return "\n".join(f"[host {line.host}] {line.line.rstrip(chr(10))}"
+                         for line in reply.lines)
+
+    def _follow(self, deadline: float | None, timeout: float | None) -> Iterator[JobStatus]:
+        """The WatchJob stream, re-opened while the service is briefly unreachable.
+
+        Watching may last longer than any fixed RPC time-out, so the stream has a
+        deadline only when the caller gave one (``deadline``, monotonic time)."""
+        what = f"watching job {self.id}"
+        last: JobStatus | None = None
+        failures = 0
+        reconnect_until = 0.0
+        while True:
+            self._client.check_open("watch()")
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise self._timed_out(timeout, last)
+            call = self._client.stub.WatchJob(pb.JobRequest(job_id=self.id), timeout=remaining,
+                                              metadata=self._client.metadata)
+            try:
+                for message in call:
+                    status = status_from(message)
+                    failures = 0
+                    if status != last:  # a re-opened stream starts with the current status
+                        last = status
+                        yield status
+                    if status.state in TERMINAL_STATES:
+                        return
+                error: grpc.RpcError | None = None
+            except grpc.RpcError as e:
+                error = e
+            finally:
+                call.cancel()  # a no-op when the stream ended; else frees it
+            failed: Any = error  # a grpc.Call too
+            code = None if failed is None else failed.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None:
+                raise self._timed_out(timeout, last) from None
+            if error is not None and code not in (grpc.StatusCode.UNAVAILABLE,
+                                                  grpc.StatusCode.CANCELLED):
+                raise rpc.error_from(error, what, WATCH_RECONNECT_TIMEOUT) from None
+            # The stream broke (or ended early) while the job is not over: the service
+            # is restarting or moving; open it again for a while.
+            now = time.monotonic()
+            if failures == 0:
+                reconnect_until = now + WATCH_RECONNECT_TIMEOUT.seconds()
+            elif now >= reconnect_until:
+                if error is not None:
+                    raise rpc.error_from(error, what, WATCH_RECONNECT_TIMEOUT) from None
+                raise errors.ServiceUnavailableError(
+                    f"{what}: the service kept ending the watch before the job was over "
+                    f"(last state {last.state if last else 'unknown'}). Check the service; "
+                    f"raise {WATCH_RECONNECT_TIMEOUT.env_var} to keep trying longer.")
+            pause = _RECONNECT_DELAYS_S[min(failures, len(_RECONNECT_DELAYS_S) - 1)]
+            if deadline is not None:
+                pause = min(pause, max(0.0, deadline - now))
+            failures += 1
+            time.sleep(pause)
+
+    def _timed_out(self, timeout: float | None, last: JobStatus | None
+                   ) -> errors.DeadlineExceededError:
+        seen = (f"its last state was {last.state} at step {last.step}/{last.steps}"
+                if last is not None else "no status arrived")
+        named = f" ({self.name})" if self.name and self.name != self.id else ""
+        return errors.DeadlineExceededError(
+            f"Job {self.id}{named} did not finish within {timeout or 0:g}s; {seen}. It "
+            "goes on running on the service: wait again (job.wait() / job.result()), or "
+            "stop it with job.cancel().")
+
+    def __repr__(self) -> str:
+        name = f", name={self.name!r}" if self.name and self.name != self.id else ""
+        return f"Job({self.id!r}{name}, service={self._client.address!r})"
+
+
+class _ProgressBar:
+    """A tqdm bar over a job's steps: rate, state and the latest metrics."""
+
+    def __init__(self, job: Job) -> None:
+        self._job = job
+        self._bar: Any = None
+
+    def show(self, status: JobStatus) -> None:
+        queued = f" #{status.queue_position}" if status.queue_position is not None else ""
+        description = f"{self._job.name} {status.state}{queued}"
+        metrics = {k: f"{v:.4g}" for k, v in sorted(status.metrics.items())}
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=status.steps, initial=status.step, unit="step",
+                             desc=description, postfix=metrics or None, file=sys.stderr,
+                             dynamic_ncols=True, leave=True)
+            return
+        bar = self._bar
+        if status.steps and bar.total != status.steps:
+            bar.total = status.steps
+        if status.step >= bar.n:
+            bar.update(status.step - bar.n)  # through update(), so tqdm measures steps/s
+        else:  # a retried attempt resumed from an earlier checkpoint
+            bar.n = status.step
+        bar.set_description(description, refresh=False)
+        bar.set_postfix(metrics, refresh=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

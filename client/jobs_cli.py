@@ -1,0 +1,306 @@
+"""The job commands of the ``jaxpod`` CLI: ``submit``, ``jobs``, ``job`` and ``cancel``.
+
+They talk to a running ``jaxpod serve`` (``--address``, default ``$JAXPOD_ADDRESS``;
+token from ``$JAXPOD_TOKEN``) and never start the embedded local service: a job must
+outlive the command that submitted it. The client modules load only when a command
+runs, so building the parser stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import re
+import runpy
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxpod.client.client import Client
+    from jaxpod.jobs import JobStatus
+
+ADDRESS_ENV = "JAXPOD_ADDRESS"
+TOKEN_ENV = "JAXPOD_TOKEN"
+
+
+def _pipe_safe(handler: Callable[[argparse.Namespace], int]
+               ) -> Callable[[argparse.Namespace], int]:
+    """``handler``, ending quietly when its reader goes away (``jaxpod jobs | head``)."""
+    @functools.wraps(handler)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except BrokenPipeError:
+            # Python would complain again flushing stdout at exit: point it at devnull.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+    return run
+
+
+def add_commands(sub: Any) -> None:
+    """Adds the job commands to the ``jaxpod`` parser's subparsers."""
+    submit = sub.add_parser(
+        "submit", help="submit a job defined in a Python file and print its id",
+        description="Submit a job. FILE.py defines step_fn(state, batch) -> (state, outputs) "
+                    "and client.submit's keyword arguments (steps, dataset, outputs, ...) as "
+                    "module-level names, or a function job() returning them all (step_fn "
+                    "included) as a dict. Flags override what the file sets.")
+    submit.add_argument("file", metavar="FILE.py", help="the job's Python file")
+    submit.add_argument("--wait", action="store_true",
+                        help="wait for the job (a progress bar on a terminal); exit 0 if it "
+                             "SUCCEEDED, 1 otherwise")
+    submit.add_argument("--name", default=None, help="the job's name (default: its id)")
+    submit.add_argument("--steps", type=int, default=None, help="steps to run")
+    submit.add_argument("--accelerator-type", default=None,
+                        help="slice type, e.g. v4-16 (default: the cluster's first)")
+    _add_address(submit)
+    submit.set_defaults(handler=_pipe_safe(run_submit))
+
+    jobs = sub.add_parser("jobs", help="list the service's jobs")
+    jobs.add_argument("--state", default=None,
+                      help="only jobs in this state (PENDING, RUNNING, SUCCEEDED, ...)")
+    jobs.add_argument("--json", action="store_true", help="print a JSON list")
+    _add_address(jobs)
+    jobs.set_defaults(handler=_pipe_safe(run_jobs))
+
+    job = sub.add_parser("job", help="show a job's status (--watch: follow it to the end)")
+    job.add_argument("job_id", metavar="ID", help="the job's id")
+    job.add_argument("--watch", action="store_true",
+                     help="print a line per change until the job is over")
+    job.add_argument("--json", action="store_true", help="print JSON (one object per line)")
+    _add_address(job)
+    job.set_defaults(handler=_pipe_safe(run_job))
+
+    cancel = sub.add_parser("cancel", help="cancel a job and print its resulting state")
+    cancel.add_argument("job_id", metavar="ID", help="the job's id")
+    _add_address(cancel)
+    cancel.set_defaults(handler=_pipe_safe(run_cancel))
+
+
+def _add_address(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default=None,
+                        help=f"the `jaxpod serve` to talk to (default ${ADDRESS_ENV}); "
+                             f"the token comes from ${TOKEN_ENV}")
+
+
+def _address(args: argparse.Namespace) -> str:
+    address = args.address or os.environ.get(ADDRESS_ENV)
+    if not address:
+        raise ValueError(
+            f"`jaxpod {args.command}` needs a running jaxpod service: pass --address "
+            f"HOST:PORT (the address `jaxpod serve` printed) or set {ADDRESS_ENV}. Job "
+            "commands never start the embedded local service, because a job must outlive "
+            "the command that submitted it.")
+    return str(address)
+
+
+def _connect(args: argparse.Namespace) -> Client:
+    from jaxpod.client.client import Client
+    from jaxpod.errors import ServiceUnavailableError
+
+    address = _address(args)
+    try:
+        return Client(address, os.environ.get(TOKEN_ENV) or None)
+    except ServiceUnavailableError as e:
+        # The generic advice (unset the address for the embedded service) is wrong here.
+        raise ServiceUnavailableError(
+            f"`jaxpod {args.command}`: no jaxpod service answers at {address}. Check that "
+            "`jaxpod serve` runs there (its JAXPOD_LISTENING line names the address) and "
+            f"that --address or ${ADDRESS_ENV} points at it.") from e
+
+
+# ------------------------------------------------------------------------ submit
+def load_job_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """``client.submit``'s keyword arguments (``step_fn`` included) from a job file.
+
+    The file runs under a module name of its own that stays out of ``sys.modules``,
+    so its functions and classes are pickled by value (the workers do not have the
+    file). Its folder joins ``sys.path`` first, as ``python FILE.py`` would do, so it
+    can import modules next to it (those are shipped by value too).
+
+    Raises:
+      ValueError: the file does not define a job (the message says what it must define).
+      TypeError: ``job()`` does not return a dict.
+    """
+    from jaxpod.client.jobs import SUBMIT_KEYWORDS
+
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"jaxpod submit: {str(path)!r} is not a file. Pass the path of a "
+                         "Python file that defines step_fn and submit's keyword arguments "
+                         "(or a job() function returning them).")
+    file = file.resolve()
+    if str(file.parent) not in sys.path:
+        sys.path.insert(0, str(file.parent))
+    run_name = "jaxpod_job_" + re.sub(r"\W", "_", file.stem)
+    namespace = runpy.run_path(str(file), run_name=run_name)
+    known = ("step_fn", *SUBMIT_KEYWORDS)
+    if callable(namespace.get("job")):
+        kwargs = namespace["job"]()
+        if not isinstance(kwargs, Mapping):
+            raise TypeError(f"{file}: job() must return a dict of client.submit's keyword "
+                            f"arguments (step_fn=..., steps=..., ...). It returned "
+                            f"{type(kwargs).__name__}.")
+        kwargs = dict(kwargs)
+        unknown = sorted(map(str, set(kwargs) - set(known)))
+        if unknown:
+            raise ValueError(f"{file}: job() returned {unknown}, which client.submit does not "
+                             f"take; its keywords are {', '.join(known)}.")
+        if "step_fn" not in kwargs:
+            raise ValueError(f"{file}: job() returned no step_fn; add "
+                             "'step_fn': <your step function> to the dict it returns.")
+        return kwargs
+    if "step_fn" in namespace:
+        return {k: namespace[k] for k in known if k in namespace}
+    raise ValueError(
+        f"{file} defines neither step_fn nor job(). Define step_fn(state, batch) -> "
+        "(state, outputs) and submit's keyword arguments (steps = 100, dataset = [...], "
+        "outputs = {'loss': 'MEAN'}, ...) as module-level names, or a function job() "
+        "returning them (step_fn included) as a dict.")
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    from jaxpod.client.jobs import SUBMIT_DEFAULTS, build_spec, submit_spec
+
+    kwargs = load_job_file(args.file)
+    for flag in ("name", "steps", "accelerator_type"):
+        if getattr(args, flag) is not None:
+            kwargs[flag] = getattr(args, flag)
+    if "steps" not in kwargs:
+        raise ValueError(f"{args.file} sets no steps: define steps = N in it (or return it "
+                         "from job()), or pass --steps N.")
+    step_fn = kwargs.pop("step_fn")
+    try:  # everything is checked before the service is asked anything
+        spec = build_spec(step_fn, **{**SUBMIT_DEFAULTS, **kwargs})
+    except TypeError as e:
+        print(f"jaxpod: error: {e}", file=sys.stderr)
+        return 2
+    with _connect(args) as client:
+        job = submit_spec(client, spec)
+        print(job.id, flush=True)
+        if not args.wait:
+            return 0
+        try:
+            status = job.wait()
+        except KeyboardInterrupt:
+            print(f"\njaxpod: job {job.id} goes on running: `jaxpod job {job.id} --watch` "
+                  f"follows it, `jaxpod cancel {job.id}` stops it.", file=sys.stderr)
+            return 130
+        print(_line(status), flush=True)
+        if status.error:
+            print(status.error, file=sys.stderr)
+        return 0 if status.state == "SUCCEEDED" else 1
+
+
+# --------------------------------------------------------------- jobs, job, cancel
+def run_jobs(args: argparse.Namespace) -> int:
+    from jaxpod.client.jobs import check_state
+
+    check_state(args.state)  # before connecting: a typo needs no service to be told
+    with _connect(args) as client:
+        statuses = client.jobs(args.state)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(s) for s in statuses], indent=1))
+        return 0
+    if not statuses:
+        print(f"No {args.state.upper() + ' ' if args.state else ''}jobs.", file=sys.stderr)
+        return 0
+    rows = [("ID", "NAME", "STATE", "STEP", "QUEUE", "ACCELERATOR", "CREATED")]
+    rows += [(s.id, s.name, s.state, f"{s.step}/{s.steps}",
+              "-" if s.queue_position is None else str(s.queue_position),
+              s.accelerator_type or "-", _time(s.created_at)) for s in statuses]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def run_job(args: argparse.Namespace) -> int:
+    with _connect(args) as client:
+        job = client.job(args.job_id)
+        if not args.watch:
+            _print_status(job.status(), args.json)
+            return 0
+        try:
+            last = None
+            printed = 0.0
+            for status in job.watch():
+                # A line per state change, and per step change at most once a second.
+                if (last is None or status.state != last.state or status.done
+                        or time.monotonic() - printed >= 1.0):
+                    print(json.dumps(dataclasses.asdict(status)) if args.json
+                          else _line(status), flush=True)
+                    printed = time.monotonic()
+                last = status
+        except KeyboardInterrupt:
+            return 130
+        if last is not None and last.error and not args.json:
+            print(last.error, file=sys.stderr)
+    return 0
+
+
+#: How long `jaxpod cancel` waits for a running job to stop before printing its state.
+CANCEL_WAIT_S = 30.0
+
+
+def run_cancel(args: argparse.Namespace) -> int:
+    from jaxpod.errors import DeadlineExceededError
+
+    with _connect(args) as client:
+        job = client.job(args.job_id)
+        status = job.cancel()
+        if not status.done:  # the service answers at once; the job stops at its next loop
+            try:
+                status = job.wait(CANCEL_WAIT_S, progress=False)
+            except DeadlineExceededError:
+                status = job.status()
+    print(f"{status.id}: {status.state}")
+    return 0
+
+
+def _print_status(status: JobStatus, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(dataclasses.asdict(status), indent=1))
+        return
+    fields = [
+        ("id", status.id), ("name", status.name), ("state", status.state),
+        ("step", f"{status.step}/{status.steps}"), ("attempts", str(status.attempts)),
+        ("queue position", "-" if status.queue_position is None else str(status.queue_position)),
+        ("accelerator", status.accelerator_type or "-"),
+        ("created", _time(status.created_at)), ("started", _time(status.started_at)),
+        ("finished", _time(status.finished_at)),
+        ("metrics", _metrics(status.metrics) or "-"),
+    ]
+    for key, value in fields:
+        print(f"{key + ':':<16}{value}")
+    if status.error:
+        print("error:")
+        for line in status.error.splitlines():
+            print(f"  {line}")
+
+
+def _line(status: JobStatus) -> str:
+    """One line per change: time, id, state, step, queue position and metrics."""
+    parts = [time.strftime("%H:%M:%S"), status.id, status.state,
+             f"step {status.step}/{status.steps}"]
+    if status.queue_position is not None:
+        parts.append(f"queue #{status.queue_position}")
+    if status.metrics:
+        parts.append(_metrics(status.metrics))
+    return "  ".join(parts)
+
+
+def _metrics(metrics: Mapping[str, float]) -> str:
+    return " ".join(f"{k}={v:.6g}" for k, v in sorted(metrics.items()))
+
+
+def _time(seconds: float | None) -> str:
+    if not seconds:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
