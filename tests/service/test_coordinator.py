@@ -14,16 +14,11 @@ import concurrent.futures
 import contextlib
 import gc
 import itertools
-import json
 import os
-import secrets
-import selectors
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +32,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from serve_process import (
+    Service,
+    all_gone,
+    kill_service,
+    start_service,
+    stop_service,
+)
 
 import jaxpod
 from jaxpod.client import rpc
@@ -45,148 +47,23 @@ from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
 from jaxpod.proto import tensors
 from jaxpod.service.local_cluster import descendants, is_running
-from jaxpod.timeouts import Deadline, wait_for
+from jaxpod.timeouts import wait_for
 
 pytestmark = pytest.mark.multiprocess
 
 SLICES = "v6e-8,v6e-8,v4-16"
 DEFAULT_LEASE_S = 3.0
-START_TIMEOUT_S = 240.0
-STOP_TIMEOUT_S = 90.0
 SERVICE_NAME = "jaxpod.v1.Coordinator"
-
-
-# --------------------------------------------------------------------- services
-@dataclass
-class Service:
-    """A ``jaxpod serve --local`` child process."""
-
-    address: str
-    token: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self.token}"),)
-
-    def log_tail(self, limit: int = 6000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-limit:]
-        except OSError:
-            return "(no log)"
-
-    def connect(self, **kwargs: Any) -> Any:
-        return jaxpod.connect(self.address, token=self.token, **kwargs)
-
-
-def _start_service(log_path: Path, slices: str, lease_s: float | None = None,
-                   env: dict[str, str] | None = None) -> Service:
-    token = secrets.token_hex(16)
-    command = [sys.executable, "-m", "jaxpod.cli", "serve", "--local", "--slices", slices,
-               "--port", "0", "--stop-on-stdin-eof"]
-    if lease_s is not None:
-        command += ["--lease", str(lease_s)]
-    full_env = {**os.environ, **(env or {}), "JAXPOD_TOKEN": token}
-    full_env.pop("JAXPOD_ADDRESS", None)
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=log, env=full_env, start_new_session=True)
-    service = Service("", token, process, log_path)
-    try:
-        deadline = Deadline(START_TIMEOUT_S)
-        service.address = _listening_address(process, deadline)
-        with grpc.insecure_channel(service.address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-
-            def serving() -> bool:
-                assert process.poll() is None, f"service exited:\n{service.log_tail()}"
-                try:
-                    reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-                except grpc.RpcError:
-                    return False
-                return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-            assert wait_for(serving, deadline.remaining(), max_poll_s=0.5), (
-                f"service not SERVING within {START_TIMEOUT_S}s:\n{service.log_tail()}")
-    except BaseException:
-        _kill(service)
-        raise
-    return service
-
-
-def _listening_address(process: subprocess.Popen[bytes], deadline: Deadline) -> str:
-    assert process.stdout is not None
-    buffer = b""
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
-        while not deadline.expired():
-            if not selector.select(timeout=min(1.0, deadline.remaining())):
-                if process.poll() is not None:
-                    break
-                continue
-            chunk = os.read(process.stdout.fileno(), 4096)
-            if not chunk:
-                break
-            buffer += chunk
-            for line in buffer.decode(errors="replace").splitlines():
-                if line.startswith("JAXPOD_LISTENING "):
-                    announced = json.loads(line.split(" ", 1)[1])
-                    assert announced["pid"] == process.pid
-                    return str(announced["address"])
-    raise AssertionError(f"the service never announced its address (exit {process.poll()})")
-
-
-def _close_pipes(service: Service) -> None:
-    for pipe in (service.process.stdin, service.process.stdout):
-        if pipe:
-            pipe.close()
-
-
-def _kill(service: Service) -> None:
-    if service.process.poll() is None:
-        service.process.kill()
-        service.process.wait()
-    _close_pipes(service)
-
-
-def _all_gone(tree: dict[int, str], timeout_s: float) -> list[int]:
-    """Pids of ``tree`` still running after ``timeout_s`` (empty: all exited)."""
-    wait_for(lambda: not any(is_running(p, s) for p, s in tree.items()), timeout_s)
-    return [p for p, s in tree.items() if is_running(p, s)]
-
-
-def _stop_service(service: Service) -> None:
-    """SIGTERM; asserts a clean exit with every process it started gone."""
-    process = service.process
-    started = descendants(process.pid)
-    try:
-        process.send_signal(signal.SIGTERM)
-        try:
-            code = process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(
-                f"service ignored SIGTERM for {STOP_TIMEOUT_S}s:\n{service.log_tail()}"
-            ) from None
-        assert code == 0, f"service exited with {code}:\n{service.log_tail()}"
-        survivors = _all_gone(started, 30)
-        assert not survivors, f"processes of the service survived its exit: {survivors}"
-    finally:
-        _kill(service)
-        for pid, start in started.items():
-            if is_running(pid, start):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     log = tmp_path_factory.mktemp("coordinator") / "serve.log"
-    running = _start_service(log, SLICES, lease_s=DEFAULT_LEASE_S)
+    running = start_service(log, SLICES, lease_s=DEFAULT_LEASE_S)
     try:
         yield running
     finally:
-        _stop_service(running)
+        stop_service(running)
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +143,7 @@ def _holders(client: Any) -> dict[str, str]:
 # ----------------------------------------------------------------------- shutdown
 # First in the module, so its own service runs before the shared one starts.
 def test_graceful_shutdown_finishes_calls_in_flight(tmp_path: Path) -> None:
-    own = _start_service(tmp_path / "serve.log", "v6e-8",
+    own = start_service(tmp_path / "serve.log", "v6e-8",
                          env={"JAXPOD_SHUTDOWN_GRACE_S": "30"})
     grace_s = 30.0
     started = descendants(own.process.pid)  # for clean-up, should the test fail early
@@ -338,13 +215,13 @@ def test_graceful_shutdown_finishes_calls_in_flight(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"no exit after SIGTERM:\n{own.log_tail()}") from None
         assert code == 0, own.log_tail()
-        survivors = _all_gone(started, 30)
+        survivors = all_gone(started, 30)
         assert not survivors, f"processes of the service survived its exit: {survivors}"
     finally:
         (tmp_path / "release").touch()
         pool.shutdown(wait=True, cancel_futures=True)
         c.close()
-        _kill(own)
+        kill_service(own)
         for pid, start in started.items():
             if is_running(pid, start):
                 with contextlib.suppress(ProcessLookupError):

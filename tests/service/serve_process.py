@@ -1,0 +1,169 @@
+"""A real ``jaxpod serve --local`` child process for tests: start, stop, kill.
+
+Shared by the service suites; each test module starts its own (its slices, lease and
+state dir), over loopback with a random token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import selectors
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import jaxpod
+from jaxpod.service.local_cluster import descendants, is_running
+from jaxpod.timeouts import Deadline, wait_for
+
+START_TIMEOUT_S = 240.0
+STOP_TIMEOUT_S = 90.0
+
+
+@dataclass
+class Service:
+    """A ``jaxpod serve --local`` child process."""
+
+    address: str
+    token: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),)
+
+    def log_tail(self, limit: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-limit:]
+        except OSError:
+            return "(no log)"
+
+    def connect(self, **kwargs: Any) -> Any:
+        return jaxpod.connect(self.address, token=self.token, **kwargs)
+
+
+def start_service(log_path: Path, slices: str, lease_s: float | None = None,
+                  env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> Service:
+    """Starts the service and waits until it is SERVING; ``args`` are added to its
+    command line (e.g. ``--state-dir``)."""
+    token = secrets.token_hex(16)
+    command = [sys.executable, "-m", "jaxpod.cli", "serve", "--local", "--slices", slices,
+               "--port", "0", "--stop-on-stdin-eof"]
+    if lease_s is not None:
+        command += ["--lease", str(lease_s)]
+    command += list(args)
+    full_env = {**os.environ, **(env or {}), "JAXPOD_TOKEN": token}
+    full_env.pop("JAXPOD_ADDRESS", None)
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=log, env=full_env, start_new_session=True)
+    service = Service("", token, process, log_path)
+    try:
+        deadline = Deadline(START_TIMEOUT_S)
+        service.address = listening_address(process, deadline)
+        with grpc.insecure_channel(service.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+
+            def serving() -> bool:
+                assert process.poll() is None, f"service exited:\n{service.log_tail()}"
+                try:
+                    reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                except grpc.RpcError:
+                    return False
+                return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+            assert wait_for(serving, deadline.remaining(), max_poll_s=0.5), (
+                f"service not SERVING within {START_TIMEOUT_S}s:\n{service.log_tail()}")
+    except BaseException:
+        kill_service(service)
+        raise
+    return service
+
+
+def listening_address(process: subprocess.Popen[bytes], deadline: Deadline) -> str:
+    assert process.stdout is not None
+    buffer = b""
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while not deadline.expired():
+            if not selector.select(timeout=min(1.0, deadline.remaining())):
+                if process.poll() is not None:
+                    break
+                continue
+            chunk = os.read(process.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            buffer += chunk
+            for line in buffer.decode(errors="replace").splitlines():
+                if line.startswith("JAXPOD_LISTENING "):
+                    announced = json.loads(line.split(" ", 1)[1])
+                    assert announced["pid"] == process.pid
+                    return str(announced["address"])
+    raise AssertionError(f"the service never announced its address (exit {process.poll()})")
+
+
+def close_pipes(service: Service) -> None:
+    for pipe in (service.process.stdin, service.process.stdout):
+        if pipe:
+            pipe.close()
+
+
+def kill_service(service: Service) -> None:
+    if service.process.poll() is None:
+        service.process.kill()
+        service.process.wait()
+    close_pipes(service)
+
+
+def all_gone(tree: dict[int, str], timeout_s: float) -> list[int]:
+    """Pids of ``tree`` still running after ``timeout_s`` (empty: all exited)."""
+    wait_for(lambda: not any(is_running(p, s) for p, s in tree.items()), timeout_s)
+    return [p for p, s in tree.items() if is_running(p, s)]
+
+
+def stop_service(service: Service) -> None:
+    """SIGTERM; asserts a clean exit with every process it started gone."""
+    process = service.process
+    started = descendants(process.pid)
+    try:
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"service ignored SIGTERM for {STOP_TIMEOUT_S}s:\n{service.log_tail()}"
+            ) from None
+        assert code == 0, f"service exited with {code}:\n{service.log_tail()}"
+        survivors = all_gone(started, 30)
+        assert not survivors, f"processes of the service survived its exit: {survivors}"
+    finally:
+        kill_service(service)
+        for pid, start in started.items():
+            if is_running(pid, start):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+
+
+def crash_service(service: Service) -> None:
+    """SIGKILLs the service and then every process it started, as a machine failure
+    would: nothing of it gets to clean up."""
+    started = descendants(service.process.pid)
+    kill_service(service)
+    for pid, start in started.items():
+        if is_running(pid, start):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    survivors = all_gone(started, 30)
+    assert not survivors, f"processes of the killed service survived: {survivors}"

@@ -1,0 +1,439 @@
+"""Jobs end to end: a real ``jaxpod serve --local`` process with its own state dir.
+
+The service holds a v4-8 (1 host) and a v4-16 (2 hosts) on the simulated cluster, real
+Ray and real workers; jobs are submitted from this process's SDK and from fresh
+interpreters (the CLI, a second client), and every result is checked against numpy
+running the same steps. The last test SIGKILLs the service with everything it
+started and starts a new one on the same state dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from serve_process import Service, crash_service, start_service, stop_service
+
+import jaxpod
+from jaxpod.timeouts import Deadline, wait_for
+
+pytestmark = pytest.mark.multiprocess
+
+SLICES = "v4-8,v4-16"
+LR = 0.1
+FEATURES = 3
+RTOL, ATOL = 2e-5, 2e-6
+
+
+# ------------------------------------------------------------------ step functions
+# Module-level: shipped by value to the workers, like a user's script.
+def linear_regression_step(state: Any, batch: Any) -> Any:
+    """One SGD step of y ~ x @ w + b over the global batch (padding rows masked)."""
+    ctx = jaxpod.get_replica_context()
+    x, y = batch["x"], batch["y"]
+    mask = ctx.valid_row_mask.astype(x.dtype)
+    err = (x @ state["w"] + state["b"] - y) * mask
+    n = ctx.all_reduce("SUM", mask.sum())
+    grad_w = ctx.all_reduce("SUM", x.T @ err) / n
+    grad_b = ctx.all_reduce("SUM", err.sum()) / n
+    new = {"w": state["w"] - LR * grad_w, "b": state["b"] - LR * grad_b}
+    return new, {"loss": err ** 2, "replicas": 1.0}
+
+
+def counting_step(state: Any, batch: Any) -> Any:
+    """Adds the batch's real rows' sum to the state: cheap, and order-sensitive."""
+    ctx = jaxpod.get_replica_context()
+    mask = ctx.valid_row_mask.astype(batch.dtype)
+    total = ctx.all_reduce("SUM", (batch * mask).sum())
+    return {"total": state["total"] + total}, {"total": state["total"] + total}
+
+
+def slow_step(state: Any, batch: Any) -> Any:
+    import jax
+
+    def pause(x: Any) -> Any:
+        time.sleep(0.05)
+        return x
+
+    return state, {"x": jax.pure_callback(pause, jax.ShapeDtypeStruct((), np.float32),
+                                          np.float32(1))}
+
+
+class StepError(Exception):
+    """A user-defined exception, raised on the workers."""
+
+
+def failing_step(state: Any, batch: Any) -> Any:
+    raise StepError("the step refused its batch")
+
+
+def bad_return_step(state: Any, batch: Any) -> Any:
+    return {"loss": batch.sum()}
+
+
+def missing_output_step(state: Any, batch: Any) -> Any:
+    return state, {"loss": batch.sum()}
+
+
+def initial_lr_state() -> dict[str, np.ndarray]:
+    return {"w": np.zeros(FEATURES, np.float32), "b": np.float32(0.0)}
+
+
+# ------------------------------------------------------------------ numpy oracle
+def lr_batches(rows: list[int], seed: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    true_w = np.arange(1, FEATURES + 1, dtype=np.float32)
+    batches = []
+    for n in rows:
+        x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+        y = (x @ true_w + 0.5 + 0.1 * rng.normal(size=n)).astype(np.float32)
+        batches.append({"x": x, "y": y})
+    return batches
+
+
+def stream_steps(batches: list[dict[str, np.ndarray]], steps: int
+                 ) -> list[dict[str, np.ndarray]]:
+    """Each step's global batch: a job's dataset is one stream of rows that starts over
+    when it runs out, cut into global batches of the first batch's size."""
+    rows = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+    total, size = len(rows["y"]), len(batches[0]["y"])
+    return [{k: v[np.arange(s * size, (s + 1) * size) % total] for k, v in rows.items()}
+            for s in range(steps)]
+
+
+def numpy_lr(step_batches: list[dict[str, np.ndarray]], steps: int, steps_per_run: int
+             ) -> tuple[dict[str, np.ndarray], dict[int, float]]:
+    """The same SGD in float64 numpy, one given global batch per step; losses
+    recorded after each run of steps."""
+    w, b = np.zeros(FEATURES), 0.0
+    losses = {}
+    for step in range(steps):
+        batch = step_batches[step]
+        x, y = batch["x"].astype(np.float64), batch["y"].astype(np.float64)
+        err = x @ w + b - y
+        loss = float(np.mean(err ** 2))
+        w, b = w - LR * x.T @ err / len(y), b - LR * err.mean()
+        done = step + 1
+        if done % steps_per_run == 0 or done == steps:
+            losses[done] = loss
+    return {"w": w, "b": np.float64(b)}, losses
+
+
+# ------------------------------------------------------------------ the service
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("jobs-state")
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory, state_dir: Path) -> Iterator[Service]:
+    log = tmp_path_factory.mktemp("jobs") / "serve.log"
+    running = start_service(log, SLICES, args=("--state-dir", str(state_dir)))
+    try:
+        yield running
+    finally:
+        if running.process.poll() is None:  # the last test kills it
+            stop_service(running)
+
+
+@pytest.fixture(scope="module")
+def client(service: Service) -> Iterator[Any]:
+    c = service.connect()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _fresh(service: Service, code: str, *args: str, timeout: float = 180) -> str:
+    """Runs ``code`` in a fresh interpreter with the service's address and token."""
+    env = {**os.environ, "JAXPOD_ADDRESS": service.address, "JAXPOD_TOKEN": service.token}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def _cli(service: Service, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "JAXPOD_ADDRESS": service.address, "JAXPOD_TOKEN": service.token}
+    return subprocess.run([sys.executable, "-m", "jaxpod.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _assert_lr_result(result: Any, status: Any, batches: list[dict[str, np.ndarray]],
+                      steps: int, steps_per_run: int) -> None:
+    expected_state, expected_losses = numpy_lr(batches, steps, steps_per_run)
+    np.testing.assert_allclose(result.state["w"], expected_state["w"], RTOL, ATOL)
+    np.testing.assert_allclose(result.state["b"], expected_state["b"], RTOL, ATOL)
+    recorded = dict(result.metrics["loss"])
+    assert sorted(recorded) == sorted(expected_losses)
+    np.testing.assert_allclose([recorded[s] for s in sorted(recorded)],
+                               [expected_losses[s] for s in sorted(expected_losses)],
+                               RTOL, ATOL)
+    last = max(expected_losses)
+    np.testing.assert_allclose(result.outputs["loss"], expected_losses[last], RTOL, ATOL)
+    assert result.steps == steps and status.step == steps
+    assert status.metrics["loss"] == pytest.approx(recorded[last])
+
+
+# ------------------------------------------------------------------ tests
+def test_linear_regression_job_matches_numpy(client: Any) -> None:
+    # Global batches of 14 rows over 4 replicas (4, 4, 3, 3): padding on the devices;
+    # 37 rows in all, so epochs start in the middle of a global batch.
+    batches = lr_batches([14, 14, 9], seed=0)
+    job = client.submit(linear_regression_step, steps=12, accelerator_type="v4-8",
+                        initial_state=initial_lr_state(), dataset=batches, steps_per_run=5,
+                        outputs={"loss": "MEAN"}, name="linear-regression")
+    assert job.name == "linear-regression"
+    final = job.wait(timeout=300, progress=False)
+    assert final.state == "SUCCEEDED", final.error
+    _assert_lr_result(job.result(), final, stream_steps(batches, 12), steps=12,
+                      steps_per_run=5)
+    assert final.attempts == 1 and final.started_at is not None
+    assert final.created_at <= final.started_at <= final.finished_at
+
+
+def test_dataset_fn_job_on_two_hosts_matches_numpy(client: Any) -> None:
+    per_replica_rows, replicas_per_host = 3, 4
+    host_batches = {h: lr_batches([per_replica_rows] * 6, seed=10 + h) for h in range(2)}
+
+    def dataset_fn(ctx: Any) -> list[dict[str, np.ndarray]]:
+        return host_batches[ctx.input_pipeline_id]
+
+    steps = 7  # host pipelines of 6 elements, 4 taken per step: they start over
+    job = client.submit(linear_regression_step, steps=steps, accelerator_type="v4-16",
+                        initial_state=initial_lr_state(), dataset_fn=dataset_fn,
+                        steps_per_run=3, outputs={"loss": "MEAN"})
+    final = job.wait(timeout=300, progress=False)
+    assert final.state == "SUCCEEDED", final.error
+    # Step s: replica j of host h takes element (4 s + j) mod 6 of its host's pipeline.
+    global_batches = []
+    for s in range(steps):
+        parts = [host_batches[h][(replicas_per_host * s + j) % 6]
+                 for h in range(2) for j in range(replicas_per_host)]
+        global_batches.append({k: np.concatenate([p[k] for p in parts]) for k in ("x", "y")})
+    _assert_lr_result(job.result(), final, global_batches, steps=steps, steps_per_run=3)
+
+
+def test_another_process_reattaches_and_gets_the_same_result(client: Any,
+                                                              service: Service) -> None:
+    batches = lr_batches([8, 8], seed=3)
+    job = client.submit(linear_regression_step, steps=4, accelerator_type="v4-8",
+                        initial_state=initial_lr_state(), dataset=batches,
+                        outputs={"loss": "MEAN"})
+    mine = job.result(timeout=300)
+    _assert_lr_result(mine, job.status(), stream_steps(batches, 4), steps=4, steps_per_run=1)
+    out = _fresh(service, """
+        import json, sys
+        import jaxpod
+        client = jaxpod.connect()
+        job = client.job(sys.argv[1])
+        result = job.result(timeout=300)
+        listed = [s.id for s in client.jobs()]
+        print(json.dumps({"w": result.state["w"].tolist(), "b": float(result.state["b"]),
+                          "loss": result.metrics["loss"], "name": job.name,
+                          "listed": job.id in listed}))
+    """, job.id)
+    theirs = json.loads(out.strip().splitlines()[-1])
+    assert theirs["listed"] and theirs["name"] == job.name
+    np.testing.assert_array_equal(np.asarray(theirs["w"], np.float32), mine.state["w"])
+    assert theirs["b"] == pytest.approx(float(mine.state["b"]))
+    assert [tuple(p) for p in theirs["loss"]] == [tuple(p) for p in mine.metrics["loss"]]
+
+    shown = _cli(service, "job", job.id, "--json")
+    assert shown.returncode == 0, shown.stderr
+    status = json.loads(shown.stdout)
+    assert status["id"] == job.id and status["state"] == "SUCCEEDED"
+    assert status["metrics"]["loss"] == pytest.approx(mine.metrics["loss"][-1][1])
+
+
+def test_cancel_stops_a_running_job_and_the_next_one_starts(client: Any) -> None:
+    long = client.submit(slow_step, steps=100_000, accelerator_type="v4-8",
+                         outputs={"x": "SUM"}, name="long")
+    after = client.submit(counting_step, steps=2, accelerator_type="v4-8",
+                          initial_state={"total": np.float32(0)},
+                          dataset=[np.ones((4,), np.float32)], outputs={"total": "MAX"})
+    assert wait_for(lambda: long.status().step > 0, 120), long.status()
+    assert after.status().state == "PENDING" and after.status().queue_position == 0
+    start = time.monotonic()
+    answered = long.cancel()  # the service answers once the job stopped
+    assert answered.state == "CANCELLED" and time.monotonic() - start < 5.0
+    final = long.status()
+    assert final.state == "CANCELLED" and final.step < final.steps
+    with pytest.raises(jaxpod.JobCancelledError):
+        long.result()
+    done = after.wait(timeout=120, progress=False)
+    assert done.state == "SUCCEEDED", done.error
+    assert done.started_at >= final.finished_at
+    assert float(after.result().state["total"]) == 8.0  # two steps of 4 ones
+
+
+def test_a_raising_step_fails_the_job_with_the_users_exception(client: Any) -> None:
+    job = client.submit(failing_step, steps=3, accelerator_type="v4-8",
+                        dataset=[np.ones((4,), np.float32)])
+    final = job.wait(timeout=120, progress=False)
+    assert final.state == "FAILED"
+    assert "StepError: the step refused its batch" in final.error
+    assert "failing_step" in final.error  # the remote traceback names the user's frame
+    with pytest.raises(jaxpod.JobFailedError, match="the step refused its batch") as raised:
+        job.result()
+    assert raised.value.job_id == job.id
+
+
+@pytest.mark.parametrize("step, outputs, expected", [
+    (bad_return_step, None, "step_fn must return a pair (state, outputs)"),
+    (missing_output_step, {"accuracy": "MEAN"}, "outputs names ['accuracy']"),
+])
+def test_what_only_the_workers_can_tell_fails_the_job_with_the_reason(
+        client: Any, step: Any, outputs: Any, expected: str) -> None:
+    job = client.submit(step, steps=1, accelerator_type="v4-8", outputs=outputs,
+                        dataset=[np.ones((4,), np.float32)])
+    final = job.wait(timeout=120, progress=False)
+    assert final.state == "FAILED" and expected in final.error
+
+
+def test_bad_submissions_are_refused_and_the_service_keeps_serving(client: Any) -> None:
+    with pytest.raises(ValueError, match="v9-99"):
+        client.submit(counting_step, steps=1, accelerator_type="v9-99")
+    with pytest.raises(ValueError, match="steps"):
+        client.submit(counting_step, steps=0, accelerator_type="v4-8")
+    with pytest.raises(jaxpod.JobNotFoundError, match="no-such-job"):
+        client.job("no-such-job")
+    job = client.submit(counting_step, steps=1, accelerator_type="v4-8",
+                        initial_state={"total": np.float32(1)},
+                        dataset=[np.full((4,), 2, np.float32)], outputs={"total": "MAX"})
+    assert float(job.result(timeout=120).state["total"]) == 9.0
+
+
+def test_twenty_jobs_finish_in_submission_order_with_their_queue_positions(
+        client: Any) -> None:
+    data = [np.arange(4, dtype=np.float32), np.arange(4, 8, dtype=np.float32)]
+    jobs = [client.submit(counting_step, steps=3, accelerator_type="v4-8",
+                          initial_state={"total": np.float32(i)}, dataset=data,
+                          outputs={"total": "MAX"}, name=f"queued-{i}") for i in range(20)]
+    ids = [j.id for j in jobs]
+    seen_positions = 0
+    deadline = Deadline(600)
+    while not deadline.expired():
+        statuses = {s.id: s for s in client.jobs() if s.id in ids}
+        # Waiting jobs stand in submission order, 0 first (a job that just left the
+        # queue may still say PENDING with no position: it is about to allocate).
+        queued = [statuses[i].queue_position for i in ids
+                  if statuses[i].state == "PENDING" and statuses[i].queue_position is not None]
+        assert queued == list(range(len(queued))), queued
+        seen_positions += len(queued)
+        if all(s.done for s in statuses.values()):
+            break
+    assert all(s.done for s in statuses.values()), "the 20 jobs did not finish in 600 s"
+    assert seen_positions > 0
+    finals = [j.status() for j in jobs]
+    assert all(f.state == "SUCCEEDED" for f in finals), [f.error for f in finals]
+    starts = [f.started_at for f in finals]
+    assert starts == sorted(starts)
+    per_step = [float(d.sum()) for d in data]
+    for i, job in enumerate(jobs):
+        expected = i + per_step[0] + per_step[1] + per_step[0]
+        assert float(job.result().state["total"]) == pytest.approx(expected)
+
+
+def test_logs_hold_what_the_step_printed_on_each_host(client: Any) -> None:
+    def printing_step(state: Any, batch: Any) -> Any:
+        import jax
+
+        print("tracing the printing step")
+        jax.debug.print("step sum {s}", s=batch.sum())
+        return state, {}
+
+    job = client.submit(printing_step, steps=2, accelerator_type="v4-16",
+                        dataset=[np.ones((8,), np.float32)])
+    assert job.wait(timeout=120, progress=False).state == "SUCCEEDED"
+    lines = job.logs().splitlines()
+    assert any(line.startswith("[host 0] tracing the printing step") for line in lines)
+    assert any(line.startswith("[host 1] tracing the printing step") for line in lines)
+    assert any("step sum 1.0" in line for line in lines), lines
+
+
+def test_the_cli_submits_waits_lists_and_cancels(service: Service, tmp_path: Path,
+                                                client: Any) -> None:
+    job_file = tmp_path / "count_job.py"
+    job_file.write_text(textwrap.dedent("""
+        import numpy as np
+        import jaxpod
+
+        def step_fn(state, batch):
+            ctx = jaxpod.get_replica_context()
+            total = ctx.all_reduce("SUM", (batch * ctx.valid_row_mask).sum())
+            return {"total": state["total"] + total}, {"total": state["total"] + total}
+
+        steps = 3
+        accelerator_type = "v4-8"
+        initial_state = {"total": np.float32(0)}
+        dataset = [np.arange(6, dtype=np.float32)]   # 6 rows over 4 replicas: padded
+        outputs = {"total": "MAX"}
+    """))
+    submitted = _cli(service, "submit", str(job_file), "--wait", "--name", "from-cli")
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.split()[0]
+    result = client.job(job_id).result()
+    assert float(result.state["total"]) == 3 * np.arange(6).sum()
+    listed = _cli(service, "jobs", "--state", "succeeded", "--json")
+    assert listed.returncode == 0, listed.stderr
+    names = {j["id"]: j["name"] for j in json.loads(listed.stdout)}
+    assert names[job_id] == "from-cli"
+
+    long = client.submit(slow_step, steps=100_000, accelerator_type="v4-8",
+                         outputs={"x": "SUM"})
+    assert wait_for(lambda: long.status().step > 0, 120), long.status()
+    cancelled = _cli(service, "cancel", long.id)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cancelled.stdout.strip() == f"{long.id}: CANCELLED"
+    assert long.status().state == "CANCELLED"
+
+
+def test_a_killed_service_restarted_on_its_state_dir_keeps_every_job(
+        client: Any, service: Service, state_dir: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    before = {s.id: s for s in client.jobs()}
+    finished = [i for i, s in before.items() if s.done]
+    assert len(finished) >= 20
+    succeeded = [i for i in finished if before[i].state == "SUCCEEDED"]
+    results = {i: client.job(i).result() for i in succeeded[:5]}
+    crash_service(service)
+    log = tmp_path_factory.mktemp("jobs-restarted") / "serve.log"
+    again = start_service(log, "v4-8", args=("--state-dir", str(state_dir)))
+    try:
+        with again.connect() as second:
+            after = {s.id: s for s in second.jobs()}
+            assert set(after) == set(before)
+            for i in finished:
+                b, a = before[i], after[i]
+                assert (a.state, a.step, a.error, a.metrics, a.finished_at) == (
+                    b.state, b.step, b.error, b.metrics, b.finished_at)
+            for i, result in results.items():
+                again_result = second.job(i).result()
+                assert again_result.metrics == result.metrics
+                for leaf_a, leaf_b in zip(_leaves(again_result.state), _leaves(result.state),
+                                          strict=True):
+                    np.testing.assert_array_equal(leaf_a, leaf_b)
+        shown = _cli(again, "jobs", "--json")
+        assert shown.returncode == 0, shown.stderr
+        assert {j["id"] for j in json.loads(shown.stdout)} == set(before)
+    finally:
+        stop_service(again)
+
+
+def _leaves(tree: Any) -> list[np.ndarray]:
+    if isinstance(tree, dict):
+        return [leaf for k in sorted(tree) for leaf in _leaves(tree[k])]
+    if isinstance(tree, list | tuple):
+        return [leaf for v in tree for leaf in _leaves(v)]
+    return [np.asarray(tree)]
