@@ -28,9 +28,11 @@ from jaxpod.jobs import (
     Epochs,
     EpochsFn,
     InitialState,
+    JobAttempt,
     JobResult,
     JobStatus,
     JobStep,
+    JobTransition,
     check_outputs,
     is_reiterable,
 )
@@ -266,6 +268,19 @@ class Job:
     def status(self) -> JobStatus:
         """The job as the service last recorded it."""
         return status_from(self._call("GetJob", pb.JobRequest(job_id=self.id), "status()"))
+
+    def history(self) -> list[JobTransition]:
+        """Every state change of the job with its time and reason, oldest first."""
+        reply = self._call("GetJob", pb.JobRequest(job_id=self.id, detail=True), "history()")
+        return [JobTransition(t.from_state or None, t.to_state, t.at, t.reason)
+                for t in reply.history]
+
+    def attempts(self) -> list[JobAttempt]:
+        """Every attempt at running the job: start, end, cause and the step reached."""
+        reply = self._call("GetJob", pb.JobRequest(job_id=self.id, detail=True), "attempts()")
+        return [JobAttempt(a.number, a.started_at, a.ended_at or None, a.cause or None,
+                           a.step_reached if a.ended_at else None)
+                for a in reply.attempt_records]
 
     def watch(self) -> Iterator[JobStatus]:
         """Yields the job's status once per change, starting with the current one; ends

@@ -17,13 +17,13 @@ import re
 import runpy
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from jaxpod.client.client import Client
-    from jaxpod.jobs import JobStatus
+    from jaxpod.jobs import JobAttempt, JobStatus, JobTransition
 
 ADDRESS_ENV = "JAXPOD_ADDRESS"
 TOKEN_ENV = "JAXPOD_TOKEN"
@@ -225,7 +225,7 @@ def run_job(args: argparse.Namespace) -> int:
     with _connect(args) as client:
         job = client.job(args.job_id)
         if not args.watch:
-            _print_status(job.status(), args.json)
+            _print_status(job.status(), args.json, job.history(), job.attempts())
             return 0
         try:
             last = None
@@ -264,9 +264,12 @@ def run_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_status(status: JobStatus, as_json: bool) -> None:
+def _print_status(status: JobStatus, as_json: bool, history: Sequence[JobTransition] = (),
+                  attempts: Sequence[JobAttempt] = ()) -> None:
     if as_json:
-        print(json.dumps(dataclasses.asdict(status), indent=1))
+        print(json.dumps({**dataclasses.asdict(status),
+                          "history": [dataclasses.asdict(t) for t in history],
+                          "attempts": [dataclasses.asdict(a) for a in attempts]}, indent=1))
         return
     fields = [
         ("id", status.id), ("name", status.name), ("state", status.state),
@@ -279,6 +282,17 @@ def _print_status(status: JobStatus, as_json: bool) -> None:
     ]
     for key, value in fields:
         print(f"{key + ':':<16}{value}")
+    if history:
+        print("history:")
+        for t in history:
+            print(f"  {_time(t.at)}  {t.from_state or '(submitted)'} -> {t.to_state}"
+                  + (f"  {t.reason.splitlines()[0]}" if t.reason else ""))
+    if attempts:
+        print("attempts:")
+        for a in attempts:
+            end = (f"ended {_time(a.ended_at)} ({a.cause}, step {a.step_reached})"
+                   if a.ended_at else "running")
+            print(f"  #{a.number}  started {_time(a.started_at)}, {end}")
     if status.error:
         print("error:")
         for line in status.error.splitlines():

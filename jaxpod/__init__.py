@@ -27,7 +27,7 @@ from jaxpod.errors import (
     WorkerLostError,
     WorkerStartError,
 )
-from jaxpod.jobs import JobResult, JobStatus
+from jaxpod.jobs import JobAttempt, JobResult, JobStatus, JobTransition
 from jaxpod.scope import get_strategy
 from jaxpod.types import AutoShardPolicy, InputContext, InputOptions, ReduceOp, ValueContext
 from jaxpod.values import DistributedDataset, DistributedIterator, PerReplica
@@ -57,11 +57,13 @@ __all__ = [
     "InputOptions",
     "JaxpodError",
     "Job",
+    "JobAttempt",
     "JobCancelledError",
     "JobFailedError",
     "JobNotFoundError",
     "JobResult",
     "JobStatus",
+    "JobTransition",
     "MessageTooLargeError",
     "OperationTimeoutError",
     "PerReplica",

@@ -68,6 +68,27 @@ class JobStatus:
 
 
 @dataclass(frozen=True)
+class JobTransition:
+    """One state change of a job; ``from_state`` is None for its submission."""
+
+    from_state: str | None
+    to_state: str
+    at: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class JobAttempt:
+    """One attempt at running a job (1 is the first); ``ended_at`` None: running."""
+
+    number: int
+    started_at: float
+    ended_at: float | None
+    cause: str | None
+    step_reached: int | None
+
+
+@dataclass(frozen=True)
 class JobResult:
     """A finished job's result.
 

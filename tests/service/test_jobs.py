@@ -254,6 +254,12 @@ def test_another_process_reattaches_and_gets_the_same_result(client: Any,
     status = json.loads(shown.stdout)
     assert status["id"] == job.id and status["state"] == "SUCCEEDED"
     assert status["metrics"]["loss"] == pytest.approx(mine.metrics["loss"][-1][1])
+    assert [t["to_state"] for t in status["history"]] == [
+        "PENDING", "ALLOCATING", "RUNNING", "SUCCEEDED"]
+    assert [(a["number"], a["cause"], a["step_reached"]) for a in status["attempts"]] == [
+        (1, "succeeded", 4)]
+    table = _cli(service, "job", job.id)
+    assert table.returncode == 0 and "RUNNING -> SUCCEEDED" in table.stdout, table.stdout
 
 
 def test_cancel_stops_a_running_job_and_the_next_one_starts(client: Any) -> None:
@@ -407,6 +413,9 @@ def test_a_killed_service_restarted_on_its_state_dir_keeps_every_job(
     assert len(finished) >= 20
     succeeded = [i for i in finished if before[i].state == "SUCCEEDED"]
     results = {i: client.job(i).result() for i in succeeded[:5]}
+    histories = {i: client.job(i).history() for i in finished}
+    assert all(h[0].to_state == "PENDING" and h[-1].to_state == before[i].state
+               for i, h in histories.items())
     crash_service(service)
     log = tmp_path_factory.mktemp("jobs-restarted") / "serve.log"
     again = start_service(log, "v4-8", args=("--state-dir", str(state_dir)))
@@ -418,6 +427,7 @@ def test_a_killed_service_restarted_on_its_state_dir_keeps_every_job(
                 b, a = before[i], after[i]
                 assert (a.state, a.step, a.error, a.metrics, a.finished_at) == (
                     b.state, b.step, b.error, b.metrics, b.finished_at)
+                assert second.job(i).history() == histories[i]
             for i, result in results.items():
                 again_result = second.job(i).result()
                 assert again_result.metrics == result.metrics
