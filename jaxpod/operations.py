@@ -127,6 +127,15 @@ class HostReset:
     pid: int
 
 
+@dataclass(frozen=True)
+class Notice:
+    """A host's notice of a coming preemption: when it came (wall-clock seconds, as
+    ``time.time()``) and from where (``"SIGTERM"``, or another source's reason)."""
+
+    at: float
+    reason: str
+
+
 # ---------------------------------------------------------------------- operations
 R = TypeVar("R")
 
@@ -400,6 +409,17 @@ class TakeOutput(Operation["list[str]"]):
         return host.take_output(self)
 
 
+@dataclass(frozen=True)
+class PreemptionNotices(Operation["Notice | None"]):
+    """The host's notice of a coming preemption (``None``: none came). No device work:
+    the coordinator asks after every on-device loop and before keeping a slice warm."""
+
+    counts_as_work: ClassVar[bool] = False
+
+    def apply(self, host: Host) -> Notice | None:
+        return host.preemption_notices(self)
+
+
 class Host(Protocol):
     """What runs host operations: one method per operation, named after it."""
 
@@ -436,6 +456,8 @@ class Host(Protocol):
     def capture_output(self, op: CaptureOutput) -> None: ...
 
     def take_output(self, op: TakeOutput) -> list[str]: ...
+
+    def preemption_notices(self, op: PreemptionNotices) -> Notice | None: ...
 
 
 def values_in(infos: ValueInfos) -> Dropped:

@@ -102,9 +102,10 @@ class GroupEngine:
         self._configured: ops.Configure | None = None
         self._capturing = False  # restarted workers capture again
 
-    def _call(self, op: ops.Operation[_R], layout: PieceLayout | None = None) -> list[_R]:
+    def _call(self, op: ops.Operation[_R], layout: PieceLayout | None = None,
+              timeout: float | None = None) -> list[_R]:
         try:
-            return self.group.call(op, drops=self.dropped, layout=layout)
+            return self.group.call(op, drops=self.dropped, layout=layout, timeout=timeout)
         except SliceResetError:
             self._after_reset()
             raise
@@ -317,6 +318,15 @@ class GroupEngine:
         """Each host's complete lines printed since the last take, in host order.
         ``jax.debug.print`` text comes once the computation printing it has run."""
         return self._call(ops.TakeOutput())
+
+    def preemption_notices(self, timeout: float | None = None) -> list[ops.Notice | None]:
+        """Each host's notice of a coming preemption (``None`` where none came), in
+        host order. A host with one is about to be killed: checkpoint and release.
+
+        Args:
+          timeout: the call's limit (``JAXPOD_OPERATION_TIMEOUT_S`` when ``None``).
+        """
+        return self._call(ops.PreemptionNotices(), timeout=timeout)
 
 
 class GroupDataset:

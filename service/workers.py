@@ -4,7 +4,8 @@ The allocator hands out whole slices (placement groups, one bundle per host, wit
 environment each host's JAX process needs); this module starts one host worker per
 bundle and forms their ``jax.distributed`` group. A released slice keeps its workers
 warm (everything on them freed, their functions kept) for the next acquire of the same
-shape, which then skips allocation, worker start-up and ``jax.distributed``.
+shape, which then skips allocation, worker start-up and ``jax.distributed``; a
+slice where some host has a preemption notice is stopped instead.
 """
 
 from __future__ import annotations
@@ -167,6 +168,13 @@ class RaySlices:
                            "fresh workers", _names(warm.allocation), type(e).__name__, e)
             _stop_quietly(warm)
             return None
+        notices = [n for n in engine.preemption_notices() if n is not None]
+        if notices:  # told of its preemption while it waited warm: about to be killed
+            logger.warning("warm slice %s has a preemption notice (%s); stopping it and "
+                           "starting fresh workers", _names(warm.allocation),
+                           notices[0].reason)
+            _stop_quietly(warm)
+            return None
         return self._held(slice_id, engine, warm.allocation, warm.key)
 
     def _held(self, slice_id: str, engine: GroupEngine, allocation: Allocation,
@@ -196,10 +204,17 @@ class RaySlices:
             warm.stop()
             return
         try:
-            resets = engine.reset_workers(WARM_RESET_TIMEOUT.seconds())
+            # A host with a preemption notice is about to be killed: not worth keeping.
+            notices = engine.preemption_notices(WARM_RESET_TIMEOUT.seconds())
+            resets = None if any(notices) else engine.reset_workers(WARM_RESET_TIMEOUT.seconds())
         except Exception as e:
             logger.warning("slice %s failed its reset (%s: %s); stopping its workers",
                            _names(warm.allocation), type(e).__name__, e)
+            warm.stop()
+            return
+        if resets is None:
+            logger.warning("slice %s has preemption notices %s; stopping its workers",
+                           _names(warm.allocation), notices)
             warm.stop()
             return
         logger.info("slice %s kept warm; freed per host: %s", _names(warm.allocation),

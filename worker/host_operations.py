@@ -23,6 +23,7 @@ from jaxpod.operations import Dropped, Handle, HandleInfo, OperationOrderError, 
 from jaxpod.pieces import Streamed
 from jaxpod.shipping import ShippedFunction, load
 from jaxpod.values import PerReplica, is_per_replica
+from jaxpod.worker import preemption
 from jaxpod.worker.busy_clock import BusyClock
 from jaxpod.worker.device_assignment import DeviceAssignment
 from jaxpod.worker.engine import Engine
@@ -250,6 +251,9 @@ class HostOperations(ops.Host):
 
     def take_output(self, op: ops.TakeOutput) -> list[str]:
         return self._output.take()
+
+    def preemption_notices(self, op: ops.PreemptionNotices) -> ops.Notice | None:
+        return preemption.notice()
 
 
 def _unshipped(value: Any) -> Any:

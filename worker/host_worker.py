@@ -10,6 +10,9 @@ of deadlocking a collective.
 The actor only starts, connects and stops the host's process; the operations
 themselves run in :class:`~jaxpod.worker.host_operations.HostOperations`, reached over
 the operation channel (:mod:`jaxpod.worker.channel`), not through Ray.
+
+SIGTERM does not end a worker at once: it records a preemption notice and the worker
+exits after a grace (:mod:`jaxpod.worker.preemption`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ class HostWorker:
         for name in unset_env:
             os.environ.pop(name, None)
         os.environ.update(env or {})
+        from jaxpod.worker import preemption
+
+        # SIGTERM (a Kubernetes eviction, a GCE maintenance event) becomes a notice the
+        # coordinator asks for, instead of Ray's handler ending the process at once.
+        # A synchronous actor's __init__ runs on the main thread, where this is allowed.
+        preemption.install_sigterm_handler()
         import jax
 
         if platform == SIMULATED_PLATFORM:
@@ -57,6 +66,10 @@ class HostWorker:
             jax.config.update("jax_num_cpu_devices", devices_per_host)
             if num_processes > 1:
                 jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # JAX's own preemption service would take SIGTERM with a native handler (in
+        # jax.distributed.initialize), swallow it, and tell only its sync-point API,
+        # which a coordinator-driven loop never calls: the notice is ours to report.
+        jax.config.update("jax_enable_preemption_service", False)
         self.process_id = process_id
         self.num_processes = num_processes
         self._host: HostOperations | None = None
@@ -84,10 +97,14 @@ class HostWorker:
                                        num_processes=self.num_processes,
                                        process_id=self.process_id,
                                        initialization_timeout=max(1, int(timeout_s)))
+        from jaxpod.worker import preemption
         from jaxpod.worker.engine import Engine
         from jaxpod.worker.host_operations import HostOperations
 
         self._host = HostOperations(self.process_id, Engine())
+        # Again, now the distributed runtime and the backend have started: native code
+        # may have put its own SIGTERM handler in place of Python's.
+        preemption.install_sigterm_handler()
         return {"process_index": jax.process_index(), "process_count": jax.process_count(),
                 "global_devices": jax.device_count(),
                 "local_devices": jax.local_device_count(),
