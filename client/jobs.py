@@ -238,7 +238,8 @@ def status_from(message: pb.JobStatus) -> JobStatus:
         id=message.job_id, name=message.name, state=message.state, step=int(message.step),
         steps=int(message.steps), attempts=int(message.attempts),
         queue_position=None if message.queue_position < 0 else int(message.queue_position),
-        error=message.error or None, metrics=dict(message.metrics), goodput=None,
+        error=message.error or None, metrics=dict(message.metrics),
+        goodput=dict(message.goodput) or None,
         created_at=message.created_at, started_at=message.started_at or None,
         finished_at=message.finished_at or None, accelerator_type=message.accelerator_type)
 

@@ -282,6 +282,8 @@ def _print_status(status: JobStatus, as_json: bool, history: Sequence[JobTransit
     ]
     for key, value in fields:
         print(f"{key + ':':<16}{value}")
+    if status.goodput:
+        print(_goodput(status.goodput))
     if history:
         print("history:")
         for t in history:
@@ -308,6 +310,21 @@ def _line(status: JobStatus) -> str:
     if status.metrics:
         parts.append(_metrics(status.metrics))
     return "  ".join(parts)
+
+
+def _goodput(goodput: Mapping[str, float]) -> str:
+    """The goodput section of ``jaxpod job ID``: the productive share of the wall time,
+    then each category that took time, largest first, with its share."""
+    seconds = {k: v for k, v in goodput.items() if k not in ("wall_s", "productive_share")}
+    wall = goodput.get("wall_s", sum(seconds.values()))
+    share = goodput.get("productive_share", seconds.get("productive", 0.0) / wall
+                        if wall > 0 else 0.0)
+    lines = [f"{'goodput:':<16}{share:.1%} productive of {wall:.3f} s wall time"]
+    for name, value in sorted(seconds.items(), key=lambda kv: (-kv[1], kv[0])):
+        if value > 0 or name == "productive":
+            lines.append(f"  {name:<14}{value:>12.3f} s  "
+                         f"{value / wall if wall > 0 else 0.0:>6.1%}")
+    return "\n".join(lines)
 
 
 def _metrics(metrics: Mapping[str, float]) -> str:

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from jaxpod.errors import JaxpodError, JobNotFoundError, VersionMismatchError
+from jaxpod.service.jobs.goodput import PRODUCTIVE_SHARE, WALL_S
 from jaxpod.service.jobs.states import (
     TERMINAL_STATES,
     Cancelled,
@@ -137,6 +138,16 @@ _V2 = [
     "CREATE INDEX jobs_by_state ON jobs(state, seq)",
 ]
 
+# v3: goodput, seconds of the job's wall time by category (jaxpod.service.jobs.goodput).
+_V3 = [
+    """CREATE TABLE goodput (
+        job_id TEXT NOT NULL REFERENCES jobs(id),
+        category TEXT NOT NULL,
+        seconds REAL NOT NULL,
+        PRIMARY KEY (job_id, category)
+    )""",
+]
+
 
 def _statements(statements: Sequence[str]) -> Callable[[sqlite3.Connection], None]:
     # One execute() per statement: executescript() would commit the open transaction
@@ -149,7 +160,8 @@ def _statements(statements: Sequence[str]) -> Callable[[sqlite3.Connection], Non
 
 #: MIGRATIONS[i] takes a database from schema version i to i + 1. Append only: never
 #: edit a released one (databases in the field were built by it).
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_statements(_V1), _statements(_V2)]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
+    _statements(_V1), _statements(_V2), _statements(_V3)]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -523,6 +535,28 @@ class JobStore:
                                 "seq > ? ORDER BY seq", (job_id, after)).fetchall()
         return [LogLine(*r) for r in rows]
 
+    # ------------------------------------------------------------------ goodput
+
+    def set_goodput(self, job_id: str, totals: Mapping[str, float]) -> None:
+        """Record the job's goodput, seconds by category (a
+        :meth:`~jaxpod.service.jobs.goodput.GoodputClock.totals`), replacing what was
+        recorded before, in one transaction."""
+        rows = [(job_id, _goodput_category(name), _goodput_seconds(name, seconds))
+                for name, seconds in totals.items()]
+        with self._write() as conn:
+            self._require(conn, job_id)
+            conn.execute("DELETE FROM goodput WHERE job_id = ?", (job_id,))
+            conn.executemany("INSERT INTO goodput (job_id, category, seconds) "
+                             "VALUES (?, ?, ?)", rows)
+
+    def goodput(self, job_id: str) -> dict[str, float]:
+        """The job's goodput as last recorded, seconds by category (empty: none yet)."""
+        with self._read() as conn:
+            self._require(conn, job_id)
+            rows = conn.execute("SELECT category, seconds FROM goodput WHERE job_id = ? "
+                                "ORDER BY category", (job_id,)).fetchall()
+        return {name: seconds for name, seconds in rows}
+
     # ------------------------------------------------------------------ results
 
     def save_result(self, job_id: str, state: Any, outputs: Any) -> Path:
@@ -652,6 +686,24 @@ def _metric_value(name: object, value: object) -> float:
             f"Metric {name!r} must be a real number (a scalar); got "
             f"{type(value).__name__} {value!r:.80}. Reduce it to one number per step."
         ) from None
+
+
+def _goodput_category(name: object) -> str:
+    if not isinstance(name, str) or not name or name in (WALL_S, PRODUCTIVE_SHARE):
+        raise JobStoreError(f"A goodput category must be a category name (not empty, not "
+                            f"the summary's wall_s or productive_share); got {name!r}.")
+    return name
+
+
+def _goodput_seconds(name: str, seconds: object) -> float:
+    try:
+        value = float(seconds)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise JobStoreError(f"Goodput seconds must be finite and >= 0; got {seconds!r} "
+                            f"for {name!r}.")
+    return value
 
 
 def _default_reason(new: JobStateData) -> str:

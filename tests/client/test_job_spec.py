@@ -11,6 +11,7 @@ name one when none is given (they never start the embedded service).
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -202,6 +203,30 @@ def test_status_from_maps_the_wire_sentinels_to_none() -> None:
     assert (status.queue_position, status.error, status.metrics, status.started_at,
             status.finished_at, status.attempts, status.done) == (
         0, "ValueError: boom", {"loss": 0.5}, 2.0, 3.0, 2, True)
+
+
+def test_status_from_carries_goodput_and_jaxpod_job_shows_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from jaxpod.client.jobs_cli import _print_status
+
+    goodput = {"queued": 1.0, "productive": 6.0, "compiling": 2.0, "lost_work": 0.0,
+               "other": 1.0, "wall_s": 10.0, "productive_share": 0.6}
+    message = pb.JobStatus(job_id="j1", name="lin", state="SUCCEEDED", step=3, steps=3,
+                           queue_position=-1, created_at=1.0, goodput=goodput)
+    status = status_from(message)
+    assert status.goodput == goodput
+    _print_status(status, as_json=False)
+    out = capsys.readouterr().out
+    section = out[out.index("goodput:"):].splitlines()
+    assert section[0].split() == ["goodput:", "60.0%", "productive", "of", "10.000", "s",
+                                  "wall", "time"]
+    assert [line.split() for line in section[1:]] == [  # largest first, zeros left out
+        ["productive", "6.000", "s", "60.0%"], ["compiling", "2.000", "s", "20.0%"],
+        ["other", "1.000", "s", "10.0%"], ["queued", "1.000", "s", "10.0%"]]
+    _print_status(status, as_json=True)
+    assert json.loads(capsys.readouterr().out)["goodput"] == goodput
+    _print_status(status_from(pb.JobStatus(job_id="j2", queue_position=-1)), as_json=False)
+    assert "goodput" not in capsys.readouterr().out
 
 
 def test_job_states_are_checked_in_any_case() -> None:

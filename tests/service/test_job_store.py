@@ -457,6 +457,37 @@ def test_a_version_1_database_is_migrated_with_its_jobs(tmp_path: Path) -> None:
             SCHEMA_VERSION)
 
 
+def test_a_version_2_database_is_migrated_with_its_rows(tmp_path: Path) -> None:
+    assert SCHEMA_VERSION >= 3
+    conn = sqlite3.connect(tmp_path / "jobs.sqlite", isolation_level=None)
+    conn.execute("BEGIN")
+    assert migrate(conn, target=2) == 0
+    conn.execute("INSERT INTO jobs (id, name, spec, payload, created_at, state, step, steps, "
+                 "started_at, finished_at) VALUES ('old', 'old', '{}', x'00', 10.0, "
+                 "'SUCCEEDED', 3, 3, 12.0, 15.0)")
+    conn.execute("INSERT INTO transitions (job_id, from_state, to_state, at, reason) "
+                 "VALUES ('old', NULL, 'PENDING', 10.0, 'submitted')")
+    conn.execute("INSERT INTO attempts (job_id, number, started_at, ended_at, cause, "
+                 "step_reached) VALUES ('old', 1, 12.0, 15.0, 'succeeded', 3)")
+    conn.execute("INSERT INTO metrics (job_id, name, step, value) VALUES ('old', 'loss', 3, 0.5)")
+    conn.execute("COMMIT")
+    assert "goodput" not in {r[0] for r in conn.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table'")}
+    conn.close()
+    with JobStore(tmp_path) as store:
+        old = store.get("old")
+        assert (old.state, old.step, old.started_at, old.finished_at, old.attempts) == (
+            S.SUCCEEDED, 3, 12.0, 15.0, 1)
+        assert store.metrics("old") == {"loss": [(3, 0.5)]}
+        assert store.attempts("old")[0].cause == "succeeded"
+        assert store.goodput("old") == {}  # the new table, empty for old jobs
+        store.set_goodput("old", {"queued": 2.0, "productive": 3.0})
+        assert store.goodput("old") == {"queued": 2.0, "productive": 3.0}
+    with sqlite3.connect(tmp_path / "jobs.sqlite") as check:
+        assert check.execute("SELECT version FROM schema_version").fetchone()[0] == (
+            SCHEMA_VERSION)
+
+
 def test_reopening_a_current_database_keeps_its_data(tmp_path: Path) -> None:
     with JobStore(tmp_path) as store:
         store.create_job(steps=1, payload=b"x", job_id="j")
