@@ -228,3 +228,95 @@ def is_reiterable(dataset: Any) -> bool:
         return iter(dataset) is not dataset
     except TypeError:
         return False
+
+
+# ------------------------------------------------------------------ resuming
+# A resumed attempt rebuilds its input from the client's pickle (which only the workers
+# unpickle: these wrappers carry it as bytes) and skips what the checkpointed steps
+# consumed, so it feeds exactly the batches the uninterrupted run would have.
+
+@dataclass(frozen=True)
+class ResumedInput:
+    """A job's ``dataset`` (the client's pickle of its :class:`Epochs`) from step
+    ``step`` on: the stream of rows without the first ``step`` global batches, cut into
+    global batches of the first batch's size (as the engine cuts the stream)."""
+
+    payload: bytes
+    versions: Mapping[str, str]
+    step: int
+
+    def __iter__(self) -> Iterator[Any]:
+        import itertools
+
+        from jaxpod.shipping import ShippedFunction, load
+
+        stream = iter(load(ShippedFunction(self.payload, dict(self.versions))))
+        first = next(stream)
+        size = _rows(first)
+        return _rebatched(itertools.chain([first], stream), size, self.step * size)
+
+
+@dataclass(frozen=True)
+class ResumedInputFn:
+    """A job's ``dataset_fn`` (the client's pickle of its :class:`EpochsFn`) from step
+    ``step`` on: each host's pipeline without the elements its replicas took in the
+    first ``step`` steps (one per local replica per step)."""
+
+    payload: bytes
+    versions: Mapping[str, str]
+    step: int
+
+    def __call__(self, context: Any) -> Any:
+        from jaxpod.shipping import ShippedFunction, load
+
+        dataset = load(ShippedFunction(self.payload, dict(self.versions)))(context)
+        local_replicas = context.num_replicas_in_sync // context.num_input_pipelines
+        return _Skipped(dataset, self.step * local_replicas)
+
+
+@dataclass(frozen=True)
+class _Skipped:
+    dataset: Any
+    count: int
+
+    def __iter__(self) -> Iterator[Any]:
+        import itertools
+
+        return itertools.islice(iter(self.dataset), self.count, None)
+
+
+def _rows(batch: Any) -> int:
+    import jax
+
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("A job's dataset batch has no arrays; batches are (nests of) arrays "
+                         "with rows on their first axis.")
+    return int(leaves[0].shape[0])
+
+
+def _rebatched(batches: Iterator[Any], size: int, skip: int) -> Iterator[Any]:
+    """``batches``' rows, ``skip`` of them dropped, regrouped into batches of ``size``."""
+    import jax
+    import numpy as np
+
+    def cut(tree: Any, start: int, stop: int) -> Any:
+        return jax.tree.map(lambda a: a[start:stop], tree)
+
+    held: list[Any] = []
+    rows = 0
+    for batch in batches:
+        n = _rows(batch)
+        if skip >= n:
+            skip -= n
+            continue
+        if skip:
+            batch, n, skip = cut(batch, skip, n), n - skip, 0
+        held.append(batch)
+        rows += n
+        while rows >= size:
+            joined = held[0] if len(held) == 1 else jax.tree.map(
+                lambda *parts: np.concatenate(parts), *held)
+            yield cut(joined, 0, size)
+            rows -= size
+            held = [cut(joined, size, size + rows)] if rows else []

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from jaxpod.jobs import check_outputs
 from jaxpod.proto import coordinator_pb2 as pb
+from jaxpod.service.jobs.goodput import summary
 from jaxpod.service.jobs.manager import JobManager
 from jaxpod.service.jobs.states import JobState
 from jaxpod.service.jobs.store import JobRecord
@@ -181,7 +182,12 @@ class JobsServicer:
             queue_position=-1 if position is None else position, error=error,
             metrics=manager.store.latest_metrics(record.id),
             created_at=record.created_at, started_at=record.started_at or 0.0,
-            finished_at=record.finished_at or 0.0)
+            finished_at=record.finished_at or 0.0, goodput=_goodput(manager, record.id))
+
+
+def _goodput(manager: JobManager, job_id: str) -> dict[str, float]:
+    totals = manager.goodput(job_id)
+    return summary(totals) if totals else {}
 
 
 def _check_spec(spec: pb.JobSpec) -> None:

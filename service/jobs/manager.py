@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from jaxpod.errors import AllocationTimeoutError
 from jaxpod.proto import coordinator_pb2 as pb
-from jaxpod.service.jobs.runner import SLICE_FAILURES, Finished, JobRun, Stopped
+from jaxpod.service.jobs import goodput
+from jaxpod.service.jobs.checkpoints import JobCheckpoints
+from jaxpod.service.jobs.goodput import GoodputClock
+from jaxpod.service.jobs.runner import SLICE_FAILURES, Finished, JobRun, Preempted, Stopped
 from jaxpod.service.jobs.states import (
     Allocating,
     Cancelled,
@@ -48,6 +53,15 @@ DISPATCH_RECHECK = Timeout("JAXPOD_JOB_DISPATCH_RECHECK_S", 1.0)
 JOB_STOP_TIMEOUT = Timeout("JAXPOD_JOB_STOP_TIMEOUT_S", 30.0)
 #: The reason recorded for a job stopped by the service's shutdown.
 SHUTDOWN = "the service stopped"
+#: The first wait before a preempted job's next attempt; it doubles with every
+#: preemption, up to JOB_RETRY_BACKOFF_MAX.
+JOB_RETRY_BACKOFF = Timeout("JAXPOD_JOB_RETRY_BACKOFF_S", 0.5)
+JOB_RETRY_BACKOFF_MAX = Timeout("JAXPOD_JOB_RETRY_BACKOFF_MAX_S", 60.0)
+
+
+def _backoff(preemptions: int) -> float:
+    return min(JOB_RETRY_BACKOFF.seconds() * 2 ** (preemptions - 1),
+               JOB_RETRY_BACKOFF_MAX.seconds())
 
 
 class JobSlices(Protocol):
@@ -137,6 +151,10 @@ class JobManager:
         self._specs: dict[str, pb.JobSpec] = {}
         self._active: dict[str, _Active] = {}
         self._allocating: set[str] = set()  # accelerator types with a job acquiring
+        # Each unfinished job's goodput clock, on the store's clock (time.time), so its
+        # categories add up to finished_at - created_at.
+        self._clocks: dict[str, GoodputClock] = {}
+        self._goodput_saved: dict[str, float] = {}  # job -> when last stored (monotonic)
         self._closed = False
         self._dispatcher = threading.Thread(target=self._dispatch, name="jaxpod-jobs",
                                              daemon=True)
@@ -146,20 +164,28 @@ class JobManager:
         """Recovers the state dir's jobs (PENDING ones queue again) and starts
         dispatching."""
         recovery = self.store.recover()
-        for record in recovery.failed:
-            logger.warning("job %s was %s when the last coordinator stopped: FAILED", record.id,
-                           "in flight")
+        for record in recovery.resumed:
+            latest = self._checkpoints(record.id).steps()
+            logger.warning("job %s was in flight when the last coordinator stopped: %s",
+                           record.id, f"resuming from its checkpoint at step {latest[-1]}"
+                           if latest else "no checkpoint: starting it over")
+        now = time.time()
         with self._lock:
             for record in recovery.requeue:
+                # The time the last coordinator did not record (and its downtime) goes
+                # to recovering.
+                self._clocks[record.id] = GoodputClock.from_totals(
+                    self.store.goodput(record.id), wall_s=now - record.created_at,
+                    category=goodput.QUEUED, clock=time.time)
                 self._enqueue(record, self._load_spec(record.id))
         if recovery.requeue:
-            logger.info("queued %d pending job(s) again", len(recovery.requeue))
+            logger.info("queued %d unfinished job(s) again", len(recovery.requeue))
         self._dispatcher.start()
 
     def close(self, timeout: float | None = None) -> None:
-        """Stops dispatching; running jobs stop at their next loop boundary and give
-        their slices back, staying ``RUNNING`` in the store (a restarted coordinator
-        finds them there)."""
+        """Stops dispatching; running jobs checkpoint and stop at their next loop
+        boundary and give their slices back, staying ``RUNNING`` in the store (a
+        coordinator restarted on the state dir resumes them)."""
         with self._lock:
             self._closed = True
             active = list(self._active.values())
@@ -198,6 +224,7 @@ class JobManager:
                                        spec=plain, name=spec.name or None,
                                        accelerator_type=accelerator_type)
         with self._lock:
+            self._clocks[record.id] = GoodputClock(goodput.QUEUED, clock=time.time)
             self._enqueue(record, stored)
             self._lock.notify_all()
         self.events.changed(record.id)
@@ -222,6 +249,7 @@ class JobManager:
                 queue.remove(job_id)
                 self._specs.pop(job_id, None)
                 record = self.store.transition(job_id, Cancelled(reason))
+                self._stop_clock(job_id)
             elif job_id in self._active:
                 active = self._active[job_id]
                 active.reason = active.reason or reason
@@ -235,6 +263,21 @@ class JobManager:
         with self._lock:
             return {name: f"job {a.job_id}" for a in self._active.values()
                     for name in a.slice_names}
+
+    def goodput(self, job_id: str) -> dict[str, float]:
+        """The job's goodput totals: live for an unfinished job, else as stored."""
+        clock = self._clocks.get(job_id)
+        return clock.totals() if clock is not None else self.store.goodput(job_id)
+
+    def _clock(self, job_id: str) -> GoodputClock:
+        clock = self._clocks.get(job_id)
+        if clock is None:  # not expected: a job always gets one when queued
+            clock = self._clocks[job_id] = GoodputClock(goodput.OTHER, clock=time.time)
+        return clock
+
+    def _save_goodput(self, job_id: str) -> None:
+        with contextlib.suppress(Exception):  # accounting must never fail a job
+            self.store.set_goodput(job_id, self._clock(job_id).totals())
 
     # ------------------------------------------------------------------ queueing
     def _load_spec(self, job_id: str) -> pb.JobSpec:
@@ -287,28 +330,41 @@ class JobManager:
         return True
 
     # ------------------------------------------------------------------ running
+    def _checkpoints(self, job_id: str) -> JobCheckpoints:
+        return JobCheckpoints(self.store.job_dir(job_id) / "checkpoints")
+
     def _run(self, job_id: str, spec: pb.JobSpec) -> None:
         active = self._active[job_id]
+        checkpoints = self._checkpoints(job_id)
         failures = preemptions = 0
         try:
             while True:
                 attempt = self.store.record_attempt(job_id)
-                outcome = self._attempt(job_id, spec, attempt, active)
+                outcome = self._attempt(job_id, spec, attempt, active, checkpoints)
                 if not isinstance(outcome, _Retry):
                     return
                 if outcome.preempted:
                     preemptions += 1
-                    budget, used = spec.max_retries_preemption, preemptions
+                    budget, used, kind = spec.max_retries_preemption, preemptions, "preempted"
                 else:
                     failures += 1
-                    budget, used = spec.max_retries_failure, failures
+                    budget, used, kind = spec.max_retries_failure, failures, "failed"
                 if active.stop.is_set():
                     self._stopped(job_id, active)
                     return
                 if used > budget:
-                    self._finish(job_id, Failed(outcome.error))
+                    budget_name = ("max_retries_preemption" if outcome.preempted
+                                   else "max_retries_failure")
+                    self._finish(job_id, Failed(
+                        outcome.error if not outcome.preempted else
+                        f"{kind} {used} times, more than {budget_name}={budget}; the last "
+                        f"time: {outcome.error}"))
                     return
+                self._clock(job_id).switch(goodput.RECOVERING)
                 self._change(job_id, Retrying(attempt, outcome.cause))
+                if outcome.preempted and active.stop.wait(_backoff(preemptions)):
+                    self._stopped(job_id, active)  # cancelled while backing off
+                    return
                 with self._lock:
                     self._allocating.add(active.accelerator_type)
         except Exception:
@@ -316,42 +372,53 @@ class JobManager:
             self._finish(job_id, Failed("the jaxpod service failed running the job:\n"
                                         + traceback.format_exc()))
         finally:
+            checkpoints.close()
             with self._lock:
                 self._active.pop(job_id, None)
                 self._allocating.discard(active.accelerator_type)
                 self._lock.notify_all()
 
-    def _attempt(self, job_id: str, spec: pb.JobSpec, attempt: int, active: _Active
-                 ) -> _Retry | None:
-        """One attempt: allocate, run, record; ``_Retry`` when it may run again."""
+    def _attempt(self, job_id: str, spec: pb.JobSpec, attempt: int, active: _Active,
+                 checkpoints: JobCheckpoints) -> _Retry | None:
+        """One attempt: allocate, run (from the latest checkpoint), record; ``_Retry``
+        when another attempt may follow."""
+        clock = self._clock(job_id)
+        clock.switch(goodput.ALLOCATING)
         self._change(job_id, Allocating(attempt))
         held = self._acquire(job_id, spec, attempt, active)
         if held is None:
             self.store.end_attempt(job_id, attempt, cause=active.reason or "cancelled",
-                                   step_reached=0)
+                                   step_reached=self.store.get(job_id).step)
             self._stopped(job_id, active)
             return None
-        step = 0
         try:
             with self._lock:
                 self._allocating.discard(active.accelerator_type)
                 active.slice_names = tuple(held.description["slice_names"])
                 self._lock.notify_all()
-            self._change(job_id, Running(attempt, 0))
-            run = JobRun(job_id, spec, held.engine, self.store, active.stop,
-                         lambda: active.reason, lambda: self.events.changed(job_id))
+            resume = checkpoints.latest()
+            self._change(job_id, Running(attempt, resume.step if resume else 0),
+                         f"resuming from the checkpoint at step {resume.step}" if resume
+                         else "")
+            reached = max((a.step_reached or 0 for a in self.store.attempts(job_id)),
+                          default=0)
+            run = JobRun(job_id, spec, held.engine, self.store, checkpoints, resume,
+                         active.stop, lambda: active.reason,
+                         lambda: active.reason == SHUTDOWN,
+                         lambda: self._progress(job_id), clock, redo_until=reached)
             try:
                 finished = run.run()
             except Stopped:
-                step = self.store.get(job_id).step
                 self.store.end_attempt(job_id, attempt, cause=active.reason,
-                                       step_reached=step)
+                                       step_reached=run.step)
                 self._stopped(job_id, active)
                 return None
+            except Preempted as e:
+                return self._retry(job_id, attempt, run, checkpoints, e, preempted=True)
             except SLICE_FAILURES as e:
-                return self._retry(job_id, attempt, e, preempted=True)
+                return self._retry(job_id, attempt, run, checkpoints, e, preempted=True)
             except Exception as e:
-                return self._retry(job_id, attempt, e, preempted=False)
+                return self._retry(job_id, attempt, run, checkpoints, e, preempted=False)
             self._succeed(job_id, attempt, finished)
             return None
         finally:
@@ -378,13 +445,21 @@ class JobManager:
                             spec.accelerator_type)
         return None
 
-    def _retry(self, job_id: str, attempt: int, error: BaseException, preempted: bool
-               ) -> _Retry:
-        step = self.store.get(job_id).step
-        cause = "preempted" if preempted else "failed"
-        self.store.end_attempt(job_id, attempt, cause=f"{cause}: {type(error).__name__}",
-                               step_reached=step)
-        return _Retry(preempted, describe_error(error), f"{cause}: {describe_error(error)}")
+    def _retry(self, job_id: str, attempt: int, run: JobRun, checkpoints: JobCheckpoints,
+               error: BaseException, preempted: bool) -> _Retry:
+        """Ends the attempt, recording how far it got and what the next one re-does."""
+        with contextlib.suppress(Exception):  # a save in flight: it may still commit
+            checkpoints.wait()
+        saved = checkpoints.steps()
+        resume_at = saved[-1] if saved else 0
+        lost = max(0, run.step - resume_at)
+        what = (f"preemption notice ({error.notice})" if isinstance(error, Preempted)
+                else type(error).__name__)
+        cause = (f"{'preempted' if preempted else 'failed'}: {what}; {lost} step(s) lost, "
+                 f"the next attempt starts at step {resume_at}")
+        self.store.end_attempt(job_id, attempt, cause=cause, step_reached=run.step)
+        logger.warning("job %s attempt %d %s", job_id, attempt, cause)
+        return _Retry(preempted, describe_error(error), cause)
 
     def _succeed(self, job_id: str, attempt: int, finished: Finished) -> None:
         self.store.save_result(job_id, finished.state, finished.outputs)
@@ -392,16 +467,36 @@ class JobManager:
         self._finish(job_id, Succeeded())
 
     def _stopped(self, job_id: str, active: _Active) -> None:
-        if active.reason == SHUTDOWN:
-            return  # left in flight: the next coordinator on this state dir decides
+        if active.reason == SHUTDOWN:  # left in flight: the next coordinator resumes it
+            self._save_goodput(job_id)
+            return
         self._finish(job_id, Cancelled(active.reason or "cancelled"))
 
+    def _progress(self, job_id: str) -> None:
+        """A loop was recorded: watchers wake; goodput is saved now and then."""
+        self.events.changed(job_id)
+        now = time.monotonic()
+        if now - self._goodput_saved.get(job_id, 0.0) >= 1.0:
+            self._save_goodput(job_id)
+            self._goodput_saved[job_id] = now
+
+    def _stop_clock(self, job_id: str) -> None:
+        self._goodput_saved.pop(job_id, None)
+        clock = self._clocks.pop(job_id, None)
+        if clock is not None:
+            with contextlib.suppress(Exception):
+                self.store.set_goodput(job_id, clock.stop())
+
     def _finish(self, job_id: str, state: Failed | Succeeded | Cancelled) -> None:
+        self._stop_clock(job_id)
         self._change(job_id, state)
+        self._checkpoints(job_id).remove_all()  # over: its result (or error) is stored
         logger.info("job %s %s", job_id, state.state.value)
 
-    def _change(self, job_id: str, state: Any) -> None:
-        self.store.transition(job_id, state)
+    def _change(self, job_id: str, state: Any, reason: str | None = None) -> None:
+        self.store.transition(job_id, state, reason or None)
+        if job_id in self._clocks:
+            self._save_goodput(job_id)
         self.events.changed(job_id)
 
 

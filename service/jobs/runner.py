@@ -5,7 +5,14 @@ interactive session's strategy: it defines the job's step (and init and dataset
 functions) from the client's pickles, which only the workers unpickle, builds the
 state and the input, then runs ``steps_per_run`` steps per on-device loop and, after
 each loop, reduces the declared outputs into metrics, records progress and collects
-what the job's code printed. Cancellation is seen between loops.
+what the job's code printed.
+
+A resumed attempt starts from a checkpoint: its state, and its input rebuilt without
+what the checkpointed steps consumed. Checkpoints are taken at loop boundaries only
+(every ``checkpoint_every`` steps, rounded up to a loop), so a resumed attempt runs the
+same loops as an uninterrupted one and ends with exactly its numbers. Between loops the
+runner sees cancellation, the service stopping (it checkpoints first) and preemption
+notices from the hosts (it checkpoints at once and gives the slice up).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,11 +35,14 @@ from jaxpod.errors import (
     WorkerLostError,
     WorkerStartError,
 )
-from jaxpod.jobs import NoInput
+from jaxpod.jobs import InitialState, NoInput, ResumedInput, ResumedInputFn
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.group_engine import DefinedFunction, GroupEngine, GroupValue
+from jaxpod.service.jobs import goodput
+from jaxpod.service.jobs.checkpoints import Checkpoint, JobCheckpoints
+from jaxpod.service.jobs.goodput import GoodputClock
 from jaxpod.service.jobs.store import JobStore
-from jaxpod.shipping import ShippedFunction
+from jaxpod.shipping import ShippedFunction, ship_object
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +61,16 @@ class Stopped(Exception):
         self.why = why
 
 
+class Preempted(Exception):
+    """A host announced its preemption; the attempt checkpointed at ``step`` and
+    stopped, to go on on another slice."""
+
+    def __init__(self, step: int, notice: str) -> None:
+        super().__init__(f"preemption notice at step {step}: {notice}")
+        self.step = step
+        self.notice = notice
+
+
 @dataclass(frozen=True)
 class Finished:
     """What a completed attempt leaves: the final state (numpy, replica 0's copy) and
@@ -61,57 +82,120 @@ class Finished:
 
 
 class JobRun:
-    """Runs attempt ``attempt`` of job ``job_id`` on ``engine``.
+    """Runs one attempt of job ``job_id`` on ``engine``.
 
     Args:
       job_id: the job.
       spec: what the client submitted.
       engine: the held slice's replica group.
       store: where progress, metrics and logs go.
-      stop: set to stop between loops; ``stop_reason()`` then says why.
+      checkpoints: the job's checkpoints (written here; ``resume`` came from there).
+      resume: the checkpoint to start from (``None``: from the beginning).
+      stop: set to stop between loops; ``stop_reason()`` then says why, and
+        ``checkpoint_on_stop()`` whether to checkpoint first (the service stopping).
       changed: called after each recorded change (watchers wake up).
+      clock: the job's goodput clock (the runner switches it between setup, steps,
+        checkpointing and bookkeeping).
+      redo_until: the furthest step an earlier attempt reached: steps up to it that
+        this attempt runs again count as lost work.
     """
 
     def __init__(self, job_id: str, spec: pb.JobSpec, engine: GroupEngine, store: JobStore,
+                 checkpoints: JobCheckpoints, resume: Checkpoint | None,
                  stop: threading.Event, stop_reason: Callable[[], str],
-                 changed: Callable[[], None]) -> None:
+                 checkpoint_on_stop: Callable[[], bool],
+                 changed: Callable[[], None], clock: GoodputClock,
+                 redo_until: int = 0) -> None:
         self.job_id = job_id
         self.spec = spec
         self.engine = engine
         self.store = store
+        self.checkpoints = checkpoints
+        self.resume = resume
         self._stop = stop
         self._stop_reason = stop_reason
+        self._checkpoint_on_stop = checkpoint_on_stop
         self._changed = changed
+        self._clock = clock
+        self._loops = _LoopTimes(redo_until)
         self._versions = dict(spec.runtime_versions)
+        self.start_step = resume.step if resume is not None else 0
+        #: Steps done so far (what a lost attempt reached).
+        self.step = self.start_step
+        self._checkpointed = self.start_step
 
     def run(self) -> Finished:
-        """Runs every step; raises what the job's code raised, a slice failure
-        (:data:`SLICE_FAILURES`), or :class:`Stopped`."""
-        engine, spec = self.engine, self.spec
+        """Runs the remaining steps; raises what the job's code raised, a slice
+        failure (:data:`SLICE_FAILURES`), :class:`Stopped` or :class:`Preempted`."""
+        engine, spec, clock = self.engine, self.spec, self._clock
+        clock.switch(goodput.SETUP)
         engine.capture_output(True)
         try:
             step = self._shipped(spec.step_fn)
             state = self._initial_state()
             iterator = self._input().iterate(spec.steps_per_run)
-            done, outputs = 0, {}
-            while done < spec.steps:
-                self._check_stop()
-                k = min(spec.steps_per_run, spec.steps - done)
+            outputs: dict[str, Any] = {}
+            while self.step < spec.steps:
+                self._check_stop(state)
+                k = min(spec.steps_per_run, spec.steps - self.step)
+                clock.switch(goodput.PRODUCTIVE)
+                started = time.monotonic()
                 state, raw = self._defined_call(
                     step, lambda f: engine.run_steps(f, iterator, k, state))  # noqa: B023
-                done += k
+                clock.switch(goodput.OTHER)
+                clock.reattribute(self._loops.attribute(self.step, k,
+                                                        time.monotonic() - started),
+                                  source=goodput.PRODUCTIVE)
+                self.step += k
                 outputs = self._reduce(raw)
-                self._record(done, outputs)
-            return Finished(self._final_state(state), outputs, done)
+                self._record(self.step, outputs)
+                self._check_notices(state)
+                if self._checkpoint_due():
+                    self._checkpoint(state, wait=False)
+            final = self._final_state(state)
+            with clock.during(goodput.CHECKPOINTING):
+                self.checkpoints.wait()  # a save in flight must not outlive the attempt
+            return Finished(final, outputs, self.step)
         finally:
             self._collect_logs()
             with contextlib.suppress(Exception):  # the slice may be gone: nothing to stop
                 engine.capture_output(False)
 
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_due(self) -> bool:
+        every = self.spec.checkpoint_every
+        return bool(every) and self.step < self.spec.steps and \
+            self.step - self._checkpointed >= every
+
+    def _checkpoint(self, state: Any, wait: bool) -> None:
+        """Saves the state at this loop boundary: fetched now (the next loop changes
+        it), written on the checkpoint thread unless ``wait``."""
+        if self.step == self._checkpointed and self.checkpoints.steps():
+            return  # this step is saved already
+        with self._clock.during(goodput.CHECKPOINTING):  # the steps wait for this part
+            fetched = self._final_state(state)
+            if wait:
+                self.checkpoints.save(self.step, fetched)
+            else:
+                self.checkpoints.save_async(self.step, fetched)
+        self._checkpointed = self.step
+
+    def _check_stop(self, state: Any) -> None:
+        if not self._stop.is_set():
+            return
+        if self._checkpoint_on_stop() and self.step > self.start_step:
+            self._checkpoint(state, wait=True)  # the next coordinator resumes here
+        raise Stopped(self._stop_reason())
+
+    def _check_notices(self, state: Any) -> None:
+        notices = [(h, n) for h, n in enumerate(self.engine.preemption_notices()) if n]
+        if not notices:
+            return
+        host, notice = notices[0]
+        self._checkpoint(state, wait=True)
+        raise Preempted(self.step, f"host {host}: {notice.reason}")
+
     # ------------------------------------------------------------------ parts
-    def _check_stop(self) -> None:
-        if self._stop.is_set():
-            raise Stopped(self._stop_reason())
 
     def _shipped(self, payload: bytes) -> tuple[ShippedFunction, list[DefinedFunction]]:
         shipped = ShippedFunction(payload, self._versions)
@@ -130,17 +214,26 @@ class JobRun:
     def _initial_state(self) -> Any:
         if not self.spec.init_fn:
             return ()
-        init = self._shipped(self.spec.init_fn)
-        return self._defined_call(init, self.engine.run)
+        if self.resume is not None:  # every replica starts from the checkpoint's state
+            payload = ship_object(InitialState(self.resume.state), "the checkpointed state",
+                                  "").payload
+        else:
+            payload = self.spec.init_fn
+        return self._defined_call(self._shipped(payload), self.engine.run)
 
     def _input(self) -> Any:
-        spec, engine = self.spec, self.engine
+        """The job's input, without what the checkpointed steps consumed."""
+        spec, engine, start = self.spec, self.engine, self.start_step
         if spec.dataset:
-            return engine.experimental_distribute_dataset(
-                ShippedFunction(spec.dataset, self._versions))  # type: ignore[arg-type]
+            dataset: Any = (ShippedFunction(spec.dataset, self._versions) if not start
+                            else ResumedInput(spec.dataset, self._versions, start))
+            return engine.experimental_distribute_dataset(dataset)
         if spec.dataset_fn:
-            dataset_fn = self._shipped(spec.dataset_fn)
-            return self._defined_call(dataset_fn, engine.distribute_datasets_from_function)
+            payload = spec.dataset_fn if not start else ship_object(
+                ResumedInputFn(spec.dataset_fn, self._versions, start), "the job's input", "",
+            ).payload
+            return self._defined_call(self._shipped(payload),
+                                      engine.distribute_datasets_from_function)
         return engine.experimental_distribute_dataset(NoInput(engine.num_replicas_in_sync))
 
     def _reduce(self, raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -173,10 +266,40 @@ class JobRun:
                 self.store.append_logs(self.job_id, host, lines)
 
     def _final_state(self, state: Any) -> Any:
+        """The state as numpy: replica 0's copy (jobs train mirrored state)."""
         if not self.spec.init_fn:
             return None
         replicas = self.engine.experimental_local_results(state)
         return _plain(replicas[0])
+
+
+class _LoopTimes:
+    """Splits each loop's measured time into first-run steps, steps re-run after a
+    preemption (lost work) and, for a loop that compiled, the compilation: the excess
+    of the first loop of each length over the same length's steady time, known once a
+    second loop of that length ran (and then moved out of what was counted productive).
+
+    Args:
+      redo_until: steps up to this one were done before and are being re-done.
+    """
+
+    def __init__(self, redo_until: int) -> None:
+        self._redo_until = redo_until
+        self._first: dict[int, float] = {}  # loop length -> its first loop's seconds
+        self._settled: set[int] = set()
+
+    def attribute(self, start: int, k: int, seconds: float) -> dict[str, float]:
+        """Seconds to move out of productive for the loop of ``k`` steps from ``start``."""
+        parts: dict[str, float] = {}
+        redone = max(0, min(start + k, self._redo_until) - start)
+        if redone:
+            parts[goodput.LOST_WORK] = seconds * redone / k
+        if k not in self._first:
+            self._first[k] = seconds
+        elif k not in self._settled:
+            self._settled.add(k)
+            parts[goodput.COMPILING] = max(0.0, self._first[k] - seconds)
+        return parts
 
 
 def _plain(tree: Any) -> Any:

@@ -52,10 +52,11 @@ TERMINAL_STATES: frozenset[JobState] = frozenset(
 
 _S = JobState
 #: Every allowed move, and only these. RETRYING -> FAILED: the retry budget can run out
-#: (or the coordinator restart) while the job waits for a new slice.
+#: while the job waits for a new slice. ALLOCATING -> RETRYING: the coordinator
+#: restarted while the job was acquiring its slice.
 TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
     _S.PENDING: frozenset({_S.ALLOCATING, _S.CANCELLED}),
-    _S.ALLOCATING: frozenset({_S.RUNNING, _S.FAILED, _S.CANCELLED}),
+    _S.ALLOCATING: frozenset({_S.RUNNING, _S.FAILED, _S.CANCELLED, _S.RETRYING}),
     _S.RUNNING: frozenset({_S.SUCCEEDED, _S.FAILED, _S.CANCELLED, _S.RETRYING}),
     _S.RETRYING: frozenset({_S.ALLOCATING, _S.FAILED, _S.CANCELLED}),
     _S.SUCCEEDED: frozenset(),

@@ -256,11 +256,11 @@ class StoredResult:
 
 @dataclass(frozen=True)
 class Recovery:
-    """What :meth:`JobStore.recover` found: jobs to queue again (in creation order) and
-    the in-flight jobs it marked FAILED."""
+    """What :meth:`JobStore.recover` found: every unfinished job, to queue again (in
+    creation order), and which of them were in flight (now ``RETRYING``)."""
 
     requeue: tuple[JobRecord, ...]
-    failed: tuple[JobRecord, ...]
+    resumed: tuple[JobRecord, ...]
 
 
 _JOB_COLUMNS = ("id, name, accelerator_type, spec, state, step, steps, error, created_at, "
@@ -562,17 +562,10 @@ class JobStore:
     def save_result(self, job_id: str, state: Any, outputs: Any) -> Path:
         """Store the job's final state and outputs (nests of dict/list/tuple/None with
         numpy leaves) as ``jobs/<id>/result.npz``; returns the file's path."""
-        arrays: dict[str, np.ndarray] = {}
-        structure = {"state": _flatten(state, "state", arrays),
-                     "outputs": _flatten(outputs, "outputs", arrays)}
-        arrays["__structure__"] = np.frombuffer(json.dumps(structure).encode(), np.uint8)
         rel = Path("jobs") / job_id / "result.npz"
         with self._write() as conn:
             self._require(conn, job_id)
-            # Written whole under a temporary name, then renamed: a reader never opens a
-            # half-written result, and a failed write leaves no file behind.
-            _write_file_atomically(self.state_dir / rel,
-                                   lambda f: np.savez(f, allow_pickle=False, **arrays))
+            save_trees(self.state_dir / rel, {"state": state, "outputs": outputs})
             conn.execute("INSERT OR REPLACE INTO results (job_id, path, saved_at) "
                          "VALUES (?, ?, ?)", (job_id, rel.as_posix(), self._clock()))
         return self.state_dir / rel
@@ -585,33 +578,35 @@ class JobStore:
                                (job_id,)).fetchone()
         if row is None:
             return None
-        with np.load(self.state_dir / row[0], allow_pickle=False) as npz:
-            arrays = {key: npz[key] for key in npz.files}
-        structure = json.loads(arrays.pop("__structure__").tobytes())
-        return StoredResult(state=_unflatten(structure["state"], arrays),
-                            outputs=_unflatten(structure["outputs"], arrays), saved_at=row[1])
+        trees = load_trees(self.state_dir / row[0])
+        return StoredResult(state=trees["state"], outputs=trees["outputs"], saved_at=row[1])
+
+    def job_dir(self, job_id: str) -> Path:
+        """Where the job's files live (payload, result, checkpoints)."""
+        return self.state_dir / "jobs" / job_id
 
     # ------------------------------------------------------------------ listing, recovery
 
     def recover(self) -> Recovery:
-        """For a coordinator starting on this state dir: fail the jobs the last one left
-        in flight (no checkpoint resume yet) and return the PENDING ones to queue again."""
+        """For a coordinator starting on this state dir: every job the last one left in
+        flight (``ALLOCATING``, ``RUNNING``) moves to ``RETRYING`` (its open attempt
+        ends, cause :data:`RESTART_REASON`), and every unfinished job is returned to be
+        queued again, in creation order (the manager resumes each from its latest
+        checkpoint, or starts it over)."""
         with self._write() as conn:
-            stuck = conn.execute(
-                "SELECT id, state, step, steps FROM jobs WHERE state IN (?, ?, ?) ORDER BY seq",
-                (JobState.ALLOCATING.value, JobState.RUNNING.value,
-                 JobState.RETRYING.value)).fetchall()
-            for job_id, state, step, steps in stuck:
-                error = (f"{RESTART_REASON} while the job was {state} (step {step} of "
-                         f"{steps}); submit it again to rerun it.")
-                self._transition(conn, job_id, Failed(error), RESTART_REASON)
-                conn.execute("UPDATE attempts SET ended_at = ?, cause = ?, step_reached = ? "
-                             "WHERE job_id = ? AND ended_at IS NULL",
-                             (self._clock(), RESTART_REASON, step, job_id))
-            failed = tuple(self._get(conn, r[0]) for r in stuck)
-            pending = conn.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state = ? "
-                                   "ORDER BY seq", (JobState.PENDING.value,)).fetchall()
-        return Recovery(requeue=tuple(_job(r) for r in pending), failed=failed)
+            stuck = [r[0] for r in conn.execute(
+                "SELECT id FROM jobs WHERE state IN (?, ?) ORDER BY seq",
+                (JobState.ALLOCATING.value, JobState.RUNNING.value)).fetchall()]
+            for job_id in stuck:
+                self._transition(conn, job_id, Retrying(0, RESTART_REASON), RESTART_REASON)
+            conn.execute("UPDATE attempts SET ended_at = ?, cause = ?, step_reached = "
+                         "(SELECT step FROM jobs WHERE jobs.id = attempts.job_id) "
+                         "WHERE ended_at IS NULL", (self._clock(), RESTART_REASON))
+            resumed = tuple(self._get(conn, job_id) for job_id in stuck)
+            waiting = conn.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state IN (?, ?) "
+                                   "ORDER BY seq", (JobState.PENDING.value,
+                                                    JobState.RETRYING.value)).fetchall()
+        return Recovery(requeue=tuple(_job(r) for r in waiting), resumed=resumed)
 
     def list(self, state: JobState | str | None = None, limit: int | None = None,
              offset: int = 0) -> builtins.list[JobRecord]:
@@ -649,6 +644,24 @@ def _connect(path: Path) -> sqlite3.Connection:
         conn.close()
         raise
     return conn
+
+
+def save_trees(path: Path, trees: Mapping[str, Any]) -> None:
+    """Writes named nests (dict/list/tuple/None with numpy leaves) to one ``.npz``, whole
+    or not at all: under a temporary name, fsynced, then renamed, so a reader never opens
+    a half-written file and a failed write leaves none. No pickle: plain numpy reads it."""
+    arrays: dict[str, np.ndarray] = {}
+    structure = {name: _flatten(tree, name, arrays) for name, tree in trees.items()}
+    arrays["__structure__"] = np.frombuffer(json.dumps(structure).encode(), np.uint8)
+    _write_file_atomically(path, lambda f: np.savez(f, allow_pickle=False, **arrays))
+
+
+def load_trees(path: Path) -> dict[str, Any]:
+    """What :func:`save_trees` wrote."""
+    with np.load(path, allow_pickle=False) as npz:
+        arrays = {key: npz[key] for key in npz.files}
+    structure = json.loads(arrays.pop("__structure__").tobytes())
+    return {name: _unflatten(node, arrays) for name, node in structure.items()}
 
 
 def _write_file_atomically(path: Path, write: Callable[[Any], object]) -> None:

@@ -52,18 +52,23 @@ class Service:
         return jaxpod.connect(self.address, token=self.token, **kwargs)
 
 
-def start_service(log_path: Path, slices: str, lease_s: float | None = None,
-                  env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> Service:
-    """Starts the service and waits until it is SERVING; ``args`` are added to its
-    command line (e.g. ``--state-dir``)."""
+def start_service(log_path: Path, slices: str | None, lease_s: float | None = None,
+                  env: dict[str, str] | None = None, args: tuple[str, ...] = (),
+                  ray_address: str | None = None) -> Service:
+    """Starts the service and waits until it is SERVING: on its own simulated cluster
+    of ``slices``, or joining the Ray cluster at ``ray_address`` (which outlives it);
+    ``args`` are added to its command line (e.g. ``--state-dir``)."""
     token = secrets.token_hex(16)
-    command = [sys.executable, "-m", "jaxpod.cli", "serve", "--local", "--slices", slices,
-               "--port", "0", "--stop-on-stdin-eof"]
+    where = ["--local", "--slices", str(slices)] if ray_address is None else []
+    command = [sys.executable, "-m", "jaxpod.cli", "serve", *where, "--port", "0",
+               "--stop-on-stdin-eof"]
     if lease_s is not None:
         command += ["--lease", str(lease_s)]
     command += list(args)
     full_env = {**os.environ, **(env or {}), "JAXPOD_TOKEN": token}
     full_env.pop("JAXPOD_ADDRESS", None)
+    if ray_address is not None:
+        full_env["RAY_ADDRESS"] = ray_address
     with log_path.open("ab") as log:
         process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    stderr=log, env=full_env, start_new_session=True)

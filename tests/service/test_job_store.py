@@ -73,6 +73,7 @@ def test_transition_table_is_the_design_one() -> None:
     expected = {
         (S.PENDING, S.ALLOCATING), (S.PENDING, S.CANCELLED),
         (S.ALLOCATING, S.RUNNING), (S.ALLOCATING, S.FAILED), (S.ALLOCATING, S.CANCELLED),
+        (S.ALLOCATING, S.RETRYING),  # the coordinator restarted while it allocated
         (S.RUNNING, S.SUCCEEDED), (S.RUNNING, S.FAILED), (S.RUNNING, S.CANCELLED),
         (S.RUNNING, S.RETRYING),
         (S.RETRYING, S.ALLOCATING), (S.RETRYING, S.FAILED), (S.RETRYING, S.CANCELLED),
@@ -195,7 +196,7 @@ def test_failure_and_cancellation_keep_their_error_and_reason(store: JobStore) -
     ((Allocating(1), Running(1, 5), Succeeded()), Running(1, 6)),
     ((), Running(1, 0)),
     ((Cancelled("user"),), Allocating(1)),
-    ((Allocating(1),), Retrying(1, "lost")),
+    ((Allocating(1), Running(1, 2)), Allocating(2)),
 ])
 def test_illegal_transition_is_refused_and_writes_nothing(
         store: JobStore, path: tuple[Any, ...], illegal: Any) -> None:
@@ -373,7 +374,8 @@ def test_another_process_reads_what_this_one_committed(store: JobStore) -> None:
 
 # --------------------------------------------------------------------------- recovery
 
-def test_recover_requeues_pending_and_fails_in_flight_jobs(tmp_path: Path) -> None:
+def test_recover_requeues_unfinished_jobs_and_moves_in_flight_ones_to_retrying(
+        tmp_path: Path) -> None:
     with JobStore(tmp_path, clock=Clock()) as store:
         paths: dict[str, tuple[Any, ...]] = {
             "p1": (), "alloc": (Allocating(1),), "p2": (),
@@ -390,25 +392,21 @@ def test_recover_requeues_pending_and_fails_in_flight_jobs(tmp_path: Path) -> No
         before = {j: store.get(j) for j in ("done", "gone")}
     with JobStore(tmp_path, clock=Clock()) as restarted:
         recovery = restarted.recover()
-        assert [j.id for j in recovery.requeue] == ["p1", "p2", "p3"]
-        assert all(j.state is S.PENDING for j in recovery.requeue)
-        assert [j.id for j in recovery.failed] == ["alloc", "run", "retry"]
-        for job, was in zip(recovery.failed, ["ALLOCATING", "RUNNING", "RETRYING"], strict=True):
+        assert [j.id for j in recovery.requeue] == ["p1", "alloc", "p2", "run", "retry", "p3"]
+        assert [j.id for j in recovery.resumed] == ["alloc", "run"]
+        for job, was in zip(recovery.resumed, ["ALLOCATING", "RUNNING"], strict=True):
             assert job == restarted.get(job.id)
-            assert job.state is S.FAILED and job.finished_at is not None
-            assert job.error is not None and job.error.startswith(
-                f"{RESTART_REASON} while the job was {was}")
+            assert job.state is S.RETRYING and job.finished_at is None
             last = restarted.history(job.id)[-1]
             assert (last.from_state, last.to_state, last.reason) == (
-                S[was], S.FAILED, RESTART_REASON)
+                S[was], S.RETRYING, RESTART_REASON)
             assert restarted.attempts(job.id)[-1].cause == RESTART_REASON
-        assert restarted.get("run").error == (
-            f"{RESTART_REASON} while the job was RUNNING (step 7 of 10); "
-            "submit it again to rerun it.")
         assert restarted.attempts("run")[-1].step_reached == 7
+        assert restarted.get("retry").state is S.RETRYING  # waiting already: unchanged
         assert {j: restarted.get(j) for j in ("done", "gone")} == before
         again = restarted.recover()
-        assert again.failed == () and [j.id for j in again.requeue] == ["p1", "p2", "p3"]
+        assert again.resumed == ()
+        assert [j.id for j in again.requeue] == ["p1", "alloc", "p2", "run", "retry", "p3"]
 
 
 # --------------------------------------------------------------------------- schema

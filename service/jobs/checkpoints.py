@@ -1,0 +1,185 @@
+"""Automatic checkpoints of a job: its state and input position, with no user code.
+
+A checkpoint is a folder ``<job dir>/checkpoints/step-<N>/`` holding ``state.npz`` (the
+job's state as numpy: replica 0's copy, since jobs train mirrored state) and
+``meta.json`` (the step, which is also the input position: the input is rebuilt and the
+rows or elements of the first ``N`` steps skipped). It is written under a temporary name,
+every file fsynced, then the ``COMMITTED`` marker is written last and the folder renamed
+into place, so a crash at any moment leaves the previous checkpoint the latest usable
+one; half-written folders are removed the next time the job's checkpoints are opened.
+
+Checkpoints are written by the coordinator into its state dir, not by the hosts: a
+preempted slice's hosts (and their disks) are gone, and the next attempt may run on
+another slice; the state dir is the one place every attempt can read. The bytes are
+fetched from the slice at a loop boundary (they change with the next loop) and written
+on a background thread while the job's next steps run; the last ``keep`` are kept.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jaxpod.service.jobs.store import load_trees, save_trees
+
+logger = logging.getLogger(__name__)
+
+COMMITTED = "COMMITTED"
+#: Checkpoints kept per job (older ones are removed once a newer one is committed).
+DEFAULT_KEEP = 2
+_PREFIX = "step-"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint: ``step`` steps were done; ``state`` is numpy."""
+
+    step: int
+    state: Any
+    path: Path
+    saved_at: float
+
+
+class JobCheckpoints:
+    """The checkpoints of one job.
+
+    Args:
+      root: the job's checkpoint folder (created when first needed).
+      keep: committed checkpoints to keep.
+      before_commit: called with the folder about to be committed, after its files
+        are written (tests inject a crash there).
+    """
+
+    def __init__(self, root: Path, keep: int = DEFAULT_KEEP,
+                 before_commit: Callable[[Path], None] | None = None) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 checkpoint; got {keep}.")
+        self.root = Path(root)
+        self.keep = keep
+        self._before_commit = before_commit
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpod-ckpt")
+        self._pending: concurrent.futures.Future[Path] | None = None
+        self._lock = threading.Lock()
+        self._remove_partial()
+
+    # ------------------------------------------------------------------ reading
+    def steps(self) -> list[int]:
+        """The committed checkpoints' steps, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            if entry.name.startswith(_PREFIX) and (entry / COMMITTED).is_file():
+                try:
+                    found.append(int(entry.name[len(_PREFIX):]))
+                except ValueError:
+                    continue
+        return sorted(found)
+
+    def latest(self) -> Checkpoint | None:
+        """The newest committed checkpoint, or None."""
+        steps = self.steps()
+        if not steps:
+            return None
+        path = self._folder(steps[-1])
+        meta = json.loads((path / "meta.json").read_text())
+        state = load_trees(path / "state.npz")["state"]
+        return Checkpoint(int(meta["step"]), state, path, float(meta["saved_at"]))
+
+    # ------------------------------------------------------------------ writing
+    def save(self, step: int, state: Any) -> Path:
+        """Writes a checkpoint now and returns its folder (after any pending save)."""
+        self.wait()
+        return self._write(step, state)
+
+    def save_async(self, step: int, state: Any) -> None:
+        """Writes a checkpoint on the background thread; the caller goes on. A save
+        still running is waited for first (at most one is in flight)."""
+        self.wait()
+        with self._lock:
+            self._pending = self._writer.submit(self._write, step, state)
+
+    def wait(self) -> Path | None:
+        """Waits for the save in flight, if any; raises what it raised."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def close(self) -> None:
+        """Waits for the save in flight, then stops the writer thread."""
+        try:
+            self.wait()
+        finally:
+            self._writer.shutdown(wait=True)
+
+    def remove_all(self) -> None:
+        """Deletes every checkpoint of the job (it is over)."""
+        self.wait()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _write(self, step: int, state: Any) -> Path:
+        if step < 0:
+            raise ValueError(f"A checkpoint's step must be >= 0; got {step}.")
+        started = time.monotonic()
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self._folder(step)
+        tmp = self.root / f".{final.name}.{secrets.token_hex(4)}.tmp"
+        tmp.mkdir()
+        try:
+            save_trees(tmp / "state.npz", {"state": state})
+            _write_synced(tmp / "meta.json",
+                          json.dumps({"step": step, "saved_at": time.time()}).encode())
+            if self._before_commit is not None:
+                self._before_commit(tmp)
+            _write_synced(tmp / COMMITTED, b"")  # last: only now is it a checkpoint
+            _sync_dir(tmp)
+            if final.exists():  # the same step again (a resumed attempt): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _sync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._prune()
+        logger.info("checkpoint %s written in %.3fs", final, time.monotonic() - started)
+        return final
+
+    def _prune(self) -> None:
+        for step in self.steps()[:-self.keep]:
+            shutil.rmtree(self._folder(step), ignore_errors=True)
+
+    def _remove_partial(self) -> None:
+        """Folders a crash left half-written (no marker) are not checkpoints."""
+        if not self.root.is_dir():
+            return
+        for entry in self.root.iterdir():
+            if entry.is_dir() and not (entry / COMMITTED).is_file():
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def _folder(self, step: int) -> Path:
+        return self.root / f"{_PREFIX}{step}"
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
