@@ -19,7 +19,9 @@ together (no holding while waiting), so two multi-slice requests cannot deadlock
 Every placement group made for a request is removed on time-out, cancel or error, and
 :meth:`Allocation.release` removes them at once and returns when the hosts show the
 chips free again. Placement groups are not detached: if the coordinator dies, Ray
-frees them too.
+frees them too. They are named ``jaxpod:<instance>:<allocation>:slice-<index>`` and
+``...:head-<slice name>`` (:mod:`jaxpod.service.orphans`), so a coordinator started
+later can tell a dead one's leftovers from a live one's.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from jaxpod.errors import AllocationCancelledError, AllocationTimeoutError
+from jaxpod.service.orphans import object_name
 from jaxpod.service.resolvers.base import DEFAULT_MEGASCALE_PORT, SliceInfo
 from jaxpod.service.resolvers.ray import (
     POD_TYPE_LABEL,
@@ -555,7 +558,7 @@ class _Attempt:
                 WORKER_ID_LABEL: "0",
                 POD_TYPE_LABEL: s.info.accelerator_type,
             }],
-            name=f"jaxpod-{self.allocation_id}-head-{s.info.name}",
+            name=object_name(self.allocation_id, f"head-{s.info.name}"),
             strategy="PACK",
         )
 
@@ -573,7 +576,7 @@ class _Attempt:
             bundles=[dict(bundle) for _ in s.hosts],
             selectors=[{SLICE_NAME_LABEL: s.info.name, WORKER_ID_LABEL: str(h.info.worker_id)}
                        for h in s.hosts],
-            name=f"jaxpod-{self.allocation_id}-slice-{index}",
+            name=object_name(self.allocation_id, f"slice-{index}"),
             strategy="STRICT_SPREAD",
         )
 

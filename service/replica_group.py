@@ -16,6 +16,7 @@ import dataclasses
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -53,6 +54,9 @@ class HostPlacement:
       env: variables set in the worker's process before JAX starts (``TPU_*``,
         ``MEGASCALE_*``).
       unset_env: variables removed from it (e.g. stale ``MEGASCALE_*``).
+      name: the worker actor's Ray name, in jaxpod's Ray namespace, less a suffix
+        that each launch adds (``None``: unnamed). Names let a later coordinator find
+        the actors of a dead one (:mod:`jaxpod.service.orphans`).
     """
 
     placement_group: Any
@@ -61,6 +65,7 @@ class HostPlacement:
     num_cpus: float = 0.0
     env: dict[str, str] = field(default_factory=dict)
     unset_env: tuple[str, ...] = ()
+    name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -343,15 +348,20 @@ def _launch(recipe: _Recipe) -> tuple[list[Any], list[dict[str, int]], list[sock
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from jaxpod.service.resolvers.ray import RAY_NAMESPACE
+
     placements, platform = recipe.placements, recipe.platform
     limit = START_TIMEOUT.resolve(recipe.start_timeout_s)
     deadline = time.monotonic() + limit
     actor_cls = ray.remote(HostWorker)
+    # A restart launches while Ray may still hold the killed actors' names.
+    suffix = uuid.uuid4().hex[:6]
     workers: list[Any] = [
         actor_cls.options(
             num_cpus=p.num_cpus, resources=p.resources,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 p.placement_group, placement_group_bundle_index=p.bundle_index),
+            **({"name": f"{p.name}:{suffix}", "namespace": RAY_NAMESPACE} if p.name else {}),
         ).remote(i, len(placements), recipe.devices_per_host, platform, p.env, p.unset_env)
         for i, p in enumerate(placements)
     ]

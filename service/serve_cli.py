@@ -131,6 +131,7 @@ def run_serve(args: argparse.Namespace) -> int:
             from jaxpod.service.resolvers.ray import connect
 
             connect(address)
+        _sweep_orphans()
         return RaySlices(platform=args.platform)
 
     def listening(where: str) -> None:
@@ -150,6 +151,21 @@ def run_serve(args: argparse.Namespace) -> int:
         if cluster is not None:
             cluster.stop()
     return 0
+
+
+def _sweep_orphans() -> None:
+    """Releases what dead coordinators left on the cluster, before any slice is handed
+    out. A failure is logged, not raised: the sweep is a backstop (Ray frees a dead
+    driver's objects itself), and the service is still of use without it."""
+    from jaxpod.service.orphans import sweep_orphans
+
+    try:
+        sweep_orphans()
+    except Exception as e:
+        logging.getLogger(__name__).warning(
+            "jaxpod serve: the sweep for a dead coordinator's actors and placement groups "
+            "failed (%s: %s); Ray still frees a dead driver's own objects. Serving anyway.",
+            type(e).__name__, e)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from jaxpod.errors import SliceResetError
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.allocator import Allocation, SliceAllocator
 from jaxpod.service.group_engine import GroupEngine
+from jaxpod.service.orphans import object_name
 from jaxpod.service.replica_group import HostPlacement, ReplicaGroup
 from jaxpod.service.sessions import HeldSlice
 from jaxpod.timeouts import Timeout
@@ -37,12 +38,14 @@ WarmKey = tuple[str, int]
 
 
 def placements(allocation: Allocation) -> list[HostPlacement]:
-    """One placement per allocated host, in JAX process-id order."""
+    """One placement per allocated host, in JAX process-id order; each worker is named
+    ``jaxpod:<instance>:<allocation>:host-<process id>`` (plus a per-launch suffix)."""
     cpus = allocation.request.cpus_per_host
     return [
         HostPlacement(placement_group=s.placement_group, bundle_index=h.bundle_index,
                       resources={"TPU": float(h.chips)}, num_cpus=cpus, env=dict(h.env),
-                      unset_env=tuple(h.unset_env))
+                      unset_env=tuple(h.unset_env),
+                      name=object_name(allocation.id, f"host-{h.process_id}"))
         for s in allocation.slices for h in s.hosts
     ]
 

@@ -35,6 +35,9 @@ ACCELERATOR_TYPE_LABEL = "ray.io/accelerator-type"
 TPU_RESOURCE = "TPU"
 #: Makes Ray use the loopback address on Linux: only for the simulated local cluster.
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+#: The Ray namespace jaxpod's drivers join: its placement groups and named actors live
+#: there, apart from other users' names (see :mod:`jaxpod.service.orphans`).
+RAY_NAMESPACE = "jaxpod"
 
 #: A Ray node as ``ray.nodes()`` returns it.
 RayNode = Mapping[str, Any]
@@ -218,6 +221,8 @@ def connect(address: str | None = None) -> None:
     A loopback address (the simulated local cluster) makes this process use Ray's
     loopback mode first (:func:`use_loopback`), without
     which Ray would dial the host's network address instead of 127.0.0.1.
+    The driver joins the Ray namespace :data:`RAY_NAMESPACE`, where jaxpod's named
+    placement groups are kept (a process connected before keeps its own namespace).
 
     Args:
       address: the cluster's GCS address; ``$RAY_ADDRESS`` when ``None``.
@@ -235,7 +240,8 @@ def connect(address: str | None = None) -> None:
         )
     if address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
         use_loopback()
-    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False,
+             logging_level=logging.WARNING)
 
 
 def snapshot() -> tuple[tuple[RaySlice, ...], tuple[str, ...]]:
