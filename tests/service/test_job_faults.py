@@ -14,13 +14,15 @@ import re
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from serve_process import Service, start_service, stop_service
+from serve_process import Service, crash_service, start_service, stop_service
 
 import jaxpod
+from jaxpod.service.local_cluster import LocalTPUCluster
 from jaxpod.timeouts import wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -112,16 +114,34 @@ def assert_same_result(got: Any, expected: Any) -> None:
 
 
 # ------------------------------------------------------------------ the service
+# The simulated cluster outlives the service, as a real Ray cluster outlives a crashed
+# coordinator: the last test kills the service and starts another on its state dir.
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    root = tmp_path_factory.mktemp("job-faults")
-    running = start_service(root / "serve.log", "v4-16",
-                            args=("--state-dir", str(root / "state")),
-                            env={"JAXPOD_JOB_RETRY_BACKOFF_S": "0.2"})
+def cluster() -> Iterator[LocalTPUCluster]:
+    with LocalTPUCluster("v4-16") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("job-faults-state")
+
+
+def _start(cluster: LocalTPUCluster, state_dir: Path, log: Path) -> Service:
+    return start_service(log, None, args=("--state-dir", str(state_dir)),
+                         env={"JAXPOD_JOB_RETRY_BACKOFF_S": "0.2"},
+                         ray_address=cluster.address)
+
+
+@pytest.fixture(scope="module")
+def service(cluster: LocalTPUCluster, state_dir: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    running = _start(cluster, state_dir, tmp_path_factory.mktemp("job-faults") / "serve.log")
     try:
         yield running
     finally:
-        stop_service(running)
+        if running.process.poll() is None:  # the last test kills it
+            stop_service(running)
 
 
 @pytest.fixture(scope="module")
@@ -210,3 +230,43 @@ def test_more_preemptions_than_the_budget_fail_the_job(client: Any) -> None:
     assert len(job.attempts()) == 2
     with pytest.raises(jaxpod.JobFailedError, match="max_retries_preemption"):
         job.result()
+
+
+def test_a_killed_coordinator_restarted_on_its_state_dir_resumes_the_job(
+        client: Any, service: Service, cluster: LocalTPUCluster, state_dir: Path,
+        uninterrupted: Any, tmp_path: Path) -> None:
+    job = submit(client)
+    assert wait_for(lambda: running_past(job, CHECKPOINT_EVERY + 4), 300), job.status()
+    first_pids = {host_pids(job, h)[-1] for h in range(2)}
+    crash_service(service)  # SIGKILL: no checkpoint on the way out, no release
+    again = _start(cluster, state_dir, tmp_path / "restarted.log")
+    try:
+        with again.connect() as second:
+            resumed = second.job(job.id)
+            final = resumed.wait(timeout=300, progress=False)
+            assert final.state == "SUCCEEDED", final.error
+            assert_same_result(resumed.result(), uninterrupted)
+            history = resumed.history()
+            restart = [t for t in history if t.reason == "coordinator restarted"]
+            assert [(t.from_state, t.to_state) for t in restart] == [("RUNNING", "RETRYING")]
+            resumed_at = [t.reason for t in history if t.to_state == "RUNNING"][-1]
+            assert re.fullmatch(r"resuming from the checkpoint at step \d+", resumed_at)
+            first, second_attempt = resumed.attempts()
+            assert first.cause == "coordinator restarted"
+            assert second_attempt.cause == "succeeded"
+            assert_goodput_adds_up(final)
+            # Nothing of the dead coordinator is left: its workers are gone, and the
+            # cluster's only v4-16 was allocated again (a leaked placement group
+            # would have kept the job waiting for a free slice).
+            assert not {host_pids(resumed, h)[-1] for h in range(2)} & first_pids
+            assert wait_for(lambda: not any(_alive(p) for p in first_pids), 60)
+    finally:
+        stop_service(again)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
