@@ -229,7 +229,10 @@ class Client:
           steps_per_run: steps per on-device loop.
           outputs: ``{name: reduce op}`` for entries of ``step_fn``'s outputs dict,
             reduced over replicas after every loop and recorded as metrics.
-          checkpoint_every: steps between checkpoints (``None``: none).
+          checkpoint_every: steps between automatic checkpoints of the state and input
+            position, rounded up to a loop of ``steps_per_run`` (``None``: none; a
+            preempted attempt then starts over, unless a preemption notice let it
+            checkpoint first).
           name: a name to show (default: the job's id).
           num_slices: slices the job runs on.
           max_retries_preemption: retries after a lost host or a preempted slice.
