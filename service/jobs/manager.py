@@ -360,7 +360,6 @@ class JobManager:
                         f"{kind} {used} times, more than {budget_name}={budget}; the last "
                         f"time: {outcome.error}"))
                     return
-                self._clock(job_id).switch(goodput.RECOVERING)
                 self._change(job_id, Retrying(attempt, outcome.cause))
                 if outcome.preempted and active.stop.wait(_backoff(preemptions)):
                     self._stopped(job_id, active)  # cancelled while backing off
@@ -448,6 +447,7 @@ class JobManager:
     def _retry(self, job_id: str, attempt: int, run: JobRun, checkpoints: JobCheckpoints,
                error: BaseException, preempted: bool) -> _Retry:
         """Ends the attempt, recording how far it got and what the next one re-does."""
+        self._clock(job_id).switch(goodput.RECOVERING)  # giving up the slice included
         with contextlib.suppress(Exception):  # a save in flight: it may still commit
             checkpoints.wait()
         saved = checkpoints.steps()
