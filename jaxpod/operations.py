@@ -363,6 +363,18 @@ class LocalResults(Operation["tuple[Any, ...]"]):
 
 
 @dataclass(frozen=True)
+class ReplicaValue(Operation[Any]):
+    """One replica's component of a value's leaves (numpy), from the host holding that
+    replica (the others answer ``None``): a job's mirrored state, fetched once."""
+
+    value: ValueArgs
+    replica: int
+
+    def apply(self, host: Host) -> Any:
+        return host.replica_value(self)
+
+
+@dataclass(frozen=True)
 class Stats(Operation[HostStats]):
     """What the host holds and how long it worked."""
 
@@ -458,6 +470,8 @@ class Host(Protocol):
     def take_output(self, op: TakeOutput) -> list[str]: ...
 
     def preemption_notices(self, op: PreemptionNotices) -> Notice | None: ...
+
+    def replica_value(self, op: ReplicaValue) -> Any: ...
 
 
 def values_in(infos: ValueInfos) -> Dropped:

@@ -287,6 +287,15 @@ class GroupEngine:
             return per_host[0]  # a single value: every host answers (value,)
         return tuple(r for host in per_host for r in host)
 
+    def replica_value(self, value: Any, replica: int = 0) -> Any:
+        """Replica ``replica``'s component of ``value``'s leaves as numpy, sent by the
+        one host holding it (a mirrored state's single copy, not one per replica)."""
+        if not 0 <= replica < self.num_replicas_in_sync:
+            raise ValueError(f"replica_value: replica must be in [0, "
+                             f"{self.num_replicas_in_sync}); got {replica}.")
+        answers = self._call(ops.ReplicaValue(self._to_handles(value), replica))
+        return next(a for a in answers if a is not None)
+
     def experimental_distribute_values_from_function(
             self, value_fn: Callable[..., Any] | DefinedFunction) -> Any:
         return self._wrap(self._call_defined(value_fn, ops.ValuesFromFunction)[0])

@@ -553,6 +553,17 @@ class Engine:
         return tuple(jax.tree.unflatten(treedef, [p[i] for p in per_leaf])
                      for i in range(self.num_local_replicas))
 
+    def replica_value(self, value: Any, replica: int) -> Any | None:
+        """Replica ``replica``'s component of every ``PerReplica`` leaf of ``value``
+        (numpy, padding dropped; other leaves as they are), or ``None`` when this host
+        does not hold that replica: one copy of mirrored state, not one per replica."""
+        if replica not in self.local_replicas:
+            return None
+        leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
+        return jax.tree.unflatten(treedef, [
+            self._local_leaf(self._as_per_replica("replica_value", v), replicas=(replica,))[0]
+            if isinstance(v, PerReplica) else v for v in leaves])
+
     def _local_leaf(self, value: PerReplica, padded: bool = False,
                     replicas: Sequence[int] | None = None, views: bool = False
                     ) -> list[np.ndarray]:

@@ -225,6 +225,9 @@ class HostOperations(ops.Host):
     def local_results(self, op: ops.LocalResults) -> tuple[Any, ...]:
         return tuple(self.engine.experimental_local_results(self._resolve(op.value)))
 
+    def replica_value(self, op: ops.ReplicaValue) -> Any:
+        return self.engine.replica_value(self._resolve(op.value), op.replica)
+
     def stats(self, op: ops.Stats) -> ops.HostStats:
         held = self.store.stats()
         busy_s = self._busy.seconds() - self._busy_base

@@ -269,8 +269,7 @@ class JobRun:
         """The state as numpy: replica 0's copy (jobs train mirrored state)."""
         if not self.spec.init_fn:
             return None
-        replicas = self.engine.experimental_local_results(state)
-        return _plain(replicas[0])
+        return _plain(self.engine.replica_value(state, 0))
 
 
 class _LoopTimes:
