@@ -241,6 +241,7 @@ class ReplicaGroup:
         try:
             channel.send(self._channels, encoded)
             for host, sock in enumerate(self._channels):
+                channel.await_turn(self._channels, host, deadline)
                 try:
                     results.append(channel.receive(sock, deadline, layout))
                 except (TimeoutError, OSError):
@@ -256,7 +257,8 @@ class ReplicaGroup:
                 f"({OPERATION_TIMEOUT.env_var}); the group is now unusable."
             ) from None
         except OSError as e:
-            host = len(results)
+            # A later host's closed channel, seen while an earlier one still worked.
+            host = e.index if isinstance(e, channel.PeerClosedError) else len(results)
             self._broken = f"host {host} went away during operation {name}"
             raise WorkerLostError(
                 f"Host {host} stopped answering during operation {name} ({e}): its worker "

@@ -96,6 +96,15 @@ class ChannelClosedError(JaxpodError, ConnectionError):
     was stopped)."""
 
 
+class PeerClosedError(ChannelClosedError):
+    """Channel ``index`` of a group closed while the coordinator waited on another
+    host's reply (see :func:`await_turn`)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"operation channel {index} closed")
+        self.index = index
+
+
 class ChannelAuthError(JaxpodError, PermissionError):
     """The other end of an operation channel does not hold the group's key."""
 
@@ -214,6 +223,46 @@ def receive(sock: socket.socket, deadline: float | None = None,
         if deadline is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(0, 0))
     return _loads(*received)
+
+
+def await_turn(socks: Sequence[socket.socket], turn: int, deadline: float | None = None
+               ) -> None:
+    """Waits until ``socks[turn]``'s reply starts to arrive, watching the later ones
+    too: raises :class:`PeerClosedError` as soon as one of those closes.
+
+    Replies are read in host order, but a host whose peer died may sit in a collective
+    waiting for it until the collective's own time-out (minutes): waiting on that host
+    alone would hide the dead one for as long. A later socket with data waiting is fine
+    (its reply is read in its turn) and is no longer watched.
+    """
+    poller = select.poll()
+    watching = {}
+    for index in range(turn, len(socks)):
+        fd = socks[index].fileno()
+        watching[fd] = index
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    while True:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            raise TimeoutError("The operation channel's deadline passed.")
+        events = poller.poll(None if remaining is None else max(1, int(remaining * 1000)))
+        for fd, _ in events:
+            index = watching[fd]
+            if index == turn:
+                return
+            if _closed(socks[index]):
+                raise PeerClosedError(index)
+            poller.unregister(fd)
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the peer closed ``sock`` (nothing is consumed)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def _receive(sock: socket.socket, deadline: float | None, writable: bool, lender: int = 0,

@@ -172,6 +172,9 @@ def test_a_killed_host_is_a_preemption_and_the_job_resumes_bit_for_bit(
     assert wait_for(lambda: running_past(job, CHECKPOINT_EVERY + 4), 300), job.status()
     victim = host_pids(job, 1)[-1]
     os.kill(victim, signal.SIGKILL)
+    # Seen at once, though host 0 waits in a collective for the dead host 1 (until the
+    # collective's own time-out, minutes): the attempt ends well before that.
+    assert wait_for(lambda: job.attempts()[0].ended_at is not None, 60), job.attempts()
     final = job.wait(timeout=300, progress=False)
     assert final.state == "SUCCEEDED", final.error
     assert_same_result(job.result(), uninterrupted)

@@ -492,3 +492,26 @@ def test_a_peer_without_the_key_is_granted_nothing_on_the_unix_socket(
             hung_up = True
         assert hung_up
     assert _grant(worker) == (None, None, before)  # no grant was ever made
+
+
+def test_a_later_hosts_closed_channel_is_seen_while_an_earlier_one_is_silent() -> None:
+    # Host 0 says nothing (as when it waits in a collective for a dead peer); host 1
+    # already replied; host 2's end closes. Waiting for host 0's turn must end with
+    # host 2's loss, not wait out the deadline (it would raise TimeoutError instead).
+    pairs = [socket.socketpair() for _ in range(3)]
+    ours = [a for a, _ in pairs]
+    try:
+        pairs[1][1].sendall(b"reply")
+        pairs[2][1].close()
+        with pytest.raises(channel.PeerClosedError) as lost:
+            channel.await_turn(ours, 0, time.monotonic() + 60)
+        assert lost.value.index == 2
+        assert ours[1].recv(16, socket.MSG_PEEK) == b"reply"  # nothing consumed
+        pairs[0][1].sendall(b"x")
+        channel.await_turn(ours, 0, time.monotonic() + 60)  # its turn: returns
+        with pytest.raises(TimeoutError):
+            channel.await_turn(ours[:2], 1, time.monotonic())  # deadline already past
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
