@@ -656,6 +656,17 @@ def save_trees(path: Path, trees: Mapping[str, Any]) -> None:
     _write_file_atomically(path, lambda f: np.savez(f, allow_pickle=False, **arrays))
 
 
+def flatten_tree(tree: Any, where: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``tree`` (dict/list/tuple/None with numpy leaves) as a JSON-able description and
+    its arrays by key; :func:`unflatten_tree` puts them back together."""
+    arrays: dict[str, np.ndarray] = {}
+    return _flatten(tree, where, arrays), arrays
+
+
+def unflatten_tree(structure: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> Any:
+    return _unflatten(structure, arrays)
+
+
 def load_trees(path: Path) -> dict[str, Any]:
     """What :func:`save_trees` wrote."""
     with np.load(path, allow_pickle=False) as npz:

@@ -94,7 +94,7 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint(tmp_path: Path) ->
         line = writer.stdout.readline()  # blocks until the hook runs (or the child dies)
         assert line.startswith("WRITING"), line
         partial = Path(line.split(" ", 1)[1].strip())
-        assert (partial / "state.npz").is_file() and not (partial / COMMITTED).exists()
+        assert (partial / "leaf_0.npy").is_file() and not (partial / COMMITTED).exists()
         os.kill(writer.pid, signal.SIGKILL)
         writer.wait(Deadline(30).remaining())
     finally:
