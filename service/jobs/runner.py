@@ -43,6 +43,7 @@ from jaxpod.service.jobs.checkpoints import Checkpoint, JobCheckpoints
 from jaxpod.service.jobs.goodput import GoodputClock
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.shipping import ShippedFunction, ship_object
+from jaxpod.timeouts import Timeout
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,12 @@ logger = logging.getLogger(__name__)
 #: group that fell out of step. The job is retried on a whole slice (a preemption).
 SLICE_FAILURES: tuple[type[BaseException], ...] = (
     WorkerLostError, SliceResetError, WorkerStartError, OperationTimeoutError)
+
+
+#: How often, at most, the runner asks the hosts for what the job printed and for
+#: preemption notices (between loops; a notice leaves 30 s of grace): short loops do
+#: not pay two extra round trips each.
+HOST_POLL = Timeout("JAXPOD_JOB_HOST_POLL_S", 0.5)
 
 
 class Stopped(Exception):
@@ -118,6 +125,7 @@ class JobRun:
         self._changed = changed
         self._clock = clock
         self._loops = _LoopTimes(redo_until)
+        self._next_host_poll = 0.0
         self._versions = dict(spec.runtime_versions)
         self.start_step = resume.step if resume is not None else 0
         #: Steps done so far (what a lost attempt reached).
@@ -149,7 +157,10 @@ class JobRun:
                 self.step += k
                 outputs = self._reduce(raw)
                 self._record(self.step, outputs)
-                self._check_notices(state)
+                if time.monotonic() >= self._next_host_poll:
+                    self._next_host_poll = time.monotonic() + HOST_POLL.seconds()
+                    self._collect_logs()
+                    self._check_notices(state)
                 if self._checkpoint_due():
                     self._checkpoint(state, wait=False)
             final = self._final_state(state)
@@ -238,12 +249,17 @@ class JobRun:
 
     def _reduce(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         """Each declared output reduced over replicas, and over its rows (the real
-        ones only) when it has any: as ``strategy.reduce(op, value, axis=0)``."""
-        reduced = {}
+        ones only) when it has any: as ``strategy.reduce(op, value, axis=0)``. Outputs
+        with the same op and axis go in one call."""
+        groups: dict[tuple[str, int | None], dict[str, Any]] = {}
         for name, op in self.spec.outputs.items():
             value = raw[name]
             axis = 0 if isinstance(value, GroupValue) and value.shape else None
-            reduced[name] = np.asarray(self.engine.reduce(op, value, axis))
+            groups.setdefault((op, axis), {})[name] = value
+        reduced = {}
+        for (op, axis), values in groups.items():
+            for name, result in self.engine.reduce(op, values, axis).items():
+                reduced[name] = np.asarray(result)
         return reduced
 
     def _record(self, step: int, outputs: Mapping[str, np.ndarray]) -> None:
@@ -252,7 +268,6 @@ class JobRun:
             self.store.add_metrics(self.job_id, step, scalars)
         else:
             self.store.set_step(self.job_id, step)
-        self._collect_logs()
         self._changed()
 
     def _collect_logs(self) -> None:
