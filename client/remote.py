@@ -27,6 +27,7 @@ from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
 from jaxpod.scope import current_strategy_stand_in, strategy_scope
 from jaxpod.shipping import ShippedFunction, ship, ship_object
+from jaxpod.tf_compat import TFCompatMixin
 from jaxpod.types import InputOptions, ReduceOp
 from jaxpod.values import DistributedDataset, DistributedIterator, PerReplica, padding_of
 
@@ -88,12 +89,17 @@ class RemotePerReplica:
 PerReplica.register(RemotePerReplica)
 
 
-class RemoteStrategy:
+class RemoteStrategy(TFCompatMixin):
     """``jaxpod.TPUStrategy``'s methods, run by a slice's host workers.
 
     Get one from :meth:`jaxpod.client.Client.strategy`; it holds its slice until
-    closed (use it as a context manager).
+    closed (use it as a context manager). TF1's and TF 1.x's members and ``extended``
+    come from :mod:`jaxpod.tf_compat`, as on the in-process strategy.
     """
+
+    #: The service resolved the cluster and allocated the slice (``info``); the client
+    #: holds no resolver object, as an in-process strategy made without one.
+    cluster_resolver: Any = None
 
     def __init__(self, client: Client, info: pb.SliceInfo, steps_per_run: int,
                  computation_shape: Sequence[int] | None = None,
@@ -279,8 +285,13 @@ class RemoteStrategy:
         return self._values(reply)
 
     # ----------------------------------------------------------------- results
-    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
-        """Reduces across replicas (and ``axis``); returns numpy."""
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Any = None, *,
+               destinations: Any = None) -> Any:
+        """Reduces across replicas (and ``axis``); returns numpy. TF1's form with
+        ``destinations`` works as on ``jaxpod.TPUStrategy``."""
+        return self._reduce_tf1(self._reduce, reduce_op, value, axis, destinations)
+
+    def _reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None) -> Any:
         encoded, blobs = self._encode(value, "value")
         try:
             return self._result(self._stub.Reduce, pb.ReduceRequest(

@@ -29,6 +29,7 @@ from jaxpod.errors import (
 )
 from jaxpod.jobs import JobAttempt, JobResult, JobStatus, JobTransition
 from jaxpod.scope import get_strategy
+from jaxpod.tf_compat import InputReplicationMode, MultiStepContext, StrategyExtended
 from jaxpod.types import AutoShardPolicy, InputContext, InputOptions, ReduceOp, ValueContext
 from jaxpod.values import DistributedDataset, DistributedIterator, PerReplica
 
@@ -55,6 +56,7 @@ __all__ = [
     "HandleError",
     "InputContext",
     "InputOptions",
+    "InputReplicationMode",
     "JaxpodError",
     "Job",
     "JobAttempt",
@@ -65,6 +67,7 @@ __all__ = [
     "JobStatus",
     "JobTransition",
     "MessageTooLargeError",
+    "MultiStepContext",
     "OperationTimeoutError",
     "PerReplica",
     "ReduceOp",
@@ -73,6 +76,7 @@ __all__ = [
     "ServiceUnavailableError",
     "SessionError",
     "SliceResetError",
+    "StrategyExtended",
     "TPUClusterResolver",
     "TPUStrategy",
     "Topology",

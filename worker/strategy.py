@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
+from jaxpod.tf_compat import TFCompatMixin
+from jaxpod.values import PerReplica, is_per_replica
 from jaxpod.worker.device_assignment import DeviceAssignment
 from jaxpod.worker.engine import Engine
 
 
-class TPUStrategy(Engine):
+class TPUStrategy(TFCompatMixin, Engine):
     """Synchronous data-parallel training on the devices this process sees.
+
+    Besides TF2's methods it has TF1's and TF 1.x's (towers, ``run_steps_on_dataset``,
+    ``distribute_dataset``, ``extended``...), from :mod:`jaxpod.tf_compat`.
 
     Args:
       resolver: a cluster resolver, ``'local'`` or ``None``. In one process the
@@ -18,20 +25,53 @@ class TPUStrategy(Engine):
       steps_per_run: steps ``run_steps`` runs per call unless told otherwise.
       device_assignment: a :class:`jaxpod.DeviceAssignment` for model parallelism;
         ``None`` makes every device a replica.
+      num_cores: TF1's argument: use only the first ``num_cores`` devices, one replica
+        each (``None``: every device). Not with ``device_assignment``.
     """
 
     def __init__(self, resolver: Any = None, steps_per_run: int = 1,
-                 device_assignment: DeviceAssignment | None = None) -> None:
+                 device_assignment: DeviceAssignment | None = None, *,
+                 num_cores: int | None = None) -> None:
         if device_assignment is not None and not isinstance(device_assignment, DeviceAssignment):
             raise TypeError(
                 "device_assignment must be a jaxpod.DeviceAssignment (from "
                 f"DeviceAssignment.build) or None. Got {type(device_assignment).__name__}."
             )
+        if num_cores is not None:
+            device_assignment = _first_cores(num_cores, device_assignment)
         super().__init__(device_assignment, steps_per_run)
         self.cluster_resolver = resolver
+
+    def reduce(self, reduce_op: Any, value: Any, axis: Any = None, *,
+               destinations: Any = None) -> Any:
+        """Reduces across replicas (and along ``axis`` if given); numpy results.
+
+        TF1's ``reduce(aggregation, value, destinations)`` works too: destinations (a
+        device name, names or a value) in place of ``axis``, or as ``destinations=``,
+        reduce over replicas only; ``"ONLY_FIRST_TOWER"`` gives replica 0's value.
+        """
+        return self._reduce_tf1(super().reduce, reduce_op, value, axis, destinations)
+
+    def _wait_for(self, value: Any) -> None:
+        # The arrays are here: wait on them directly (the mixin's way runs a program).
+        jax.block_until_ready([v.array if isinstance(v, PerReplica) else v
+                               for v in jax.tree.leaves(value, is_leaf=is_per_replica)])
 
     def __repr__(self) -> str:
         da = self.device_assignment
         return (f"TPUStrategy(num_replicas_in_sync={self.num_replicas_in_sync}, "
                 f"logical_devices_per_replica={da.num_cores_per_replica}, "
                 f"hosts={self.num_hosts}, steps_per_run={self.steps_per_run})")
+
+
+def _first_cores(num_cores: object, device_assignment: DeviceAssignment | None
+                 ) -> DeviceAssignment:
+    devices = jax.devices()
+    if device_assignment is not None:
+        raise ValueError("Pass num_cores or device_assignment, not both: a device "
+                         "assignment already says which devices the replicas use.")
+    if not isinstance(num_cores, int) or isinstance(num_cores, bool) or \
+            not 1 <= num_cores <= len(devices):
+        raise ValueError(f"num_cores must be an int in [1, {len(devices)}] (the devices JAX "
+                         f"sees). Got {num_cores!r}.")
+    return DeviceAssignment.build(devices[:num_cores])
