@@ -103,16 +103,22 @@ class JobCheckpoints:
 
     # ------------------------------------------------------------------ writing
     def save(self, step: int, state: Any) -> Path:
-        """Writes a checkpoint now and returns its folder (after any pending save)."""
+        """Writes a checkpoint now and returns its folder (after any pending save).
+        Removing the oldest ones beyond ``keep`` is left to the writer thread (nobody
+        waits for unlinking; the next save or :meth:`wait` does)."""
         self.wait()
-        return self._write(step, state)
+        folder = self._write(step, state)
+        with self._lock:
+            self._pending = self._writer.submit(self._prune_returning, folder)
+        return folder
 
     def save_async(self, step: int, state: Any) -> None:
         """Writes a checkpoint on the background thread; the caller goes on. A save
         still running is waited for first (at most one is in flight)."""
         self.wait()
         with self._lock:
-            self._pending = self._writer.submit(self._write, step, state)
+            self._pending = self._writer.submit(
+                lambda: self._prune_returning(self._write(step, state)))
 
     def wait(self) -> Path | None:
         """Waits for the save in flight, if any; raises what it raised."""
@@ -160,13 +166,13 @@ class JobCheckpoints:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._prune()
         logger.info("checkpoint %s written in %.3fs", final, time.monotonic() - started)
         return final
 
-    def _prune(self) -> None:
+    def _prune_returning(self, folder: Path) -> Path:
         for step in self.steps()[:-self.keep]:
             shutil.rmtree(self._folder(step), ignore_errors=True)
+        return folder
 
     def _remove_partial(self) -> None:
         """Folders a crash left half-written (no marker) are not checkpoints."""
