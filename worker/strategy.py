@@ -27,11 +27,23 @@ class TPUStrategy(TFCompatMixin, Engine):
         ``None`` makes every device a replica.
       num_cores: TF1's argument: use only the first ``num_cores`` devices, one replica
         each (``None``: every device). Not with ``device_assignment``.
+      tpu_cluster_resolver, experimental_device_assignment: TF2's names for
+        ``resolver`` and ``device_assignment``.
+      experimental_spmd_xla_partitioning: TF2's switch to XLA's SPMD partitioner.
+        jaxpod always compiles that way; as in TF, ``True`` makes
+        ``experimental_assign_to_logical_device`` raise ``ValueError``.
     """
 
     def __init__(self, resolver: Any = None, steps_per_run: int = 1,
                  device_assignment: DeviceAssignment | None = None, *,
-                 num_cores: int | None = None) -> None:
+                 num_cores: int | None = None, tpu_cluster_resolver: Any = None,
+                 experimental_device_assignment: DeviceAssignment | None = None,
+                 experimental_spmd_xla_partitioning: bool = False) -> None:
+        resolver = _one_of("resolver", resolver, "tpu_cluster_resolver", tpu_cluster_resolver)
+        device_assignment = _one_of("device_assignment", device_assignment,
+                                    "experimental_device_assignment",
+                                    experimental_device_assignment)
+        self._spmd_partitioning = bool(experimental_spmd_xla_partitioning)
         if device_assignment is not None and not isinstance(device_assignment, DeviceAssignment):
             raise TypeError(
                 "device_assignment must be a jaxpod.DeviceAssignment (from "
@@ -51,6 +63,22 @@ class TPUStrategy(TFCompatMixin, Engine):
         reduce over replicas only; ``"ONLY_FIRST_TOWER"`` gives replica 0's value.
         """
         return self._reduce_tf1(super().reduce, reduce_op, value, axis, destinations)
+
+    def experimental_assign_to_logical_device(self, tensor: Any, logical_device_id: int) -> Any:
+        """Annotates ``tensor`` for logical device ``logical_device_id`` (kept whole:
+        XLA's SPMD partitioner has no single-device placement; results are identical).
+
+        Raises:
+          ValueError: the strategy was made with ``experimental_spmd_xla_partitioning``
+            (as TF raises), or the id is not a logical device of a replica.
+        """
+        if self._spmd_partitioning:
+            raise ValueError(
+                "experimental_assign_to_logical_device is not allowed on a TPUStrategy made "
+                "with experimental_spmd_xla_partitioning=True (as in TF); use "
+                "experimental_split_to_logical_devices or "
+                "experimental_replicate_to_logical_devices.")
+        return super().experimental_assign_to_logical_device(tensor, logical_device_id)
 
     def _wait_for(self, value: Any) -> None:
         # The arrays are here: wait on them directly (the mixin's way runs a program).
@@ -75,3 +103,10 @@ def _first_cores(num_cores: object, device_assignment: DeviceAssignment | None
         raise ValueError(f"num_cores must be an int in [1, {len(devices)}] (the devices JAX "
                          f"sees). Got {num_cores!r}.")
     return DeviceAssignment.build(devices[:num_cores])
+
+
+def _one_of(name: str, value: Any, tf2_name: str, tf2_value: Any) -> Any:
+    if value is not None and tf2_value is not None:
+        raise ValueError(f"Pass {name} or {tf2_name} (TF2's name for it), not both. Got "
+                         f"{value!r} and {tf2_value!r}.")
+    return tf2_value if value is None else value

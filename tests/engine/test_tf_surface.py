@@ -597,3 +597,20 @@ def test_tf1_constructor_num_cores() -> None:
         jaxpod.TPUStrategy(num_cores=9)
     with pytest.raises(ValueError, match="not both"):
         jaxpod.TPUStrategy(num_cores=2, device_assignment=jaxpod.DeviceAssignment.build())
+
+
+def test_tf2_constructor_names() -> None:
+    """TF2's ``TPUStrategy(tpu_cluster_resolver, experimental_device_assignment,
+    experimental_spmd_xla_partitioning)``."""
+    da = jaxpod.DeviceAssignment.build(jax.devices()[:2])
+    strategy = jaxpod.TPUStrategy(tpu_cluster_resolver="local",
+                                  experimental_device_assignment=da)
+    assert (strategy.cluster_resolver, strategy.num_replicas_in_sync) == ("local", 2)
+    x = np.ones(2, np.float32)
+    assert strategy.experimental_assign_to_logical_device(x, 0) is x
+    spmd = jaxpod.TPUStrategy(experimental_device_assignment=da,
+                              experimental_spmd_xla_partitioning=True)
+    with pytest.raises(ValueError, match="experimental_spmd_xla_partitioning=True"):
+        spmd.experimental_assign_to_logical_device(x, 0)
+    with pytest.raises(ValueError, match="not both"):
+        jaxpod.TPUStrategy("local", tpu_cluster_resolver="local")
