@@ -488,10 +488,17 @@ class TFCompatMixin:
         (a device name, names or a value where TF2 has ``axis``: the reduction is over
         replicas only and the destinations are checked) and the
         ``ONLY_FIRST_TOWER`` aggregation (replica 0's value)."""
-        if destinations is not None or _is_destinations(axis):
-            self._check_destinations("reduce", axis if destinations is None else destinations)
-            if destinations is None:
-                axis = None
+        if destinations is not None:
+            self._check_destinations("reduce", destinations)
+        elif _is_destinations(axis):
+            try:
+                self._check_destinations("reduce", axis)
+            except ValueError:
+                raise ValueError(
+                    f"reduce: axis must be an int or None. Got {axis!r}, which is not TF1's "
+                    "destinations either (device names of this strategy, e.g. "
+                    f"{self.worker_devices[0]!r}).") from None
+            axis = None
         name = getattr(reduce_op, "name", reduce_op)
         if isinstance(name, str) and _OP_ALIASES.get(name.upper()) == ONLY_FIRST_REPLICA:
             return self.experimental_local_results(value)[0]

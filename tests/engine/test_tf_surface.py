@@ -217,8 +217,10 @@ def test_batch_reduce_equals_separate_reduces(strategy_of: Callable[..., Any]) -
                                (parts[1] * 2).mean(0), rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(strategy.reduce("ONLY_FIRST_TOWER", b, strategy.worker_devices),
                                parts[1][0] * 2)
-    with pytest.raises(ValueError, match="not devices of this strategy"):
+    with pytest.raises(ValueError, match=r"axis must be an int or None\. Got '/device:TPU:99'"):
         strategy.reduce("SUM", a, "/device:TPU:99")
+    with pytest.raises(ValueError, match="not devices of this strategy"):
+        strategy.reduce("SUM", a, destinations="/device:TPU:99")
 
 
 def test_broadcast_gives_every_replica_the_value(strategy_of: Callable[..., Any]) -> None:
@@ -458,8 +460,11 @@ def test_run_steps_on_dataset_tf1_idioms(strategy_of: Callable[..., Any]) -> Non
     ctx = strategy.run_steps_on_dataset(step_fn, it, iterations=2,
                                         initial_loop_values={"total": np.float32(0)})
     np.testing.assert_allclose(ctx.last_step_outputs["total"], xs[1].sum() + 1 * 2)
-    ctx = strategy.extended.experimental_run_steps_on_iterator(step_fn, it, iterations=2)
-    np.testing.assert_allclose(ctx.last_step_outputs["total"], xs[3].sum() + 3 * 2)
+    ctx = strategy.extended.experimental_run_steps_on_iterator(step_fn, it, iterations=1)
+    np.testing.assert_allclose(ctx.last_step_outputs["total"], xs[2].sum() + 2 * 2)
+    # A step that reports nothing still runs (and takes its input).
+    quiet = strategy.run_steps_on_dataset(lambda context, x, label: None, it)
+    assert quiet.last_step_outputs == {} and quiet.non_tensor_outputs == {}
     bad = {"total": np.zeros((3,), np.float32)}
     with pytest.raises(TypeError, match="initial_loop_values must have the shapes"):
         strategy.run_steps_on_dataset(step_fn, iter(strategy.experimental_distribute_dataset(
