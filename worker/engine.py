@@ -125,7 +125,9 @@ class Engine:
           The structure ``fn`` returns, with every array leaf a ``PerReplica``.
         """
         inputs = self._split_inputs("run", args, kwargs)
-        key = ("run", fn, inputs.treedef, inputs.kinds, inputs.batch_rows)
+        # The shapes and dtypes too: the program's row probe answers for them only.
+        key = ("run", fn, inputs.treedef, inputs.kinds, inputs.batch_rows,
+               _signature(inputs.distributed), _signature(inputs.mirrored))
         program = self._cached(key, lambda: self._compile_run(fn, inputs))
         outputs = self._dispatch(program, inputs.distributed, inputs.mirrored,
                                  self._counts(inputs.valid_rows, inputs.batch_rows))
@@ -335,7 +337,7 @@ class Engine:
             for leaf, is_dist in zip(_merge(state.kinds, state.distributed, state.mirrored),
                                      state.kinds, strict=True))
         key = ("run_steps", fn, has_state, state.treedef, batch.treedef, batch.num_steps,
-               batch.rows)
+               batch.rows, _signature(batch.arrays), _signature(state_leaves))
         program = self._cached(key, lambda: self._compile_steps(
             fn, has_state, state.treedef, batch, state_leaves))
         new_state, outputs = self._dispatch(program, state_leaves, batch.arrays, batch.counts)
@@ -741,6 +743,12 @@ class Engine:
         if self.num_hosts == 1:
             return local
         return np.asarray(multihost_utils.process_allgather(local, tiled=True))
+
+
+def _signature(leaves: Sequence[Any]) -> tuple[tuple[tuple[int, ...], str], ...]:
+    """Each leaf's shape and dtype (a Python number's type), for a program cache key."""
+    return tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)))
+                 for x in leaves)
 
 
 @dataclass(frozen=True)
