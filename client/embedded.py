@@ -95,8 +95,9 @@ def start(slices: str | None = None, log_path: str | None = None,
     # A state dir of its own: another process's embedded service must not take this
     # one's running jobs for a crashed coordinator's. Removed when it stops.
     state_dir = tempfile.mkdtemp(prefix=f"jaxpod-embedded-{os.getpid()}-")
+    # --http-port 0: a free port (a fixed one would collide between processes).
     command = [sys.executable, "-m", "jaxpod.cli", "serve", "--local", "--port", "0",
-               "--stop-on-stdin-eof", "--state-dir", state_dir]
+               "--http-port", "0", "--stop-on-stdin-eof", "--state-dir", state_dir]
     if slices:
         command += ["--slices", slices]
     if log_path is None:

@@ -48,6 +48,9 @@ def _build_parser() -> argparse.ArgumentParser:
     from jaxpod.client.jobs_cli import add_commands
 
     add_commands(sub)
+    from jaxpod.client.status_cli import add_command as add_status
+
+    add_status(sub)  # jaxpod status: slices and jobs, as the dashboard shows them
     return parser
 
 

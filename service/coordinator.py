@@ -350,15 +350,22 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
 
     async def ClusterStatus(self, request: pb.Empty, context: Any) -> pb.ClusterStatusResponse:
         slices = await self._blocking(self.slices.cluster)
+        holders = self.slice_holders()
+        for s in slices:
+            s.holder = holders.get(s.name, "")
+        return pb.ClusterStatusResponse(slices=slices, num_sessions=len(self.sessions),
+                                        server_version=jaxpod.__version__)
+
+    def slice_holders(self) -> dict[str, str]:
+        """Slice name -> who holds it: a session's :func:`~jaxpod.proto.tensors.holder_label`
+        (never its id, which authorizes its calls) or ``job <id>`` (cluster status, the
+        HTTP dashboard)."""
         holders = {name: tensors.holder_label(s.id) for s in self.sessions.all()
                    for h in s.slices.values()
                    for name in h.description["slice_names"]}
         if self.jobs is not None:
             holders.update(self.jobs.holders())
-        for s in slices:
-            s.holder = holders.get(s.name, "")
-        return pb.ClusterStatusResponse(slices=slices, num_sessions=len(self.sessions),
-                                        server_version=jaxpod.__version__)
+        return holders
 
 
 # ---------------------------------------------------------------- error mapping

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_HTTP_PORT = 8080
 TOKEN_ENV = "JAXPOD_TOKEN"
 STATE_DIR_ENV = "JAXPOD_STATE_DIR"
 
@@ -91,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", default=None, metavar="DIR",
                         help="where jobs are kept (jobs.sqlite) (default "
                              f"${STATE_DIR_ENV}, else ~/.local/state/jaxpod)")
+    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, metavar="PORT",
+                        help="the HTTP API, /metrics and status page, on the gRPC host "
+                             f"(default {DEFAULT_HTTP_PORT}; 0 picks a free one; -1: none)")
     parser.add_argument("--platform", default="cpu", choices=("cpu", "tpu"),
                         help="what the host workers run JAX on (default cpu: simulated)")
 
@@ -105,6 +109,9 @@ def run_serve(args: argparse.Namespace) -> int:
     address = args.address or DEFAULT_ADDRESS
     if args.port is not None:
         address = f"{address.rsplit(':', 1)[0]}:{args.port}"
+    if not -1 <= args.http_port <= 65535:
+        raise ValueError(f"--http-port must be a port (0 picks a free one; -1 turns HTTP "
+                         f"off); got {args.http_port}.")
     if args.slices and not args.local:
         raise ValueError("--slices needs --local (it describes the simulated cluster).")
     logging.getLogger(__name__).debug("malloc tuned for large buffers: %s", tuned)
@@ -134,15 +141,17 @@ def run_serve(args: argparse.Namespace) -> int:
         _sweep_orphans()
         return RaySlices(platform=args.platform)
 
-    def listening(where: str) -> None:
-        print(f"{LISTENING} {json.dumps({'address': where, 'pid': os.getpid()})}", flush=True)
+    def listening(where: str, http: str | None = None) -> None:
+        announced = {"address": where, **({"http": http} if http else {}), "pid": os.getpid()}
+        print(f"{LISTENING} {json.dumps(announced)}", flush=True)
 
     from pathlib import Path
 
     state_dir = Path(args.state_dir or default_state_dir()).expanduser()
     try:
         asyncio.run(serve(address, make_slices, token, args.lease, listening,
-                          args.stop_on_stdin_eof, state_dir=state_dir))
+                          args.stop_on_stdin_eof, state_dir=state_dir,
+                          http_port=None if args.http_port < 0 else args.http_port))
     finally:
         import ray
 

@@ -9,7 +9,7 @@ nothing is queued. What only the workers can tell (a step that does not return
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from jaxpod.jobs import check_outputs
@@ -69,38 +69,18 @@ class JobsServicer:
             raise ValueError(f"ListJobs: limit and offset must be >= 0; got limit="
                              f"{request.limit}, offset={request.offset}.")
 
-        def listed() -> pb.JobList:
-            records = manager.store.list(request.state or None, request.limit or None,
-                                         request.offset)
-            positions = manager.queue_positions()  # one snapshot: no position twice
-            return pb.JobList(jobs=[self._status_of(r, positions) for r in records])
-
-        return await self._blocking(listed)
+        statuses = await self._blocking(list_statuses, manager, request.state or None,
+                                        request.limit or None, request.offset)
+        return pb.JobList(jobs=statuses)
 
     async def WatchJob(self, request: pb.JobRequest, context: Any
                        ) -> AsyncIterator[pb.JobStatus]:
         manager = self._manager()
-        last: pb.JobStatus | None = None
-        while True:
-            version = manager.events.version(request.job_id)
-            status = await self._blocking(self._status, request.job_id, False)
-            if status != last:
-                yield status
-                last = status
-            if JobState(status.state).is_terminal:
-                return
-            await manager.events.wait(request.job_id, version, WATCH_RECHECK.seconds())
+        async for status in watch_statuses(manager, request.job_id, self._blocking):
+            yield status
 
     async def CancelJob(self, request: pb.JobRequest, context: Any) -> pb.JobStatus:
-        manager = self._manager()
-        deadline = Deadline(CANCEL_WAIT.seconds())
-        await self._blocking(manager.cancel, request.job_id)
-        while True:  # until the job stops, or the deadline: the answer says which
-            version = manager.events.version(request.job_id)
-            status = await self._blocking(self._status, request.job_id, False)
-            if JobState(status.state).is_terminal or deadline.expired():
-                return status
-            await manager.events.wait(request.job_id, version, deadline.remaining())
+        return await cancel_and_wait(self._manager(), request.job_id, self._blocking)
 
     def GetJobResult(self, request: pb.JobRequest, context: Any) -> AsyncIterator[Any]:
         manager = self._manager()
@@ -155,34 +135,89 @@ class JobsServicer:
         return wanted
 
     def _status(self, job_id: str, detail: bool) -> pb.JobStatus:
-        manager = self._manager()
-        status = self._status_of(manager.store.get(job_id), manager.queue_positions())
-        if detail:
-            status.history.extend(
-                pb.JobTransition(from_state=t.from_state.value if t.from_state else "",
-                                 to_state=t.to_state.value, at=t.at, reason=t.reason)
-                for t in manager.store.history(job_id))
-            status.attempt_records.extend(
-                pb.JobAttempt(number=a.number, started_at=a.started_at,
-                              ended_at=a.ended_at or 0.0, cause=a.cause or "",
-                              step_reached=a.step_reached or 0)
-                for a in manager.store.attempts(job_id))
-        return status
+        return job_status(self._manager(), job_id, detail)
 
-    def _status_of(self, record: JobRecord, positions: dict[str, int]) -> pb.JobStatus:
-        manager = self._manager()
-        position = positions.get(record.id)
-        error = record.error or ""
-        if record.state is JobState.CANCELLED:
-            error = manager.store.history(record.id)[-1].reason
-        return pb.JobStatus(
-            job_id=record.id, state=record.state.value, name=record.name,
-            accelerator_type=record.accelerator_type or "", step=record.step,
-            steps=record.steps, attempts=record.attempts,
-            queue_position=-1 if position is None else position, error=error,
-            metrics=manager.store.latest_metrics(record.id),
-            created_at=record.created_at, started_at=record.started_at or 0.0,
-            finished_at=record.finished_at or 0.0, goodput=_goodput(manager, record.id))
+
+# Reads shared by the gRPC handlers and the HTTP API (jaxpod.service.http), so both
+# show a job the same way. Blocking ones run in a worker thread (they read SQLite).
+_Blocking = Callable[..., Awaitable[Any]]
+
+
+def job_status(manager: JobManager, job_id: str, detail: bool = False) -> pb.JobStatus:
+    """The job as ``GetJob`` answers it; ``detail`` adds its history and attempts.
+
+    Raises:
+      jaxpod.JobNotFoundError: no job has that id.
+    """
+    status = status_of_record(manager, manager.store.get(job_id), manager.queue_positions())
+    if detail:
+        status.history.extend(
+            pb.JobTransition(from_state=t.from_state.value if t.from_state else "",
+                             to_state=t.to_state.value, at=t.at, reason=t.reason)
+            for t in manager.store.history(job_id))
+        status.attempt_records.extend(
+            pb.JobAttempt(number=a.number, started_at=a.started_at,
+                          ended_at=a.ended_at or 0.0, cause=a.cause or "",
+                          step_reached=a.step_reached or 0)
+            for a in manager.store.attempts(job_id))
+    return status
+
+
+def list_statuses(manager: JobManager, state: str | None = None, limit: int | None = None,
+                  offset: int = 0) -> list[pb.JobStatus]:
+    """Jobs in creation order as ``ListJobs`` answers them (``state`` filters; ``limit``
+    and ``offset`` page)."""
+    records = manager.store.list(state, limit, offset)
+    positions = manager.queue_positions()  # one snapshot: no position twice
+    return [status_of_record(manager, r, positions) for r in records]
+
+
+def status_of_record(manager: JobManager, record: JobRecord, positions: dict[str, int]
+                     ) -> pb.JobStatus:
+    """``record`` as a ``JobStatus`` (``positions``: a :meth:`JobManager.queue_positions`)."""
+    position = positions.get(record.id)
+    error = record.error or ""
+    if record.state is JobState.CANCELLED:
+        error = manager.store.history(record.id)[-1].reason
+    return pb.JobStatus(
+        job_id=record.id, state=record.state.value, name=record.name,
+        accelerator_type=record.accelerator_type or "", step=record.step,
+        steps=record.steps, attempts=record.attempts,
+        queue_position=-1 if position is None else position, error=error,
+        metrics=manager.store.latest_metrics(record.id),
+        created_at=record.created_at, started_at=record.started_at or 0.0,
+        finished_at=record.finished_at or 0.0, goodput=_goodput(manager, record.id))
+
+
+async def watch_statuses(manager: JobManager, job_id: str, blocking: _Blocking,
+                         recheck_s: float | None = None
+                         ) -> AsyncGenerator[pb.JobStatus, None]:
+    """The job's status now, then each time it changes, until it is over (``WatchJob``;
+    the HTTP event stream). ``blocking`` runs a blocking read off the event loop."""
+    last: pb.JobStatus | None = None
+    while True:
+        version = manager.events.version(job_id)
+        status = await blocking(job_status, manager, job_id, False)
+        if status != last:
+            yield status
+            last = status
+        if JobState(status.state).is_terminal:
+            return
+        await manager.events.wait(job_id, version, WATCH_RECHECK.resolve(recheck_s))
+
+
+async def cancel_and_wait(manager: JobManager, job_id: str, blocking: _Blocking
+                          ) -> pb.JobStatus:
+    """Cancels the job and answers once it stopped, or after ``CANCEL_WAIT`` with the
+    state it is in then (a running job stops at its next loop boundary all the same)."""
+    deadline = Deadline(CANCEL_WAIT.seconds())
+    await blocking(manager.cancel, job_id)
+    while True:  # until the job stops, or the deadline: the answer says which
+        version = manager.events.version(job_id)
+        status = await blocking(job_status, manager, job_id, False)
+        if JobState(status.state).is_terminal or deadline.expired():
+            return status
+        await manager.events.wait(job_id, version, deadline.remaining())
 
 
 def _goodput(manager: JobManager, job_id: str) -> dict[str, float]:

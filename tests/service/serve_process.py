@@ -37,6 +37,12 @@ class Service:
     token: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    #: The HTTP dashboard's ``host:port`` (``JAXPOD_LISTENING``'s ``"http"``).
+    http_address: str = ""
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.http_address}"
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -60,8 +66,9 @@ def start_service(log_path: Path, slices: str | None, lease_s: float | None = No
     ``args`` are added to its command line (e.g. ``--state-dir``)."""
     token = secrets.token_hex(16)
     where = ["--local", "--slices", str(slices)] if ray_address is None else []
+    # --http-port 0: services of parallel tests must not share a fixed HTTP port.
     command = [sys.executable, "-m", "jaxpod.cli", "serve", *where, "--port", "0",
-               "--stop-on-stdin-eof"]
+               "--http-port", "0", "--stop-on-stdin-eof"]
     if lease_s is not None:
         command += ["--lease", str(lease_s)]
     command += list(args)
@@ -75,7 +82,7 @@ def start_service(log_path: Path, slices: str | None, lease_s: float | None = No
     service = Service("", token, process, log_path)
     try:
         deadline = Deadline(START_TIMEOUT_S)
-        service.address = listening_address(process, deadline)
+        service.address, service.http_address = listening_addresses(process, deadline)
         with grpc.insecure_channel(service.address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
 
@@ -96,6 +103,12 @@ def start_service(log_path: Path, slices: str | None, lease_s: float | None = No
 
 
 def listening_address(process: subprocess.Popen[bytes], deadline: Deadline) -> str:
+    return listening_addresses(process, deadline)[0]
+
+
+def listening_addresses(process: subprocess.Popen[bytes], deadline: Deadline
+                        ) -> tuple[str, str]:
+    """The gRPC and HTTP ``host:port`` the service announces (HTTP: empty if none)."""
     assert process.stdout is not None
     buffer = b""
     with selectors.DefaultSelector() as selector:
@@ -113,7 +126,7 @@ def listening_address(process: subprocess.Popen[bytes], deadline: Deadline) -> s
                 if line.startswith("JAXPOD_LISTENING "):
                     announced = json.loads(line.split(" ", 1)[1])
                     assert announced["pid"] == process.pid
-                    return str(announced["address"])
+                    return str(announced["address"]), str(announced.get("http", ""))
     raise AssertionError(f"the service never announced its address (exit {process.poll()})")
 
 

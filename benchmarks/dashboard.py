@@ -1,0 +1,312 @@
+"""The HTTP API under pollers: latency of ``GET /api/v1/jobs`` and what polling costs a
+running job.
+
+A real ``jaxpod serve --local`` (one simulated v4-8: 1 host, 4 chips; its own token,
+state dir and free ports) runs one long job: a data-parallel matmul step
+(``steps_per_run`` steps per loop, its loss recorded as a metric every loop). While it
+runs, the job's rate is measured in alternating phases of ``--phase-s`` seconds (30;
+10 with ``--quick``): ``quiet`` (no HTTP traffic), ``polled`` (32 concurrent pollers,
+each its own connection, each sending ``GET /api/v1/jobs`` with the bearer token every
+``--interval-s``, 1 s as the page does; a poller that falls behind sends its next
+request at once), then ``quiet`` again; ``--rounds`` such triples (1 with ``--quick``).
+
+Figures:
+
+* ``p50_ms``, ``p99_ms``, ``max_ms``: client-side wall time of every poll (send to
+  whole body read), over all polled phases; ``requests``, ``errors`` (transport
+  errors and non-200 answers), ``requests_per_s``. ``server_p99_ms_at_most``: the
+  service's own p99 for the route (arrival to last byte, from its
+  ``jaxpod_http_request_duration_seconds`` histogram: the upper bound of the bucket
+  it falls in), which leaves out the client's side and the network stack.
+* ``cpus``, ``load_avg_1m`` (at the start and the end): how busy the machine was; on
+  a shared machine other processes' load shows in the tails and the rates.
+  ``pollers_cpu_s_per_s``: CPU seconds per second the pollers themselves (this
+  process) used: they share the machine with the service and the job's workers, where
+  a dashboard's browsers would not.
+* ``steps_per_s_quiet`` and ``steps_per_s_polled``: the job's steps over each phase
+  (its step read over gRPC at the phase's start and end), summed over phases;
+  ``polled_vs_quiet`` = polled / quiet.
+
+Targets: p99 < 50 ms, zero errors, ``polled_vs_quiet`` >= 0.95.
+
+Usage: python benchmarks/dashboard.py [--quick] [--pollers 32] [--interval-s 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import secrets
+import selectors
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+from _common import report, target
+
+import jaxpod
+from jaxpod.timeouts import Deadline, wait_for
+
+LISTENING = "JAXPOD_LISTENING"
+START_S, STOP_S = 300.0, 90.0
+SIZE = 256  # the step's matrices: SIZE x SIZE float32
+#: Steps per on-device loop: loops of tens of milliseconds, as a TPU job's loops are at
+#: least; the loop's host-side bookkeeping is then not what the job's rate measures.
+STEPS_PER_RUN = 100
+
+
+def matmul_step(state: Any, batch: Any) -> Any:
+    """A data-parallel step: each replica multiplies its rows, the gradient-like update
+    is all-reduced; enough device work per step that the rate is steady."""
+    ctx = jaxpod.get_replica_context()
+    y = batch @ state["w"]
+    update = ctx.all_reduce("MEAN", batch.T @ y) / SIZE
+    w = state["w"] - 1e-6 * update
+    return {"w": w}, {"loss": (y ** 2).mean(axis=1)}
+
+
+class Service:
+    """``jaxpod serve --local --slices v4-8`` with free gRPC and HTTP ports."""
+
+    def __init__(self, log_path: str) -> None:
+        self.token = secrets.token_hex(16)
+        self.state_dir = tempfile.mkdtemp(prefix="jaxpod-bench-dashboard-")
+        self.log_path = log_path
+        env = {**os.environ, "JAXPOD_TOKEN": self.token}
+        env.pop("JAXPOD_ADDRESS", None)
+        with open(log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "jaxpod.cli", "serve", "--local", "--slices", "v4-8",
+                 "--port", "0", "--http-port", "0", "--stop-on-stdin-eof", "--state-dir",
+                 self.state_dir],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                start_new_session=True)
+        try:
+            deadline = Deadline(START_S)
+            announced = self._announced(deadline)
+            self.address, self.http = announced["address"], f"http://{announced['http']}"
+            ready = wait_for(self._ready, deadline.remaining(), max_poll_s=0.5)
+            if not ready:
+                raise RuntimeError(f"jaxpod serve was not ready in {START_S:g}s:\n"
+                                   f"{self.log_tail()}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _announced(self, deadline: Deadline) -> dict[str, str]:
+        stdout = self.process.stdout
+        assert stdout is not None
+        pending = b""
+        with selectors.DefaultSelector() as selector:
+            selector.register(stdout, selectors.EVENT_READ)
+            while not deadline.expired():
+                if not selector.select(min(1.0, deadline.remaining())):
+                    if self.process.poll() is not None:
+                        break
+                    continue
+                chunk = os.read(stdout.fileno(), 4096)
+                if not chunk:
+                    break
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    if line.startswith(LISTENING.encode()):
+                        return dict(json.loads(line[len(LISTENING):]))
+        raise RuntimeError(f"jaxpod serve did not start listening:\n{self.log_tail()}")
+
+    def _ready(self) -> bool:
+        assert self.process.poll() is None, f"jaxpod serve exited:\n{self.log_tail()}"
+        try:
+            return httpx.get(self.http + "/readyz", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log_tail(self, limit: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-limit:].decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        proc = self.process
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(STOP_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+
+
+async def poll(url: str, token: str, pollers: int, interval_s: float, seconds: float
+               ) -> tuple[list[float], int]:
+    """``pollers`` concurrent pollers of ``url`` for ``seconds``; every request's wall
+    time (s) and the number of failed ones."""
+    latencies: list[float] = []
+    errors = 0
+    stop_at = time.monotonic() + seconds
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+
+    async def poller(index: int) -> None:
+        nonlocal errors
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"},
+                                     timeout=30, limits=limits) as client:
+            # Spread the pollers over the interval, as independent browsers would be.
+            due = time.monotonic() + interval_s * index / pollers
+            while True:
+                now = time.monotonic()
+                if due >= stop_at:
+                    return
+                if due > now:
+                    await asyncio.sleep(due - now)  # the poll schedule, not a wait on state
+                started = time.perf_counter()
+                try:
+                    reply = await client.get(url)
+                    ok = reply.status_code == 200 and reply.content.startswith(b'{"jobs"')
+                except httpx.HTTPError:
+                    ok = False
+                latencies.append(time.perf_counter() - started)
+                errors += not ok
+                due = max(due + interval_s, time.monotonic() if interval_s == 0 else due)
+
+    await asyncio.gather(*(poller(i) for i in range(pollers)))
+    return latencies, errors
+
+
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def server_p99(service: Service, route: str) -> float | None:
+    """The service's own p99 for ``route`` (ms), from its ``/metrics`` histogram: the
+    upper bound of the bucket the 99th percentile falls in."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(service.http + "/metrics", timeout=30,
+                     headers={"Authorization": f"Bearer {service.token}"}).text
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "jaxpod_http_request_duration_seconds":
+            continue
+        for s in family.samples:
+            if s.name.endswith("_bucket") and s.labels.get("route") == route:
+                le = float(s.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + s.value
+    if not buckets:
+        return None
+    total = buckets[float("inf")]
+    return next(le * 1000 for le, n in sorted(buckets.items()) if n >= 0.99 * total)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="10 s phases, one round")
+    parser.add_argument("--pollers", type=int, default=32)
+    parser.add_argument("--interval-s", type=float, default=1.0,
+                        help="each poller's period (0: back to back)")
+    parser.add_argument("--phase-s", type=float, default=None)
+    parser.add_argument("--rounds", type=int, default=None)
+    args = parser.parse_args()
+    phase_s = args.phase_s or (10.0 if args.quick else 30.0)
+    rounds = args.rounds or (1 if args.quick else 2)
+
+    load_before = os.getloadavg()[0]
+    log_path = os.path.join(tempfile.gettempdir(), f"jaxpod-bench-dashboard-{os.getpid()}.log")
+    print(f"starting jaxpod serve --local (log {log_path})", file=sys.stderr, flush=True)
+    service = Service(log_path)
+    try:
+        client = jaxpod.connect(service.address, token=service.token)
+        rng = np.random.default_rng(0)
+        batches = [rng.normal(size=(SIZE, SIZE)).astype(np.float32) for _ in range(4)]
+        job = client.submit(matmul_step, steps=10**9, steps_per_run=STEPS_PER_RUN,
+                            accelerator_type="v4-8", dataset=batches,
+                            initial_state={"w": np.eye(SIZE, dtype=np.float32)},
+                            outputs={"loss": "MEAN"}, name="dashboard-bench")
+        try:
+            # Past allocation and compilation before anything is timed.
+            started = wait_for(lambda: job.status().step >= 5 * STEPS_PER_RUN, 180, max_poll_s=0.5)
+            assert started, f"the job did not get going: {job.status()}"
+            quiet: list[tuple[int, float]] = []
+            polled: list[tuple[int, float]] = []
+            latencies: list[float] = []
+            errors = 0
+            served: float | None = None
+            pollers_cpu: list[float] = []
+
+            def phase(kind: str) -> None:
+                nonlocal errors
+                step0, t0 = job.status().step, time.monotonic()
+                if kind == "polled":
+                    cpu0 = _own_cpu_s()
+                    got, failed = asyncio.run(poll(service.http + "/api/v1/jobs",
+                                                   service.token, args.pollers,
+                                                   args.interval_s, phase_s))
+                    latencies.extend(got)
+                    errors += failed
+                    pollers_cpu.append(_own_cpu_s() - cpu0)
+                else:
+                    wait_for(lambda: time.monotonic() - t0 >= phase_s, phase_s + 5,
+                             max_poll_s=0.5)  # the phase's length: nothing to wait on
+                step1, t1 = job.status().step, time.monotonic()
+                (polled if kind == "polled" else quiet).append((step1 - step0, t1 - t0))
+                print(f"{kind}: {(step1 - step0) / (t1 - t0):.1f} steps/s", file=sys.stderr,
+                      flush=True)
+
+            for _ in range(rounds):
+                for kind in ("quiet", "polled", "quiet"):
+                    phase(kind)
+            served = server_p99(service, "/api/v1/jobs")
+        finally:
+            job.cancel()
+            client.close()
+    finally:
+        service.stop()
+
+    def rate(phases: list[tuple[int, float]]) -> float:
+        return sum(s for s, _ in phases) / sum(t for _, t in phases)
+
+    ms = sorted(x * 1000 for x in latencies)
+    p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else float("nan")
+    quiet_rate, polled_rate = rate(quiet), rate(polled)
+    polled_s = sum(t for _, t in polled)
+    figures = {
+        "pollers": args.pollers, "interval_s": args.interval_s, "phase_s": phase_s,
+        "rounds": rounds, "requests": len(ms), "errors": errors,
+        "requests_per_s": round(len(ms) / polled_s, 1) if polled_s else 0.0,
+        "p50_ms": round(statistics.median(ms), 2) if ms else None,
+        "p99_ms": round(p99, 2), "max_ms": round(ms[-1], 2) if ms else None,
+        "server_p99_ms_at_most": served,
+        "steps_per_s_quiet": round(quiet_rate, 1),
+        "steps_per_s_polled": round(polled_rate, 1),
+        "polled_vs_quiet": round(polled_rate / quiet_rate, 4) if quiet_rate else None,
+        # Other work on the machine shows in the tails and the rates: say how busy it was.
+        # The pollers run on this machine too: the CPU they took from the job's cores.
+        "pollers_cpu_s_per_s": round(sum(pollers_cpu) / polled_s, 3) if polled_s else None,
+        "cpus": os.cpu_count(), "load_avg_1m": [round(load_before, 1),
+                                                round(os.getloadavg()[0], 1)],
+    }
+    report("dashboard", figures, {
+        "p99_ms": target(p99, "<", 50.0),
+        "errors": target(errors, "<=", 0),
+        "polled_vs_quiet": target(polled_rate / quiet_rate if quiet_rate else 0.0,
+                                  ">=", 0.95),
+    })
+
+
+if __name__ == "__main__":
+    main()

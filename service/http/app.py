@@ -1,0 +1,128 @@
+"""The FastAPI app: routers, the token check, error answers and the page.
+
+:func:`create_app` builds it apart from serving it (tests, the OpenAPI document and the
+drift check build one without a service behind it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+
+import jaxpod
+from jaxpod.errors import JobNotFoundError
+from jaxpod.service.http import auth, page, routes
+from jaxpod.service.http.auth import Auth
+from jaxpod.service.http.backend import Backend, NoJobsError
+
+#: Where the committed OpenAPI document lives (a test fails when it drifts).
+OPENAPI_PATH = Path(__file__).resolve().parent.parent / "openapi.json"
+
+
+class Unauthorized(Exception):
+    """No valid token or cookie (answered 401, or a redirect to the sign-in form)."""
+
+
+class Forbidden(Exception):
+    """A state change from another origin (answered 403)."""
+
+
+def check_access(request: Request) -> None:
+    """The dependency every route has: the token check of :mod:`.auth`."""
+    checker: Auth = request.app.state.auth
+    if auth.is_open(request.url.path):
+        return
+    how = checker.how(request)
+    if how is None:
+        raise Unauthorized()
+    problem = auth.origin_problem(request, how)
+    if problem:
+        raise Forbidden(problem)
+
+
+def create_app(backend: Backend | None, token: str | None = None) -> FastAPI:
+    """The dashboard app over ``backend`` (``None``: routes that read it fail; for the
+    OpenAPI document), guarded by ``token`` (``None``: open)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The service's resources (store, cluster) belong to `jaxpod serve`; what the
+        # app holds of its own is the stop signal for open event streams.
+        try:
+            yield
+        finally:
+            if backend is not None:
+                backend.stopping.set()
+
+    app = FastAPI(title="jaxpod", version=jaxpod.__version__,
+                  description="The jaxpod coordinator's status API: cluster, sessions and "
+                              "jobs. Every route but /healthz and /readyz needs "
+                              "`Authorization: Bearer <JAXPOD_TOKEN>` (or the cookie of the "
+                              "/login form) when the service has a token.",
+                  lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(check_access)])
+    app.state.backend = backend
+    app.state.auth = Auth(token)
+    app.state.recent = routes.Recent()
+    if backend is not None and backend.metrics is not None:
+        from jaxpod.service.http.metrics import HttpTimer
+
+        app.add_middleware(HttpTimer, histogram=backend.metrics.http_seconds)
+    for router in (routes.health, routes.cluster, routes.sessions, routes.jobs,
+                   routes.metrics, page.router):
+        app.include_router(router)
+
+    @app.get("/api/v1/openapi.json", include_in_schema=False)
+    def openapi() -> dict[str, Any]:
+        return app.openapi()
+
+    @app.exception_handler(Unauthorized)
+    async def unauthorized(request: Request, exc: Unauthorized) -> Response:
+        if request.method == "GET" and "text/html" in request.headers.get("accept", ""):
+            return RedirectResponse("/login", status_code=303)
+        return _error(401, "unauthorized",
+                      "This jaxpod service requires its token: send `Authorization: Bearer "
+                      "<token>` (the JAXPOD_TOKEN it was started with), or sign in at "
+                      "/login in a browser.", {"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(Forbidden)
+    async def forbidden(request: Request, exc: Forbidden) -> Response:
+        return _error(403, "forbidden", f"Refused: {exc}. Use the dashboard's own page, or "
+                                        "a bearer token from a non-browser client.")
+
+    @app.exception_handler(JobNotFoundError)
+    async def not_found(request: Request, exc: JobNotFoundError) -> Response:
+        return _error(404, "not_found", f"{exc} (GET /api/v1/jobs lists them.)")
+
+    @app.exception_handler(NoJobsError)
+    async def no_jobs(request: Request, exc: NoJobsError) -> Response:
+        return _error(404, "not_found", str(exc))
+
+    return app
+
+
+def _error(status: int, kind: str, message: str,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": kind, "message": message}, status_code=status,
+                        headers=headers)
+
+
+def openapi_document() -> str:
+    """The app's OpenAPI document as committed (sorted keys, a newline at the end)."""
+    return json.dumps(create_app(None).openapi(), indent=2, sort_keys=True) + "\n"
+
+
+def main() -> None:
+    """``python -m jaxpod.service.http.app``: writes ``service/openapi.json``."""
+    OPENAPI_PATH.write_text(openapi_document())
+    print(f"wrote {OPENAPI_PATH}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""The API's routers, one per resource: cluster, sessions, jobs, health and metrics.
+
+Blocking reads (SQLite, Ray's node table) run in FastAPI's thread pool: plain ``def``
+routes, or, for the job list and the cluster that every open page polls, through
+:class:`Recent`. The job event stream and cancel wait on the job manager's events on
+the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+
+from jaxpod.service.http import models
+from jaxpod.service.http.backend import Backend
+from jaxpod.service.jobs import handlers
+from jaxpod.service.jobs.states import JobState
+from jaxpod.timeouts import Timeout
+
+#: The most jobs one page of ``GET /api/v1/jobs`` holds.
+MAX_PAGE = 1000
+#: Offsets past this are refused (SQLite takes 64-bit offsets; nobody has this many).
+MAX_OFFSET = 1 << 40
+#: How old a job list or cluster answer may be (see :class:`Recent`).
+CACHE = Timeout("JAXPOD_HTTP_CACHE_S", 0.25)
+#: An answer older than this is never given, even while the next one is being read.
+MAX_STALE_S = 5.0
+#: An event stream sends at most one status (the latest) per this many seconds: a job
+#: of fast loops changes hundreds of times a second, and each event is a read.
+EVENTS_INTERVAL = Timeout("JAXPOD_HTTP_EVENTS_INTERVAL_S", 0.2)
+
+UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
+    401: {"model": models.ErrorBody, "description": "no valid token or session cookie"}}
+NOT_FOUND: dict[int | str, dict[str, Any]] = {
+    404: {"model": models.ErrorBody, "description": "no job has this id"}}
+FORBIDDEN: dict[int | str, dict[str, Any]] = {
+    403: {"model": models.ErrorBody, "description": "a cross-origin state change"}}
+
+
+class Recent:
+    """Answers shared by the requests that ask within ``CACHE`` seconds, refreshed in
+    the background: a room of dashboards polling the job list costs the service one
+    read per period, not one per poller, and no poll waits for a read (it gets the
+    previous answer while the next is read, unless that one is older than
+    ``MAX_STALE_S``). So an answer is at most ``CACHE`` old plus the time of one read,
+    and never older than ``MAX_STALE_S``."""
+
+    def __init__(self) -> None:
+        self._entries: dict[Any, _Entry] = {}
+
+    async def get(self, key: Any, compute: Callable[[], Any]) -> bytes:
+        now = time.monotonic()
+        entry = self._entries.get(key)
+        if entry is None:
+            if len(self._entries) > 256:  # forget old keys (odd filters, far pages)
+                self._entries = {k: e for k, e in self._entries.items()
+                                 if now - e.at < MAX_STALE_S}
+            entry = self._entries[key] = _Entry()
+        if entry.body is not None and now - entry.at < CACHE.seconds():
+            return entry.body
+        if entry.refresh is None:
+            entry.refresh = asyncio.ensure_future(self._refresh(entry, compute))
+            # Read its failure even when no request awaits it (it served a stale answer):
+            # the next request reads again, and asyncio must not warn of it.
+            entry.refresh.add_done_callback(_retrieve)
+        if entry.body is not None and now - entry.at < MAX_STALE_S:
+            return entry.body  # the previous answer; the next one is on its way
+        return await asyncio.shield(entry.refresh)
+
+    @staticmethod
+    async def _refresh(entry: _Entry, compute: Callable[[], Any]) -> bytes:
+        try:
+            at = time.monotonic()
+            body = await _serialized(compute)
+            entry.body, entry.at = body, at
+            return body
+        finally:
+            entry.refresh = None  # a failure is not kept: the next request reads again
+
+
+def _retrieve(future: asyncio.Future[bytes]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+@dataclasses.dataclass
+class _Entry:
+    body: bytes | None = None
+    at: float = 0.0  # when the read that made ``body`` started (monotonic)
+    refresh: asyncio.Future[bytes] | None = None
+
+
+async def _serialized(compute: Callable[[], Any]) -> bytes:
+    model = await run_in_threadpool(compute)
+    return model.model_dump_json().encode()
+
+
+def _json(body: bytes) -> Response:
+    return Response(body, media_type="application/json")
+
+
+def backend(request: Request) -> Backend:
+    backend: Backend = request.app.state.backend
+    return backend
+
+
+def recent(request: Request) -> Recent:
+    cache: Recent = request.app.state.recent
+    return cache
+
+
+BackendDep = Annotated[Backend, Depends(backend)]
+RecentDep = Annotated[Recent, Depends(recent)]
+JobId = Annotated[str, Path(description="the job's id, as `jaxpod jobs` lists it")]
+
+
+async def _blocking(fn: Any, *args: Any) -> Any:
+    return await run_in_threadpool(fn, *args)
+
+
+# ---------------------------------------------------------------------- cluster
+cluster = APIRouter(prefix="/api/v1", tags=["cluster"], responses=UNAUTHORIZED)
+
+
+@cluster.get("/cluster", response_model=models.Cluster, summary="Slices, hosts and holders")
+async def get_cluster(backend: BackendDep, recent: RecentDep) -> Response:
+    return _json(await recent.get("cluster", backend.cluster))
+
+
+# ---------------------------------------------------------------------- sessions
+sessions = APIRouter(prefix="/api/v1", tags=["sessions"], responses=UNAUTHORIZED)
+
+
+@sessions.get("/sessions", response_model=models.Sessions, summary="Open client sessions")
+def get_sessions(backend: BackendDep) -> models.Sessions:
+    return backend.sessions()
+
+
+# ---------------------------------------------------------------------- jobs
+jobs = APIRouter(prefix="/api/v1", tags=["jobs"], responses=UNAUTHORIZED)
+
+
+@jobs.get("/jobs", response_model=models.JobList, summary="Jobs in creation order")
+async def list_jobs(backend: BackendDep, recent: RecentDep,
+                    state: Annotated[models.JobStateName | None,
+                                     Query(description="only jobs in this state")] = None,
+                    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+                    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0) -> Response:
+    return _json(await recent.get(("jobs", state, limit, offset),
+                                  lambda: backend.job_list(state, limit, offset)))
+
+
+@jobs.get("/jobs/{job_id}", response_model=models.JobDetail, responses=NOT_FOUND,
+          summary="A job: history, attempts, metric series, goodput")
+def get_job(backend: BackendDep, job_id: JobId) -> models.JobDetail:
+    return backend.job_detail(job_id)
+
+
+@jobs.post("/jobs/{job_id}/cancel", response_model=models.JobSummary,
+           responses={**NOT_FOUND, **FORBIDDEN},
+           summary="Cancel a job; answers once it stopped (or after "
+                   "JAXPOD_JOB_CANCEL_WAIT_S with its state then)")
+async def cancel_job(backend: BackendDep, job_id: JobId) -> models.JobSummary:
+    status = await handlers.cancel_and_wait(backend.jobs, job_id, _blocking)
+    return models.summary_of(status)
+
+
+@jobs.get("/jobs/{job_id}/events", response_class=StreamingResponse, responses={
+    **NOT_FOUND, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                       "description": "server-sent events: `status` (a JobSummary) on a "
+                                      "change (the latest; at most one per "
+                                      "JAXPOD_HTTP_EVENTS_INTERVAL_S), `metrics` ({name: "
+                                      "[[step, value]]}: the points not sent yet), `end` "
+                                      "once the job is over"}},
+    summary="Server-sent events of the job's status changes and metrics")
+async def job_events(backend: BackendDep, job_id: JobId) -> StreamingResponse:
+    manager = backend.jobs
+    await _blocking(manager.store.get, job_id)  # 404 now, not inside the stream
+    return StreamingResponse(_events(backend, job_id), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-store",
+                                      "X-Accel-Buffering": "no"})
+
+
+def _sse(event: str, data: Any) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+async def _events(backend: Backend, job_id: str) -> AsyncIterator[bytes]:
+    manager = backend.jobs
+    sent: dict[str, int] = {}  # series -> the last step sent
+
+    def new_points() -> dict[str, list[tuple[int, float | None]]]:
+        fresh = {}
+        for name, points in manager.store.metrics(job_id).items():
+            after = sent.get(name, -1)
+            tail = [(step, models.finite(v)) for step, v in points if step > after]
+            if tail:
+                fresh[name] = tail
+                sent[name] = tail[-1][0]
+        return fresh
+
+    watch = handlers.watch_statuses(manager, job_id, _blocking)
+    stop = asyncio.ensure_future(backend.stopping.wait())
+    following: asyncio.Future[Any] | None = None
+    try:
+        while True:
+            following = asyncio.ensure_future(anext(watch))
+            await asyncio.wait({following, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not following.done():
+                return  # the service is stopping
+            try:
+                status = following.result()
+            except StopAsyncIteration:
+                break
+            yield _sse("status", models.summary_of(status).model_dump())
+            fresh = await _blocking(new_points)
+            if fresh:
+                yield _sse("metrics", {"series": fresh})
+            if not JobState(status.state).is_terminal:
+                # Changes meanwhile are coalesced: the next read gets the latest.
+                await asyncio.wait({stop}, timeout=EVENTS_INTERVAL.seconds())
+        yield _sse("end", {"id": job_id})
+    finally:
+        # The reader left or the service stops: the read in flight ends before the watch
+        # closes (a running generator cannot be closed).
+        stop.cancel()
+        if following is not None and not following.done():
+            following.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await following
+        await watch.aclose()
+
+
+# ---------------------------------------------------------------------- health
+health = APIRouter(tags=["health"])
+
+
+@health.get("/healthz", response_model=models.Health, summary="The process is up")
+async def healthz() -> models.Health:
+    return models.Health(status="ok")
+
+
+@health.get("/readyz", response_model=models.Readiness, responses={
+    503: {"model": models.Readiness, "description": "not ready: see checks and reasons"}},
+    summary="Ray reachable, gRPC serving, job store writable")
+def readyz(backend: BackendDep, response: Response) -> models.Readiness:
+    ready = backend.readiness()
+    if not ready.ready:
+        response.status_code = 503
+    return ready
+
+
+# ---------------------------------------------------------------------- metrics
+metrics = APIRouter(tags=["metrics"], responses=UNAUTHORIZED)
+
+
+@metrics.get("/metrics", response_class=Response, responses={
+    200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+          "description": "Prometheus text format"}}, summary="Prometheus metrics")
+def get_metrics(backend: BackendDep) -> Response:
+    return Response(generate_latest(backend.metrics.registry),
+                    media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,103 @@
+"""The dashboard's pieces that need no service: the shared recent answers and the
+origin check of state-changing requests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from starlette.requests import Request
+
+from jaxpod.service.http import auth, routes
+from jaxpod.service.http.routes import CACHE, Recent
+
+
+class Model:
+    """What a route computes: something with ``model_dump_json``."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def model_dump_json(self) -> str:
+        return str(self.value)
+
+
+def test_recent_answers_are_shared_and_refreshed_without_waiting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    release = threading.Event()
+
+    def compute() -> Model:
+        calls.append(1)
+        if len(calls) > 1:
+            release.wait(10)  # the refresh is slow: polls must not wait for it
+        return Model(len(calls))
+
+    async def scenario() -> None:
+        recent = Recent()
+        first = await asyncio.gather(*(recent.get("k", compute) for _ in range(5)))
+        assert first == [b"1"] * 5 and len(calls) == 1  # one read for all of them
+        monkeypatch.setenv(CACHE.env_var, "1e-9")  # from now on every answer is old
+        stale = await asyncio.gather(*(recent.get("k", compute) for _ in range(5)))
+        assert stale == [b"1"] * 5  # the previous answer, at once
+        release.set()
+        # Too old to give at all: the next poll waits for the refresh in flight.
+        monkeypatch.setattr(routes, "MAX_STALE_S", 0.0)
+        refreshed = await asyncio.wait_for(recent.get("k", compute), 10)
+        assert refreshed == b"2" and len(calls) == 2  # one refresh for all of them
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_read_is_not_kept() -> None:
+    outcomes: list[Exception | Model] = [RuntimeError("store gone"), Model(7)]
+
+    def compute() -> Model:
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def scenario() -> None:
+        recent = Recent()
+        with pytest.raises(RuntimeError, match="store gone"):
+            await recent.get("k", compute)
+        assert await recent.get("k", compute) == b"7"
+
+    asyncio.run(scenario())
+
+
+def _request(method: str, headers: dict[str, str]) -> Request:
+    return Request({"type": "http", "method": method, "scheme": "http", "path": "/x",
+                    "server": ("127.0.0.1", 8080), "query_string": b"",
+                    "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]})
+
+
+@pytest.mark.parametrize("method, headers, how, refused", [
+    ("GET", {"Origin": "http://evil.example"}, "cookie", False),  # reads are not checked
+    ("POST", {}, "bearer", False),  # a non-browser client
+    ("POST", {}, "cookie", True),  # a browser always sends an origin
+    ("POST", {"Origin": "http://127.0.0.1:8080"}, "cookie", False),
+    ("POST", {"Referer": "http://127.0.0.1:8080/?job=1"}, "cookie", False),
+    ("POST", {"Origin": "http://evil.example"}, "cookie", True),
+    ("POST", {"Origin": "http://evil.example"}, "bearer", True),
+    ("POST", {"Referer": "http://evil.example/"}, "cookie", True),
+])
+def test_state_changes_must_come_from_the_dashboard(method: str, headers: dict[str, str],
+                                                     how: str, refused: bool) -> None:
+    request = _request(method, {"Host": "127.0.0.1:8080", **headers})
+    assert (auth.origin_problem(request, how) is not None) == refused
+
+
+def test_the_cookie_is_a_digest_of_the_token_compared_in_full() -> None:
+    checker = auth.Auth("s3cret")
+    assert checker.cookie_value and "s3cret" not in checker.cookie_value
+    assert checker.token_matches("s3cret")
+    assert not any(checker.token_matches(t) for t in ("", "s3cre", "s3cret!", "S3CRET"))
+    assert auth.Auth(None).how(_request("GET", {})) == "open"
+    assert checker.how(_request("GET", {})) is None
+    assert checker.how(_request("GET", {"Authorization": "Bearer s3cret"})) == "bearer"
+    assert checker.how(_request("GET", {"Cookie": f"{auth.COOKIE}={checker.cookie_value}"})
+                       ) == "cookie"
+    assert checker.how(_request("GET", {"Cookie": f"{auth.COOKIE}=s3cret"})) is None
