@@ -44,6 +44,17 @@ def _build_parser() -> argparse.ArgumentParser:
     add_arguments(serve)
     serve.set_defaults(handler=_run_serve)
 
+    deploy = sub.add_parser("deploy", help="GKE manifests for TPU node pools")
+    deploy_sub = deploy.add_subparsers(dest="deploy_command", required=True, metavar="ACTION")
+    render = deploy_sub.add_parser(
+        "render", help="write a kustomize overlay (KubeRay RayCluster TPU worker group) for "
+                       "a slice type from the topology table")
+    # Imported here only for its arguments; light (no Ray, no gRPC).
+    from jaxpod.service.deploy_render import add_arguments as add_render_arguments
+
+    add_render_arguments(render)
+    render.set_defaults(handler=_run_deploy_render)
+
     # submit, jobs, job, cancel: clients of a running service (--address / $JAXPOD_ADDRESS)
     from jaxpod.client.jobs_cli import add_commands
 
@@ -65,6 +76,12 @@ def _run_cluster(args: argparse.Namespace) -> int:
     from jaxpod.service.cluster_cli import run_cluster
 
     return run_cluster(args)
+
+
+def _run_deploy_render(args: argparse.Namespace) -> int:
+    from jaxpod.service.deploy_render import run_render
+
+    return run_render(args)
 
 
 def _run_serve(args: argparse.Namespace) -> int:

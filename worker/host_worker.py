@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from jaxpod.worker.host_operations import HostOperations
 
 SIMULATED_PLATFORM = "cpu"
+#: Pins host 0's ``jax.distributed`` coordinator port (``deploy/`` sets it on every TPU
+#: pod and declares the port), so firewall rules and manifests name the port in use.
+COORDINATOR_PORT_ENV = "JAXPOD_COORDINATOR_PORT"
 
 
 class HostWorker:
@@ -83,7 +86,14 @@ class HostWorker:
         return str(ray.util.get_node_ip_address())
 
     def reserve_port(self) -> int:
-        """A free TCP port on this host for the jax.distributed coordinator."""
+        """The TCP port on this host for the jax.distributed coordinator:
+        ``$JAXPOD_COORDINATOR_PORT`` when set, else a free one."""
+        pinned = os.environ.get(COORDINATOR_PORT_ENV)
+        if pinned:
+            if not pinned.isdecimal() or not 0 < int(pinned) < 65536:
+                raise ValueError(f"{COORDINATOR_PORT_ENV}={pinned!r} is not a TCP port "
+                                 "(expected 1-65535, e.g. 8482).")
+            return int(pinned)
         with socket.socket() as s:
             s.bind((self.node_address(), 0))
             return int(s.getsockname()[1])
