@@ -223,7 +223,7 @@ class Service:
         env.pop("JAXPOD_ADDRESS", None)
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "jaxpod.cli", "serve", "--port", "0",
+                [sys.executable, "-m", "jaxpod.cli", "serve", "--port", "0", "--http-port", "0",
                  "--stop-on-stdin-eof"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
                 start_new_session=True)

@@ -10,6 +10,7 @@ only from ``reduce``, ``gather``, ``experimental_local_results`` and ``.array``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import threading
@@ -114,6 +115,10 @@ class RemoteStrategy(TFCompatMixin):
         self._functions: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self._dropped = pb.Dropped()
+        # What finalizers dropped, not yet in _dropped: a finalizer can run on any
+        # thread at any allocation, also while this thread holds _lock, so it only
+        # appends here (deque appends need no lock) and calls drain it under the lock.
+        self._released: collections.deque[tuple[str, int]] = collections.deque()
 
     # ------------------------------------------------------------ properties
     @property
@@ -400,8 +405,13 @@ class RemoteStrategy(TFCompatMixin):
     # ---------------------------------------------------------------- lifetime
     def _release(self, kind: str, object_id: int) -> None:
         """Queues a dropped value/iterator/dataset (``kind``: a ``Dropped`` field) to be
-        freed with the next call; a finalizer must not make calls itself."""
-        with self._lock:
+        freed with the next call; a finalizer must not make calls, nor take locks."""
+        self._released.append((kind, object_id))
+
+    def _take_released(self) -> None:
+        """Moves what finalizers queued into ``_dropped`` (the caller holds _lock)."""
+        while self._released:
+            kind, object_id = self._released.popleft()
             getattr(self._dropped, kind).append(object_id)
 
     @contextlib.contextmanager
@@ -414,6 +424,7 @@ class RemoteStrategy(TFCompatMixin):
             yield
             return
         with self._lock:
+            self._take_released()
             if self._dropped.ByteSize():
                 request.dropped.CopyFrom(self._dropped)
                 self._dropped.Clear()

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -572,3 +573,19 @@ def test_values_are_freed_when_garbage_collected(strategy: RemoteStrategy) -> No
                                    8 * (x + 9) * 3.0 + sum(range(8)), rtol=1e-6)
         del values
         assert wait_for(back_to_base, 30), (round_, base, _memory(strategy))
+
+
+def test_a_value_collected_while_the_strategy_holds_its_lock_is_still_freed(
+        strategy: RemoteStrategy) -> None:
+    # The garbage collector runs finalizers on whatever thread allocates, also inside
+    # the strategy's own critical sections: a finalizer that took the strategy's lock
+    # there deadlocked a CI run. Collect a value right inside that lock.
+    gc.collect()
+    base = _memory(strategy)
+    value = strategy.run(_affine, args=(np.arange(8, dtype=np.float32),))
+    ref = weakref.ref(value)
+    with strategy._lock:
+        del value
+        gc.collect()  # its finalizer runs here, under the lock
+        assert ref() is None
+    assert wait_for(lambda: gc.collect() >= 0 and _memory(strategy) == base, 30)
