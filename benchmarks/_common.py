@@ -85,3 +85,44 @@ def target(value: float, op: str, bound: float) -> dict[str, Any]:
 def report(name: str, figures: dict[str, Any], targets: dict[str, Any]) -> None:
     """Prints the report as the last line of output."""
     print(json.dumps({"benchmark": name, "figures": figures, "targets": targets}))
+
+
+def parse_parts(parser: Any, parts: tuple[str, ...]) -> Any:
+    """Adds ``--quick`` and ``--parts`` to ``parser`` and parses the command line;
+    ``args.parts`` becomes the set of parts chosen (an error names the known ones)."""
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (CI smoke run)")
+    parser.add_argument("--parts", default=",".join(parts),
+                        help=f"what to measure, comma-separated (default all: "
+                             f"{','.join(parts)})")
+    args = parser.parse_args()
+    chosen = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if not chosen or chosen - set(parts):
+        parser.error(f"--parts: expected some of {','.join(parts)}; got {args.parts!r}")
+    args.parts = chosen
+    return args
+
+
+def log_tail(path: str, limit: int = 4000) -> str:
+    """The last ``limit`` bytes of a log file, for an error message."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()[-limit:].decode(errors="replace")
+    except OSError:
+        return "(no log)"
+
+
+def stop_process(proc: Any, timeout_s: float) -> None:
+    """SIGTERM (a graceful stop), then kill after ``timeout_s``; closes its pipes."""
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            stream.close()

@@ -42,7 +42,6 @@ import resource
 import secrets
 import selectors
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -52,7 +51,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from _common import report, target
+from _common import log_tail, report, stop_process, target
 
 import jaxpod
 from jaxpod.timeouts import Deadline, wait_for
@@ -131,24 +130,10 @@ class Service:
             return False
 
     def log_tail(self, limit: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-limit:].decode(errors="replace")
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, limit)
 
     def stop(self) -> None:
-        proc = self.process
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(STOP_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                stream.close()
+        stop_process(self.process, STOP_S)
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
 

@@ -74,7 +74,6 @@ import os
 import secrets
 import selectors
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -85,7 +84,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import report, target
+from _common import log_tail, parse_parts, report, stop_process, target
 
 ACCELERATOR = "v4-16"
 ROWS = 64  # rows of the one global batch: 8 per replica on a v4-16
@@ -271,25 +270,11 @@ class Service:
         raise RuntimeError(f"jaxpod serve did not become ready:\n{self.log_tail()}")
 
     def log_tail(self, limit: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-limit:].decode(errors="replace")
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, limit)
 
     def stop(self) -> None:
         """SIGTERM (graceful: slices released, warm workers stopped), then kill."""
-        proc = self.process
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(SERVICE_STOP_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                stream.close()
+        stop_process(self.process, SERVICE_STOP_S)
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
@@ -430,14 +415,8 @@ def rounded(figures: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (CI smoke run)")
-    parser.add_argument("--parts", default=",".join(PARTS),
-                        help=f"what to measure, comma-separated (default all: "
-                             f"{','.join(PARTS)})")
-    args = parser.parse_args()
-    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    if not parts or parts - set(PARTS):
-        parser.error(f"--parts: expected some of {','.join(PARTS)}; got {args.parts!r}")
+    args = parse_parts(parser, PARTS)
+    parts = args.parts
     fits = 1 if args.quick else 3
     rounds = 5 if args.quick else 10
     sequential = 8 if args.quick else 20

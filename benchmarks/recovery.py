@@ -89,7 +89,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import report, target
+from _common import parse_parts, report, target
 from jobs import Service, rounded
 
 ACCELERATOR = "v4-16"
@@ -447,14 +447,8 @@ def measure_checkpoint_save(sizes_mib: list[int], repeats: int) -> dict[str, Any
 # ------------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (CI smoke run)")
-    parser.add_argument("--parts", default=",".join(PARTS),
-                        help=f"what to measure, comma-separated (default all: "
-                             f"{','.join(PARTS)})")
-    args = parser.parse_args()
-    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    if not parts or parts - set(PARTS):
-        parser.error(f"--parts: expected some of {','.join(PARTS)}; got {args.parts!r}")
+    args = parse_parts(parser, PARTS)
+    parts = args.parts
     interruptions = 1 if args.quick else 3
     sizes_mib = [16, 64] if args.quick else [64, 256]
     save_repeats = 3 if args.quick else 5
