@@ -513,10 +513,7 @@ class JobStore:
         """Each metric's value at the last step it was recorded."""
         with self._read() as conn:
             self._require(conn, job_id)
-            rows = conn.execute(
-                "SELECT name, value FROM metrics m WHERE job_id = ? AND step = (SELECT "
-                "MAX(step) FROM metrics WHERE job_id = m.job_id AND name = m.name)",
-                (job_id,)).fetchall()
+            rows = conn.execute(_LATEST_METRICS, {"job": job_id}).fetchall()
         return {name: math.nan if value is None else value for name, value in rows}
 
     def append_logs(self, job_id: str, host: int, lines: Iterable[str]) -> None:
@@ -625,6 +622,23 @@ class JobStore:
 
 
 # --------------------------------------------------------------------------- helpers
+
+#: Each metric's value at its last step, by index seeks only (a skip-scan over the
+#: primary key's names, then each name's last row): its cost does not grow with the
+#: job's steps, as a scan of the job's rows would (95 ms at 100,000 steps, read by
+#: every job-list refresh while holding the store's lock).
+_LATEST_METRICS = """
+WITH RECURSIVE names(name) AS (
+    SELECT MIN(name) FROM metrics WHERE job_id = :job
+    UNION ALL
+    SELECT (SELECT MIN(name) FROM metrics WHERE job_id = :job AND name > names.name)
+    FROM names WHERE names.name IS NOT NULL
+)
+SELECT name, (SELECT value FROM metrics WHERE job_id = :job AND name = names.name
+              ORDER BY step DESC LIMIT 1)
+FROM names WHERE name IS NOT NULL
+"""
+
 
 def _connect(path: Path) -> sqlite3.Connection:
     # isolation_level=None: we issue BEGIN/COMMIT ourselves (sqlite3's implicit

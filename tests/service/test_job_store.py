@@ -245,6 +245,28 @@ def test_metrics_round_trip(store: JobStore) -> None:
     assert store.get("j").step == 5
 
 
+def test_latest_metrics_are_each_series_last_point(store: JobStore) -> None:
+    store.create_job(steps=100, payload=b"", job_id="j")
+    store.create_job(steps=100, payload=b"", job_id="other")
+    assert store.latest_metrics("j") == {}
+    rng = np.random.default_rng(0)
+    for step in range(1, 60):
+        # Series recorded at different steps; names sort around each other.
+        values = {name: float(rng.normal()) for name in ("loss", "acc", "a", "zz")
+                  if step % (len(name) + 1) == 0}
+        store.add_metrics("j", step, values)
+        store.add_metrics("other", step, {"loss": float(step), "b": 1.0})
+    store.add_metrics("j", 3, {"loss": 7.0, "new": math.nan})  # a redone step
+    expected = {name: points[-1][1] for name, points in store.metrics("j").items()}
+    latest = store.latest_metrics("j")
+    assert latest.keys() == expected.keys() == {"loss", "acc", "a", "zz", "new"}
+    assert math.isnan(latest.pop("new")) and math.isnan(expected.pop("new"))
+    assert latest == expected
+    assert store.latest_metrics("other") == {"loss": 59.0, "b": 1.0}
+    with pytest.raises(JobNotFoundError):
+        store.latest_metrics("nope")
+
+
 def test_a_failed_metrics_write_lands_nothing(store: JobStore) -> None:
     store.create_job(steps=10, payload=b"", job_id="j")
     store.add_metrics("j", 1, {"loss": 1.0})
