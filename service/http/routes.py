@@ -109,12 +109,13 @@ def _json(body: bytes) -> Response:
     return Response(body, media_type="application/json")
 
 
-def backend(request: Request) -> Backend:
+# Coroutines, as they never block (FastAPI runs a plain ``def`` dependency in a thread).
+async def backend(request: Request) -> Backend:
     backend: Backend = request.app.state.backend
     return backend
 
 
-def recent(request: Request) -> Recent:
+async def recent(request: Request) -> Recent:
     cache: Recent = request.app.state.recent
     return cache
 
