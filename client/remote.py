@@ -438,12 +438,13 @@ class RemoteStrategy(TFCompatMixin):
     def stats(self) -> list[dict[str, Any]]:
         """Each host's live values, device bytes and iterators (frees pending first), and
         the seconds it spent running operations (``busy_s``, over ``operations``): the
-        work measured inside the workers, without the time spent reaching them."""
+        work measured inside the workers, without the time spent reaching them; and the
+        seconds its steps waited for input (``input_wait_s``) and the chunks of steps its
+        infeeds have ready (``input_queue_depth``)."""
         reply = self._call(self._stub.SliceStats, pb.SliceRequest(**self._ids()), "stats",
                            idempotent=True)
-        return [{"num_values": h.num_values, "device_bytes": h.device_bytes,
-                 "num_iterators": h.num_iterators, "busy_s": h.busy_s,
-                 "operations": h.operations} for h in reply.hosts]
+        return [{f.name: getattr(h, f.name) for f in h.DESCRIPTOR.fields}
+                for h in reply.hosts]
 
     def close(self) -> None:
         """Releases the slice (every value on it goes with it). Idempotent."""

@@ -194,18 +194,22 @@ class SliceStatsResponse(_message.Message):
     def __init__(self, hosts: _Optional[_Iterable[_Union[HostStats, _Mapping]]] = ...) -> None: ...
 
 class HostStats(_message.Message):
-    __slots__ = ("num_values", "device_bytes", "num_iterators", "busy_s", "operations")
+    __slots__ = ("num_values", "device_bytes", "num_iterators", "busy_s", "operations", "input_wait_s", "input_queue_depth")
     NUM_VALUES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_ITERATORS_FIELD_NUMBER: _ClassVar[int]
     BUSY_S_FIELD_NUMBER: _ClassVar[int]
     OPERATIONS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    INPUT_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     num_values: int
     device_bytes: int
     num_iterators: int
     busy_s: float
     operations: int
-    def __init__(self, num_values: _Optional[int] = ..., device_bytes: _Optional[int] = ..., num_iterators: _Optional[int] = ..., busy_s: _Optional[float] = ..., operations: _Optional[int] = ...) -> None: ...
+    input_wait_s: float
+    input_queue_depth: int
+    def __init__(self, num_values: _Optional[int] = ..., device_bytes: _Optional[int] = ..., num_iterators: _Optional[int] = ..., busy_s: _Optional[float] = ..., operations: _Optional[int] = ..., input_wait_s: _Optional[float] = ..., input_queue_depth: _Optional[int] = ...) -> None: ...
 
 class DefineFunctionRequest(_message.Message):
     __slots__ = ("session_id", "slice_id", "payload", "runtime_versions", "dropped")

@@ -313,8 +313,10 @@ class GroupEngine:
             dataset_fn, lambda f: ops.DistributeDatasetsFromFunction(f, options))[0])
 
     def stats(self) -> list[dict[str, Any]]:
-        """Each host's values, device bytes and iterators held, and the seconds it spent
-        running operations (``busy_s``, over ``operations`` of them)."""
+        """Each host's values, device bytes and iterators held, the seconds it spent
+        running operations (``busy_s``, over ``operations`` of them), the seconds its
+        steps waited for input (``input_wait_s``) and the chunks of steps its infeeds
+        have ready (``input_queue_depth``): a :class:`~jaxpod.operations.HostStats`."""
         return [dataclasses.asdict(s) for s in self._call(ops.Stats())]
 
     def capture_output(self, enabled: bool) -> None:

@@ -35,7 +35,7 @@ from jaxpod.types import InputContext, InputOptions, ReduceOp, ValueContext
 from jaxpod.values import DistributedDataset, DistributedIterator, PerReplica, is_per_replica
 from jaxpod.worker import input as input_lib
 from jaxpod.worker.device_assignment import DeviceAssignment
-from jaxpod.worker.infeed import Chunk, Infeed
+from jaxpod.worker.infeed import Chunk, Infeed, InputWait
 from jaxpod.worker.replica_context import (
     REPLICA_AXIS,
     ReplicaContext,
@@ -102,6 +102,8 @@ class Engine:
             min(per_host))
         self._compiled: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
         self._full_counts: dict[int, jax.Array] = {}
+        #: The time this engine's iterators waited for their input (every infeed's).
+        self.input_wait = InputWait()
 
     # ----------------------------------------------------------------- properties
     @property
@@ -790,7 +792,8 @@ class LocalIterator(DistributedIterator):
                  steps_per_run: int | None = None) -> None:
         self._engine = engine
         self._infeed = Infeed(feed, engine._to_global, engine.num_local_replicas,
-                              steps_per_run or engine.steps_per_run)
+                              steps_per_run or engine.steps_per_run,
+                              waits=engine.input_wait)
         weakref.finalize(self, self._infeed.close)
         self._leftover: Chunk | None = None
         #: Why this iterator cannot go on (its dataset raised here or on another host):
@@ -799,6 +802,11 @@ class LocalIterator(DistributedIterator):
 
     def __iter__(self) -> LocalIterator:
         return self
+
+    @property
+    def prefetched(self) -> int:
+        """Chunks of steps its infeed has ready."""
+        return self._infeed.depth
 
     def __next__(self) -> Any:
         batch = self.next_steps(1)

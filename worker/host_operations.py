@@ -52,6 +52,7 @@ class HostOperations(ops.Host):
         self._expected_seq = 0
         self._busy = BusyClock()
         self._busy_base = 0.0  # busy seconds before the slice's current holder
+        self._input_wait_base = 0.0  # the engine's input wait before the current holder
         self._operations = 0
         self._started_at = 0.0
         self._output = OutputCapture()
@@ -170,6 +171,7 @@ class HostOperations(ops.Host):
             assignment = DeviceAssignment.build(None, computation_shape, op.num_replicas)
             self.engine = Engine(assignment, op.steps_per_run)
             self._assignment = wanted
+            self._input_wait_base = 0.0
         self.datasets.clear()
         return int(self.engine.num_replicas_in_sync)
 
@@ -231,9 +233,13 @@ class HostOperations(ops.Host):
     def stats(self, op: ops.Stats) -> ops.HostStats:
         held = self.store.stats()
         busy_s = self._busy.seconds() - self._busy_base
+        prefetched = sum(it.prefetched for it in self.iterators.values())
         return ops.HostStats(num_values=held.num_values, device_bytes=held.device_bytes,
                              num_iterators=len(self.iterators), busy_s=busy_s,
-                             operations=self._operations)
+                             operations=self._operations,
+                             input_wait_s=self.engine.input_wait.seconds()
+                             - self._input_wait_base,
+                             input_queue_depth=prefetched)
 
     def reset_host(self, op: ops.ResetHost) -> ops.HostReset:
         # Functions stay (their jitted programs stay compiled); the figures start over,
@@ -244,6 +250,7 @@ class HostOperations(ops.Host):
         self.close()  # stops the iterators' infeed threads and the output capture
         # An offset, not a new clock: a new one would leave the old one's thread behind.
         self._busy_base, self._operations = self._busy.seconds(), 0
+        self._input_wait_base = self.engine.input_wait.seconds()
         return freed
 
     def capture_output(self, op: ops.CaptureOutput) -> None:

@@ -10,6 +10,10 @@ reach the caller in order and with their own type.
 Only host-local work happens on the thread; anything that talks to other hosts (the
 agreement on how many steps remain) stays on the caller's thread, where every host
 issues it in the same order.
+
+Each infeed says how far ahead it is (:attr:`Infeed.depth`, chunks ready) and adds the
+time its caller waited for a chunk to an :class:`InputWait` shared by the engine's
+infeeds: a host whose input cannot keep up shows as that host's input wait.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import atexit
 import os
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,6 +71,23 @@ class _Failure:
 _END = object()
 
 
+class InputWait:
+    """Seconds callers spent waiting for input that was not ready yet, summed over
+    the infeeds that add to it. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ns = 0
+
+    def add(self, ns: int) -> None:
+        with self._lock:
+            self._ns += ns
+
+    def seconds(self) -> float:
+        with self._lock:
+            return self._ns / 1e9
+
+
 class Infeed:
     """Runs a producer thread that turns a host feed into placed chunks of steps.
 
@@ -75,11 +97,14 @@ class Infeed:
       num_replicas: local replicas.
       steps: steps per chunk.
       depth: chunks prepared ahead; default ``$JAXPOD_INFEED_PREFETCH_DEPTH`` or 2.
+      waits: where the time :meth:`get` waits for a chunk goes (default: one of its own).
     """
 
     def __init__(self, feed: input_lib.HostFeed, place: Callable[[np.ndarray], jax.Array],
-                 num_replicas: int, steps: int, depth: int | None = None) -> None:
+                 num_replicas: int, steps: int, depth: int | None = None,
+                 waits: InputWait | None = None) -> None:
         self._feed = feed
+        self.waits = waits if waits is not None else InputWait()
         self._place = place
         self._replicas = num_replicas
         self._steps = steps
@@ -103,13 +128,25 @@ class Infeed:
         """Chunk size for chunks not yet started (a different ``run_steps`` length)."""
         self._steps = steps
 
+    @property
+    def depth(self) -> int:
+        """Chunks prepared and waiting to be taken (at most the prefetch depth)."""
+        with self._queue.mutex:
+            return sum(isinstance(item, Chunk) for item in self._queue.queue)
+
     def get(self) -> Chunk | None:
-        """The next chunk; ``None`` once this host's input has ended.
+        """The next chunk; ``None`` once this host's input has ended. Time spent
+        waiting for one goes to :attr:`waits`.
 
         Raises:
           Whatever the user's dataset code raised, unchanged.
         """
-        item = self._queue.get()
+        try:
+            item = self._queue.get_nowait()
+        except queue.Empty:  # the input is behind: the caller waits for it
+            started = time.perf_counter_ns()
+            item = self._queue.get()
+            self.waits.add(time.perf_counter_ns() - started)
         if item is _END:
             self._queue.put(_END)  # keep answering None
             return None

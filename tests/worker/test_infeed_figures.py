@@ -1,0 +1,73 @@
+"""An infeed's figures: the chunks it has ready, and the time its caller waited for
+input that was not ready. Real infeed threads on the in-process engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+
+from jaxpod.timeouts import wait_for
+from jaxpod.worker.device_assignment import DeviceAssignment
+from jaxpod.worker.engine import Engine
+
+ROWS = 4  # a global batch: 2 rows per replica
+
+
+def _engine() -> Engine:
+    return Engine(DeviceAssignment.build(jax.devices()[:2]), steps_per_run=2)
+
+
+def _batch(i: int) -> np.ndarray:
+    return np.full((ROWS, 3), i, np.float32)
+
+
+def test_a_fed_infeed_keeps_its_queue_full_and_its_caller_never_waits() -> None:
+    engine = _engine()
+    iterator = engine.experimental_distribute_dataset([_batch(i) for i in range(12)]).iterate()
+    assert wait_for(lambda: iterator.prefetched == 2, 30)  # the default prefetch depth
+    for step in range(2):
+        batch = iterator.next_steps(2)
+        np.testing.assert_array_equal(np.asarray(batch.arrays[0])[0, :, 0, 0],
+                                      [2 * step, 2 * step + 1])
+        # The chunk was there already: nothing waited, to the nanosecond.
+        assert engine.input_wait.seconds() == 0.0
+        assert wait_for(lambda: iterator.prefetched == 2, 30)  # refilled behind it
+
+
+class _Gated:
+    """Two batches at once, then the rest once ``gate`` opens: an input source that
+    falls behind."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        self.gate = gate
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        yield from (_batch(0), _batch(1))
+        assert self.gate.wait(60), "the test never opened the gate"
+        yield from (_batch(2), _batch(3))
+
+
+def test_the_time_a_caller_waits_for_late_input_is_counted() -> None:
+    engine = _engine()
+    gate = threading.Event()
+    iterator = engine.experimental_distribute_dataset(_Gated(gate)).iterate()
+    iterator.next_steps(2)  # the first chunk (its thread may still have been making it)
+    before = engine.input_wait.seconds()
+    assert iterator.prefetched == 0  # the producer is held at the gate
+    late_s = 0.5  # how long after the caller asks the input comes
+    opener = threading.Timer(late_s, gate.set)
+    started = time.perf_counter()
+    opener.start()
+    batch = iterator.next_steps(2)
+    took = time.perf_counter() - started
+    opener.join()
+    np.testing.assert_array_equal(np.asarray(batch.arrays[0])[0, :, 0, 0], [2, 3])
+    waited = engine.input_wait.seconds() - before
+    # It waited inside next_steps for at least the gate's time less what next_steps
+    # does besides waiting; never longer than next_steps took.
+    assert took >= late_s
+    assert 0.5 * took <= waited <= took, (waited, took)
