@@ -97,7 +97,8 @@ class Backend:
     def job_detail(self, job_id: str) -> models.JobDetail:
         manager = self.jobs
         status = handlers.job_status(manager, job_id, detail=True)
-        return models.detail_of(status, manager.store.metrics(job_id))
+        return models.detail_of(status, manager.store.metrics(job_id),
+                                manager.host_inputs(job_id))
 
     def job_counts(self) -> dict[str, int]:
         """Jobs by state (every state, zeros included)."""

@@ -8,7 +8,8 @@ in one test process do not collide), holding:
 * what :class:`ServiceCollector` reads at each scrape from the same functions as the
   API: jobs by state, slices free/busy, sessions, and per unfinished job its step,
   steps per productive second, productive share, compile seconds, input-wait seconds
-  and goodput seconds by category.
+  and goodput seconds by category; and per host of a running job, its input wait and
+  input-queue depth as the job's runner last read them.
 """
 
 from __future__ import annotations
@@ -194,6 +195,12 @@ class ServiceCollector(Collector):
         categories = GaugeMetricFamily("jaxpod_job_goodput_seconds", "Seconds of the job's "
                                        "wall time by goodput category, per unfinished job.",
                                        labels=(*labels, "category"))
+        host_wait = GaugeMetricFamily(
+            "jaxpod_host_input_wait_seconds", "Seconds a host's steps waited for input that "
+            "was not ready yet, in the job's running attempt.", labels=(*labels, "host"))
+        host_depth = GaugeMetricFamily(
+            "jaxpod_host_input_queue_depth", "Chunks of steps_per_run steps a host's infeed "
+            "has ready, in the job's running attempt.", labels=(*labels, "host"))
         for status in backend.unfinished():
             key = (status.job_id, status.name)
             step.add_metric(key, status.step)
@@ -208,4 +215,8 @@ class ServiceCollector(Collector):
             for category, seconds in sorted(goodput.items()):
                 if category not in ("wall_s", "productive_share"):
                     categories.add_metric((*key, category), seconds)
-        yield from (step, rate, share, compile_s, input_wait, categories)
+            for host in backend.jobs.host_inputs(status.job_id):
+                host_wait.add_metric((*key, str(host.host)), host.input_wait_s)
+                host_depth.add_metric((*key, str(host.host)), host.input_queue_depth)
+        yield from (step, rate, share, compile_s, input_wait, categories, host_wait,
+                    host_depth)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
 
 from jaxpod.proto import coordinator_pb2 as pb
+
+if TYPE_CHECKING:
+    from jaxpod.service.jobs.runner import HostInput
 
 JobStateName = Literal["PENDING", "ALLOCATING", "RUNNING", "RETRYING", "SUCCEEDED", "FAILED",
                        "CANCELLED"]
@@ -115,6 +119,14 @@ class AttemptInfo(BaseModel):
     step_reached: int | None
 
 
+class HostInputInfo(BaseModel):
+    host: int = Field(description="the host's index in the slice")
+    input_wait_s: float = Field(description="seconds its steps waited for input that was "
+                                            "not ready yet, in the running attempt")
+    input_queue_depth: int = Field(description="chunks of steps_per_run steps its infeed "
+                                               "has ready")
+
+
 class JobDetail(JobSummary):
     history: list[Transition]
     attempt_records: list[AttemptInfo]
@@ -122,6 +134,9 @@ class JobDetail(JobSummary):
                                                   "productive_share (empty: none yet)")
     series: dict[str, list[tuple[int, float | None]]] = Field(
         description="each metric: [step, value] by step (null: NaN)")
+    hosts: list[HostInputInfo] = Field(
+        default_factory=list, description="each host's input feed in the running attempt, "
+                                          "as last read (empty when no attempt runs)")
 
 
 class Health(BaseModel):
@@ -162,8 +177,8 @@ def _summary_fields(status: pb.JobStatus) -> dict[str, Any]:
         finished_at=status.finished_at or None)
 
 
-def detail_of(status: pb.JobStatus, series: dict[str, list[tuple[int, float]]]
-              ) -> JobDetail:
+def detail_of(status: pb.JobStatus, series: dict[str, list[tuple[int, float]]],
+              hosts: Sequence[HostInput] = ()) -> JobDetail:
     return JobDetail(
         **_summary_fields(status),
         history=[Transition(from_state=t.from_state or None, to_state=t.to_state, at=t.at,
@@ -174,4 +189,6 @@ def detail_of(status: pb.JobStatus, series: dict[str, list[tuple[int, float]]]
                          for a in status.attempt_records],
         goodput=dict(status.goodput),
         series={name: [(step, finite(v)) for step, v in points]
-                for name, points in sorted(series.items())})
+                for name, points in sorted(series.items())},
+        hosts=[HostInputInfo(host=h.host, input_wait_s=h.input_wait_s,
+                             input_queue_depth=h.input_queue_depth) for h in hosts])

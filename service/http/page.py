@@ -200,6 +200,8 @@ def _detail(job: models.JobDetail) -> str:
                        f"<td>{_when(a.ended_at)}</td>"
                        f"<td>{DASH if a.step_reached is None else a.step_reached}</td>"
                        f"<td>{_e(a.cause or '')}</td></tr>" for a in job.attempt_records)
+    hosts = "".join(f"<tr><td>{h.host}</td><td>{_num(h.input_wait_s, 3)}</td>"
+                    f"<td>{h.input_queue_depth}</td></tr>" for h in job.hosts)
     error = f"<pre class=bad>{_e(job.error)}</pre>" if job.error else ""
     return f"""<p><b>{_e(job.name)}</b> ({_e(job.id)}) <span id=detail-state
  class="state st-{_e(job.state)}">{_e(job.state)}</span> step <span
@@ -215,7 +217,11 @@ def _detail(job: models.JobDetail) -> str:
 <table id=history><caption>history</caption><thead><tr><th>at</th><th>from</th><th>to</th>
 <th>reason</th></tr></thead><tbody>{history}</tbody></table>
 <table id=attempts><caption>attempts</caption><thead><tr><th>#</th><th>started</th><th>ended</th>
-<th>step</th><th>cause</th></tr></thead><tbody>{attempts}</tbody></table></div>"""
+<th>step</th><th>cause</th></tr></thead><tbody>{attempts}</tbody></table>
+<table id=hosts><caption>input per host (running attempt)</caption><thead><tr><th>host</th>
+<th title="seconds its steps waited for input not ready yet">input wait (s)</th>
+<th title="chunks of steps ready in its infeed">queue depth</th></tr></thead>
+<tbody>{hosts}</tbody></table></div>"""
 
 
 #: Chart size in SVG units (the script draws in the same box).

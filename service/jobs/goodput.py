@@ -35,7 +35,8 @@ SETUP = "setup"
 COMPILING = "compiling"
 #: Steps run for the first time: the goodput proper.
 PRODUCTIVE = "productive"
-#: Steps waiting on their input (reserved: the runner does not measure it yet).
+#: Steps waiting on their input: the longest wait of any host of the slice (the others
+#: wait for it in the step's collectives), as the hosts measure it.
 INPUT_WAIT = "input_wait"
 #: Time steps waited on a checkpoint save.
 CHECKPOINTING = "checkpointing"

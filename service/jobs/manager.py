@@ -28,7 +28,14 @@ from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.jobs import goodput
 from jaxpod.service.jobs.checkpoints import JobCheckpoints
 from jaxpod.service.jobs.goodput import GoodputClock
-from jaxpod.service.jobs.runner import SLICE_FAILURES, Finished, JobRun, Preempted, Stopped
+from jaxpod.service.jobs.runner import (
+    SLICE_FAILURES,
+    Finished,
+    HostInput,
+    JobRun,
+    Preempted,
+    Stopped,
+)
 from jaxpod.service.jobs.states import (
     Allocating,
     Cancelled,
@@ -132,6 +139,7 @@ class _Active:
     stop: threading.Event
     reason: str = ""
     slice_names: tuple[str, ...] = ()
+    run: JobRun | None = None  # the attempt running on a slice now
 
 
 class JobManager:
@@ -263,6 +271,14 @@ class JobManager:
         with self._lock:
             return {name: f"job {a.job_id}" for a in self._active.values()
                     for name in a.slice_names}
+
+    def host_inputs(self, job_id: str) -> tuple[HostInput, ...]:
+        """Each host's input feed in the job's running attempt, as last read (empty when
+        no attempt runs on a slice, or before the first read)."""
+        with self._lock:
+            active = self._active.get(job_id)
+            run = active.run if active is not None else None
+        return run.hosts if run is not None else ()
 
     def goodput(self, job_id: str) -> dict[str, float]:
         """The job's goodput totals: live for an unfinished job, else as stored."""
@@ -405,6 +421,8 @@ class JobManager:
                          active.stop, lambda: active.reason,
                          lambda: active.reason == SHUTDOWN,
                          lambda: self._progress(job_id), clock, redo_until=reached)
+            with self._lock:
+                active.run = run
             try:
                 finished = run.run()
             except Stopped:
@@ -422,7 +440,7 @@ class JobManager:
             return None
         finally:
             with self._lock:
-                active.slice_names = ()
+                active.slice_names, active.run = (), None
             try:
                 held.release()
             except Exception:

@@ -13,6 +13,11 @@ what the checkpointed steps consumed. Checkpoints are taken at loop boundaries o
 same loops as an uninterrupted one and ends with exactly its numbers. Between loops the
 runner sees cancellation, the service stopping (it checkpoints first) and preemption
 notices from the hosts (it checkpoints at once and gives the slice up).
+
+Every ``JAXPOD_JOB_HOST_POLL_S`` it also reads each host's input feed (:class:`HostInput`:
+the time its steps waited for input, the chunks it has ready). The slice runs in lockstep,
+so the host that waited longest held every host up that long: that time moves from the
+goodput clock's productive steps to its input wait.
 """
 
 from __future__ import annotations
@@ -53,9 +58,9 @@ SLICE_FAILURES: tuple[type[BaseException], ...] = (
     WorkerLostError, SliceResetError, WorkerStartError, OperationTimeoutError)
 
 
-#: How often, at most, the runner asks the hosts for what the job printed and for
-#: preemption notices (between loops; a notice leaves 30 s of grace): short loops do
-#: not pay two extra round trips each.
+#: How often, at most, the runner asks the hosts for what the job printed, for
+#: preemption notices and for their input figures (between loops; a notice leaves 30 s
+#: of grace): short loops do not pay three extra round trips each.
 HOST_POLL = Timeout("JAXPOD_JOB_HOST_POLL_S", 0.5)
 
 
@@ -76,6 +81,21 @@ class Preempted(Exception):
         super().__init__(f"preemption notice at step {step}: {notice}")
         self.step = step
         self.notice = notice
+
+
+@dataclass(frozen=True)
+class HostInput:
+    """One host's input feed in the running attempt, as last read.
+
+    Attributes:
+      host: the host's index in the slice.
+      input_wait_s: seconds the host's steps waited for input not ready yet.
+      input_queue_depth: chunks of ``steps_per_run`` steps its infeed has ready.
+    """
+
+    host: int
+    input_wait_s: float
+    input_queue_depth: int
 
 
 @dataclass(frozen=True)
@@ -131,6 +151,9 @@ class JobRun:
         #: Steps done so far (what a lost attempt reached).
         self.step = self.start_step
         self._checkpointed = self.start_step
+        #: Each host's input feed as last read (empty before the first read).
+        self.hosts: tuple[HostInput, ...] = ()
+        self._input_waited = 0.0  # the longest host input wait moved to INPUT_WAIT so far
 
     def run(self) -> Finished:
         """Runs the remaining steps; raises what the job's code raised, a slice
@@ -160,9 +183,11 @@ class JobRun:
                 if time.monotonic() >= self._next_host_poll:
                     self._next_host_poll = time.monotonic() + HOST_POLL.seconds()
                     self._collect_logs()
+                    self._read_inputs()
                     self._check_notices(state)
                 if self._checkpoint_due():
                     self._checkpoint(state, wait=False)
+            self._read_inputs()
             final = self._final_state(state)
             with clock.during(goodput.CHECKPOINTING):
                 self.checkpoints.wait()  # a save in flight must not outlive the attempt
@@ -279,6 +304,22 @@ class JobRun:
         for host, lines in enumerate(per_host):
             if lines:
                 self.store.append_logs(self.job_id, host, lines)
+
+    def _read_inputs(self) -> None:
+        """Reads the hosts' input figures; moves the new input wait out of productive."""
+        try:
+            stats = self.engine.stats()
+        except Exception as e:  # figures must never fail the job (nor hide its error)
+            logger.debug("job %s: reading its hosts' input figures failed: %s",
+                         self.job_id, e)
+            return
+        self.hosts = tuple(HostInput(i, float(s["input_wait_s"]), int(s["input_queue_depth"]))
+                           for i, s in enumerate(stats))
+        waited = max((h.input_wait_s for h in self.hosts), default=0.0)
+        if waited > self._input_waited:
+            self._clock.reattribute({goodput.INPUT_WAIT: waited - self._input_waited},
+                                    source=goodput.PRODUCTIVE)
+            self._input_waited = waited
 
     def _final_state(self, state: Any) -> Any:
         """The state as numpy: replica 0's copy (jobs train mirrored state)."""

@@ -222,6 +222,12 @@ def test_metrics_parse_and_match_the_job_list(client: Any, api: httpx.Client) ->
     assert 0 < per_job("jaxpod_job_goodput_ratio")[running.id] <= 1
     assert running.id in per_job("jaxpod_job_compile_seconds")
     assert running.id in per_job("jaxpod_job_input_wait_seconds")
+    hosts = {(s.labels["job_id"], s.labels["host"]): s.value
+             for s in families["jaxpod_host_input_queue_depth"].samples}
+    assert list(hosts) == [(running.id, "0")] and 0 <= hosts[(running.id, "0")] <= 2
+    waits = [s for s in families["jaxpod_host_input_wait_seconds"].samples
+             if s.labels["job_id"] == running.id]
+    assert [s.labels["host"] for s in waits] == ["0"] and waits[0].value >= 0
     slices = {(s.labels["state"], s.labels["accelerator_type"]): s.value
               for s in families["jaxpod_slices"].samples}
     assert slices == {("busy", "v4-8"): 1.0}

@@ -18,7 +18,7 @@ from jaxpod.timeouts import wait_for
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS, STEPS_PER_RUN = 60, 2  # paced: >= 3 s of running, a loss point every loop
+STEPS, STEPS_PER_RUN = 100, 2  # paced: >= 5 s of running, a loss point every loop
 
 
 def chromium_path() -> str:
@@ -59,6 +59,9 @@ def test_the_page_follows_a_running_job_to_the_end(service: Service, client: Any
         seen_running = state.inner_text() == "RUNNING"
         expect(chart).not_to_have_attribute("data-points", "0", timeout=60_000)
         first = int(chart.get_attribute("data-points") or 0)
+        # The v4-8's one host's input feed, read while the job runs.
+        expect(page.locator("#hosts tbody tr")).to_have_count(1, timeout=30_000)
+        assert page.locator("#hosts tbody tr td").first.inner_text() == "0"
         assert seen_running or job.status().state == "RUNNING", (
             "the job finished before the page showed it running; make it longer")
         expect(state).to_have_text("SUCCEEDED", timeout=120_000)

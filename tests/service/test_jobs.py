@@ -19,8 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from serve_process import Service, crash_service, start_service, stop_service
 
 import jaxpod
@@ -82,6 +84,20 @@ def bad_return_step(state: Any, batch: Any) -> Any:
 
 def missing_output_step(state: Any, batch: Any) -> Any:
     return state, {"loss": batch.sum()}
+
+
+class SlowPipeline:
+    """An input pipeline that takes ``delay_s`` to make each element: a host whose input
+    cannot keep up with its steps (the delay is the workload, not a wait on anything)."""
+
+    def __init__(self, elements: list[Any], delay_s: float) -> None:
+        self.elements = elements
+        self.delay_s = delay_s
+
+    def __iter__(self) -> Iterator[Any]:
+        for element in self.elements:
+            time.sleep(self.delay_s)
+            yield element
 
 
 def initial_lr_state() -> dict[str, np.ndarray]:
@@ -222,6 +238,50 @@ def test_dataset_fn_job_on_two_hosts_matches_numpy(client: Any) -> None:
                  for h in range(2) for j in range(replicas_per_host)]
         global_batches.append({k: np.concatenate([p[k] for p in parts]) for k in ("x", "y")})
     _assert_lr_result(job.result(), final, global_batches, steps=steps, steps_per_run=3)
+
+
+def test_a_host_whose_input_lags_shows_its_input_wait(client: Any, service: Service) -> None:
+    # Host 1 makes each element in DELAY_S, host 0 reads its own from memory: host 1's
+    # steps wait for their input, and host 0's then wait for host 1 in the collectives.
+    delay_s, steps, per_step = 0.005, 200, 4  # 4 replicas per host: 4 elements a step
+    host_batches = {h: lr_batches([3] * 8, seed=20 + h) for h in range(2)}
+
+    def dataset_fn(ctx: Any) -> Any:
+        mine = host_batches[ctx.input_pipeline_id]
+        return SlowPipeline(mine, delay_s) if ctx.input_pipeline_id == 1 else mine
+
+    job = client.submit(linear_regression_step, steps=steps, accelerator_type="v4-16",
+                        initial_state=initial_lr_state(), dataset_fn=dataset_fn,
+                        steps_per_run=4, outputs={"loss": "MEAN"}, name="lagging-input")
+    api = httpx.Client(base_url=service.http_url, timeout=30,
+                       headers={"Authorization": f"Bearer {service.token}"})
+
+    def host_waits() -> dict[str, float]:
+        families = text_string_to_metric_families(api.get("/metrics").text)
+        return {s.labels["host"]: s.value for f in families
+                if f.name == "jaxpod_host_input_wait_seconds"
+                for s in f.samples if s.labels["job_id"] == job.id}
+
+    try:
+        seen = wait_for(lambda: (w := host_waits()).get("1", 0.0) > 0.05 and w, 120)
+        assert seen, (host_waits(), job.status())
+        detail = api.get(f"/api/v1/jobs/{job.id}").json()
+        final = job.wait(timeout=300, progress=False)
+    finally:
+        api.close()
+    assert final.state == "SUCCEEDED", final.error
+    assert sorted(seen) == ["0", "1"] and seen["0"] < seen["1"] / 2
+    assert [h["host"] for h in detail["hosts"]] == [0, 1]
+    assert all(h["input_queue_depth"] >= 0 for h in detail["hosts"])
+    # Host 1's pipeline spent steps * per_step * delay_s making elements; its steps waited
+    # for most of it (the loops themselves take little), and goodput counts that wait.
+    made_s = steps * per_step * delay_s
+    waited = final.goodput["input_wait"]
+    assert seen["1"] <= waited <= made_s * 1.5, (seen, final.goodput)
+    assert waited >= 0.25 * made_s, final.goodput
+    assert sum(v for k, v in final.goodput.items()
+               if k not in ("wall_s", "productive_share")) == pytest.approx(
+                   final.finished_at - final.created_at, rel=0.01)
 
 
 def test_another_process_reattaches_and_gets_the_same_result(client: Any,

@@ -4,7 +4,7 @@
 "use strict";
 (function () {
   const W = 480, H = 180, PAD = 28;
-  const JOBS_EVERY_MS = 1000, CLUSTER_EVERY_MS = 3000, RATE_POINTS = 120;
+  const JOBS_EVERY_MS = 1000, CLUSTER_EVERY_MS = 3000, DETAIL_MS = 2000, RATE_POINTS = 120;
   const shown = document.body.dataset.job || "";
   const asked = new URLSearchParams(window.location.search).has("job");
   const series = {};          // metric name -> [[step, value]]
@@ -144,10 +144,11 @@
     }
   }
 
-  async function refreshDetail(id) {  // history, attempts and goodput, on a state change
+  async function refreshDetail(id) {  // on a state change, and every DETAIL_MS while it runs
     try {
       const d = await getJSON("/api/v1/jobs/" + encodeURIComponent(id));
       fill("goodput", Object.entries(d.goodput).map(([k, v]) => [k, fmt(v, 3)]));
+      fill("hosts", d.hosts.map(h => [h.host, fmt(h.input_wait_s, 3), h.input_queue_depth]));
       fill("history", d.history.map(t => [when(t.at), t.from_state, t.to_state, t.reason]));
       fill("attempts", d.attempt_records.map(a => [a.number, when(a.started_at),
                                                     when(a.ended_at), a.step_reached, a.cause]));
@@ -155,14 +156,19 @@
   }
 
   function follow(id) {
-    let shownState = null;
+    let shownState = null, detailAt = performance.now();
     const lossSvg = document.getElementById("chart-loss");
     const metric = lossSvg ? lossSvg.dataset.metric : "loss";
     const source = new EventSource("/api/v1/jobs/" + encodeURIComponent(id) + "/events");
     source.addEventListener("status", ev => {
       const j = JSON.parse(ev.data);
       stateCell(document.getElementById("detail-state"), j.state);
-      if (shownState !== null && shownState !== j.state) refreshDetail(id);
+      const now = performance.now();
+      if ((shownState !== null && shownState !== j.state) ||
+          (j.state === "RUNNING" && now - detailAt > DETAIL_MS)) {
+        detailAt = now;
+        refreshDetail(id);
+      }
       shownState = j.state;
       text(document.getElementById("detail-step"), j.step);
       const row = document.querySelector('#jobs tr[data-job-id="' + CSS.escape(j.id) + '"]');
