@@ -151,8 +151,8 @@ def store_writable(path: Any) -> str | None:
             conn.execute("ROLLBACK")
         finally:
             conn.close()
-    except sqlite3.Error as e:
-        return f"the job store {path} is not writable: {e}"
+    except sqlite3.Error as e:  # /readyz is open to all: the reason names no path
+        return f"the job store (jobs.sqlite in the state dir) is not writable: {e}"
     return None
 
 

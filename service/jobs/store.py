@@ -387,7 +387,9 @@ class JobStore:
         return _job(row)
 
     def _not_found(self, job_id: str) -> JobNotFoundError:
-        return JobNotFoundError(str(job_id), f"the job store {self.path}")
+        # Not the file's path: the error travels to clients, who have no use for the
+        # server's file system layout.
+        return JobNotFoundError(str(job_id), "this service's job store")
 
     def _require(self, conn: sqlite3.Connection, job_id: str) -> JobState:
         row = conn.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()

@@ -71,6 +71,7 @@ def test_unknown_job_is_a_404_with_a_json_error(api: httpx.Client) -> None:
         body = reply.json()
         assert body["error"] == "not_found"
         assert "no-such-job" in body["message"]
+        assert ".sqlite" not in body["message"]  # the server's paths stay there
 
 
 def test_cluster_and_sessions_show_who_holds_a_slice(client: Any, api: httpx.Client

@@ -1,16 +1,20 @@
-"""The dashboard's pieces that need no service: the shared recent answers and the
-origin check of state-changing requests."""
+"""The dashboard's pieces that need no service: the shared recent answers, the
+origin check of state-changing requests and the job store's readiness check."""
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
+from pathlib import Path
 
 import pytest
 from starlette.requests import Request
 
 from jaxpod.service.http import auth, routes
+from jaxpod.service.http.backend import store_writable
 from jaxpod.service.http.routes import CACHE, Recent
+from jaxpod.service.jobs.store import JobStore
 
 
 class Model:
@@ -101,3 +105,20 @@ def test_the_cookie_is_a_digest_of_the_token_compared_in_full() -> None:
     assert checker.how(_request("GET", {"Cookie": f"{auth.COOKIE}={checker.cookie_value}"})
                        ) == "cookie"
     assert checker.how(_request("GET", {"Cookie": f"{auth.COOKIE}=s3cret"})) is None
+
+
+def test_the_store_check_sees_a_held_write_lock_and_names_no_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = JobStore(tmp_path / "state")
+    assert store_writable(store.path) is None
+    monkeypatch.setattr("jaxpod.service.http.backend.STORE_CHECK_TIMEOUT_S", 0.05)
+    writer = sqlite3.connect(store.path, isolation_level=None)
+    try:
+        writer.execute("BEGIN IMMEDIATE")  # another writer holds the lock
+        problem = store_writable(store.path)
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+    assert problem is not None and "locked" in problem
+    assert str(tmp_path) not in problem  # /readyz answers anyone: no server paths
+    assert store_writable(store.path) is None

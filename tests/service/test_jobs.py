@@ -367,13 +367,15 @@ def test_what_only_the_workers_can_tell_fails_the_job_with_the_reason(
     assert final.state == "FAILED" and expected in final.error
 
 
-def test_bad_submissions_are_refused_and_the_service_keeps_serving(client: Any) -> None:
+def test_bad_submissions_are_refused_and_the_service_keeps_serving(client: Any,
+                                                                 state_dir: Path) -> None:
     with pytest.raises(ValueError, match="v9-99"):
         client.submit(counting_step, steps=1, accelerator_type="v9-99")
     with pytest.raises(ValueError, match="steps"):
         client.submit(counting_step, steps=0, accelerator_type="v4-8")
-    with pytest.raises(jaxpod.JobNotFoundError, match="no-such-job"):
+    with pytest.raises(jaxpod.JobNotFoundError, match="no-such-job") as unknown:
         client.job("no-such-job")
+    assert str(state_dir) not in str(unknown.value)  # the server's paths stay there
     job = client.submit(counting_step, steps=1, accelerator_type="v4-8",
                         initial_state={"total": np.float32(1)},
                         dataset=[np.full((4,), 2, np.float32)], outputs={"total": "MAX"})
