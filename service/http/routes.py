@@ -202,7 +202,10 @@ async def _events(backend: Backend, job_id: str) -> AsyncIterator[bytes]:
 
     def new_points() -> dict[str, list[tuple[int, float | None]]]:
         fresh = {}
-        for name, points in manager.store.metrics(job_id).items():
+        # A job records all its scalar outputs at each step it records, so reading
+        # after the series sent least far misses nothing (and reads only the tail).
+        since = min(sent.values(), default=-1)
+        for name, points in manager.store.metrics(job_id, since).items():
             after = sent.get(name, -1)
             tail = [(step, models.finite(v)) for step, v in points if step > after]
             if tail:

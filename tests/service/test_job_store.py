@@ -263,6 +263,16 @@ def test_latest_metrics_are_each_series_last_point(store: JobStore) -> None:
     assert math.isnan(latest.pop("new")) and math.isnan(expected.pop("new"))
     assert latest == expected
     assert store.latest_metrics("other") == {"loss": 59.0, "b": 1.0}
+    # Following the job: the points after a step are the tail of each full series.
+    full = store.metrics("j")
+    for after in (-1, 0, 3, 30, 58, 59):
+        tail = {name: [(step, v) for step, v in points if step > after]
+                for name, points in full.items()}
+        got = store.metrics("j", after=after)
+        assert got.keys() == {k for k, v in tail.items() if v}
+        for name, points in got.items():
+            assert [p[0] for p in points] == [p[0] for p in tail[name]]
+            np.testing.assert_array_equal([p[1] for p in points], [p[1] for p in tail[name]])
     with pytest.raises(JobNotFoundError):
         store.latest_metrics("nope")
 
