@@ -190,5 +190,9 @@ def detail_of(status: pb.JobStatus, series: dict[str, list[tuple[int, float]]],
         goodput=dict(status.goodput),
         series={name: [(step, finite(v)) for step, v in points]
                 for name, points in sorted(series.items())},
-        hosts=[HostInputInfo(host=h.host, input_wait_s=h.input_wait_s,
-                             input_queue_depth=h.input_queue_depth) for h in hosts])
+        hosts=host_inputs(hosts))
+
+
+def host_inputs(hosts: Sequence[HostInput]) -> list[HostInputInfo]:
+    return [HostInputInfo(host=h.host, input_wait_s=h.input_wait_s,
+                          input_queue_depth=h.input_queue_depth) for h in hosts]

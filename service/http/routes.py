@@ -181,8 +181,10 @@ async def cancel_job(backend: BackendDep, job_id: JobId) -> models.JobSummary:
                        "description": "server-sent events: `status` (a JobSummary) on a "
                                       "change (the latest; at most one per "
                                       "JAXPOD_HTTP_EVENTS_INTERVAL_S), `metrics` ({name: "
-                                      "[[step, value]]}: the points not sent yet), `end` "
-                                      "once the job is over"}},
+                                      "[[step, value]]}: the points not sent yet), `hosts` "
+                                      "({hosts: [HostInputInfo]}: each host's input feed in "
+                                      "the running attempt, when it changed), `end` once "
+                                      "the job is over"}},
     summary="Server-sent events of the job's status changes and metrics")
 async def job_events(backend: BackendDep, job_id: JobId) -> StreamingResponse:
     manager = backend.jobs
@@ -199,6 +201,7 @@ def _sse(event: str, data: Any) -> bytes:
 async def _events(backend: Backend, job_id: str) -> AsyncIterator[bytes]:
     manager = backend.jobs
     sent: dict[str, int] = {}  # series -> the last step sent
+    hosts_sent: list[models.HostInputInfo] = []
 
     def new_points() -> dict[str, list[tuple[int, float | None]]]:
         fresh = {}
@@ -230,6 +233,10 @@ async def _events(backend: Backend, job_id: str) -> AsyncIterator[bytes]:
             fresh = await _blocking(new_points)
             if fresh:
                 yield _sse("metrics", {"series": fresh})
+            hosts = models.host_inputs(manager.host_inputs(job_id))
+            if hosts != hosts_sent:
+                yield _sse("hosts", {"hosts": [h.model_dump() for h in hosts]})
+                hosts_sent = hosts
             if not JobState(status.state).is_terminal:
                 # Changes meanwhile are coalesced: the next read gets the latest.
                 await asyncio.wait({stop}, timeout=EVENTS_INTERVAL.seconds())

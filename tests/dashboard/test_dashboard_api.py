@@ -190,6 +190,18 @@ def test_sign_in_sets_a_strict_http_only_cookie(service: Service,
                           headers={"Origin": "http://evil.example"}).status_code == 403
 
 
+def _first_event(api: httpx.Client, job_id: str, kind: str) -> Any:
+    """The data of the first ``kind`` event of the job's event stream."""
+    with api.stream("GET", f"/api/v1/jobs/{job_id}/events") as stream:
+        event = ""
+        for line in stream.iter_lines():
+            if line.startswith("event: "):
+                event = line[len("event: "):]
+            elif line.startswith("data: ") and event == kind:
+                return json.loads(line[len("data: "):])
+    raise AssertionError(f"the event stream of job {job_id} ended without a {kind} event")
+
+
 def test_metrics_parse_and_match_the_job_list(client: Any, api: httpx.Client) -> None:
     running = submit(client, steps=100_000, steps_per_run=1, paced=True, name="metered")
     try:
@@ -211,9 +223,13 @@ def test_metrics_parse_and_match_the_job_list(client: Any, api: httpx.Client) ->
         agreed = wait_for(lambda: (got := scraped())[1] == got[2] and got, 10)
         assert agreed, scraped()[1:]
         families, _, expected = agreed
+        hosts_event = _first_event(api, running.id, "hosts")
     finally:
         running.cancel()
     assert expected.get("RUNNING") == 1
+    # The event stream tells the running job's one host's input feed.
+    assert [h["host"] for h in hosts_event["hosts"]] == [0]
+    assert hosts_event["hosts"][0]["input_wait_s"] >= 0
 
     def per_job(name: str) -> dict[str, float]:
         return {s.labels["job_id"]: s.value for s in families[name].samples}

@@ -4,7 +4,7 @@
 "use strict";
 (function () {
   const W = 480, H = 180, PAD = 28;
-  const JOBS_EVERY_MS = 1000, CLUSTER_EVERY_MS = 3000, DETAIL_MS = 2000, RATE_POINTS = 120;
+  const JOBS_EVERY_MS = 1000, CLUSTER_EVERY_MS = 3000, RATE_POINTS = 120;
   const shown = document.body.dataset.job || "";
   const asked = new URLSearchParams(window.location.search).has("job");
   const series = {};          // metric name -> [[step, value]]
@@ -144,11 +144,15 @@
     }
   }
 
-  async function refreshDetail(id) {  // on a state change, and every DETAIL_MS while it runs
+  function fillHosts(hosts) {
+    fill("hosts", hosts.map(h => [h.host, fmt(h.input_wait_s, 3), h.input_queue_depth]));
+  }
+
+  async function refreshDetail(id) {  // history, attempts, goodput: on a state change
     try {
       const d = await getJSON("/api/v1/jobs/" + encodeURIComponent(id));
       fill("goodput", Object.entries(d.goodput).map(([k, v]) => [k, fmt(v, 3)]));
-      fill("hosts", d.hosts.map(h => [h.host, fmt(h.input_wait_s, 3), h.input_queue_depth]));
+      fillHosts(d.hosts);
       fill("history", d.history.map(t => [when(t.at), t.from_state, t.to_state, t.reason]));
       fill("attempts", d.attempt_records.map(a => [a.number, when(a.started_at),
                                                     when(a.ended_at), a.step_reached, a.cause]));
@@ -156,19 +160,14 @@
   }
 
   function follow(id) {
-    let shownState = null, detailAt = performance.now();
+    let shownState = null;
     const lossSvg = document.getElementById("chart-loss");
     const metric = lossSvg ? lossSvg.dataset.metric : "loss";
     const source = new EventSource("/api/v1/jobs/" + encodeURIComponent(id) + "/events");
     source.addEventListener("status", ev => {
       const j = JSON.parse(ev.data);
       stateCell(document.getElementById("detail-state"), j.state);
-      const now = performance.now();
-      if ((shownState !== null && shownState !== j.state) ||
-          (j.state === "RUNNING" && now - detailAt > DETAIL_MS)) {
-        detailAt = now;
-        refreshDetail(id);
-      }
+      if (shownState !== null && shownState !== j.state) refreshDetail(id);
       shownState = j.state;
       text(document.getElementById("detail-step"), j.step);
       const row = document.querySelector('#jobs tr[data-job-id="' + CSS.escape(j.id) + '"]');
@@ -189,6 +188,7 @@
       }
       draw(lossSvg, series[metric] || []);
     });
+    source.addEventListener("hosts", ev => fillHosts(JSON.parse(ev.data).hosts));
     source.addEventListener("end", () => { source.close(); refreshDetail(id); });
   }
 
