@@ -94,11 +94,12 @@ class Backend:
         return models.JobList(jobs=[models.summary_of(s) for s in statuses], total=total,
                               limit=limit, offset=offset)
 
-    def job_detail(self, job_id: str) -> models.JobDetail:
+    def job_detail(self, job_id: str, points: int = 0) -> models.JobDetail:
+        """The job's detail; ``points``: at most this many points per series (0: all)."""
         manager = self.jobs
         status = handlers.job_status(manager, job_id, detail=True)
         return models.detail_of(status, manager.store.metrics(job_id),
-                                manager.host_inputs(job_id))
+                                manager.host_inputs(job_id), points)
 
     def job_counts(self) -> dict[str, int]:
         """Jobs by state (every state, zeros included)."""

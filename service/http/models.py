@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
@@ -12,6 +12,8 @@ from jaxpod.proto import coordinator_pb2 as pb
 
 if TYPE_CHECKING:
     from jaxpod.service.jobs.runner import HostInput
+
+_P = TypeVar("_P")
 
 JobStateName = Literal["PENDING", "ALLOCATING", "RUNNING", "RETRYING", "SUCCEEDED", "FAILED",
                        "CANCELLED"]
@@ -133,7 +135,8 @@ class JobDetail(JobSummary):
     goodput: dict[str, float] = Field(description="seconds by category, wall_s and "
                                                   "productive_share (empty: none yet)")
     series: dict[str, list[tuple[int, float | None]]] = Field(
-        description="each metric: [step, value] by step (null: NaN)")
+        description="each metric: [step, value] by step (null: NaN); with `points`, at "
+                    "most that many, evenly spaced, the first and last kept")
     hosts: list[HostInputInfo] = Field(
         default_factory=list, description="each host's input feed in the running attempt, "
                                           "as last read (empty when no attempt runs)")
@@ -177,8 +180,20 @@ def _summary_fields(status: pb.JobStatus) -> dict[str, Any]:
         finished_at=status.finished_at or None)
 
 
+def thin(points: Sequence[_P], at_most: int) -> list[_P]:
+    """``points`` if there are at most ``at_most`` of them (0: no limit), else
+    ``at_most`` of them evenly spaced, the first and the last kept: what a chart of a
+    long job draws."""
+    n = len(points)
+    if at_most <= 0 or n <= at_most:
+        return list(points)
+    if at_most == 1:
+        return [points[-1]]
+    return [points[round(i * (n - 1) / (at_most - 1))] for i in range(at_most)]
+
+
 def detail_of(status: pb.JobStatus, series: dict[str, list[tuple[int, float]]],
-              hosts: Sequence[HostInput] = ()) -> JobDetail:
+              hosts: Sequence[HostInput] = (), points: int = 0) -> JobDetail:
     return JobDetail(
         **_summary_fields(status),
         history=[Transition(from_state=t.from_state or None, to_state=t.to_state, at=t.at,
@@ -188,8 +203,8 @@ def detail_of(status: pb.JobStatus, series: dict[str, list[tuple[int, float]]],
                                      step_reached=a.step_reached if a.ended_at else None)
                          for a in status.attempt_records],
         goodput=dict(status.goodput),
-        series={name: [(step, finite(v)) for step, v in points]
-                for name, points in sorted(series.items())},
+        series={name: [(step, finite(v)) for step, v in thin(kept, points)]
+                for name, kept in sorted(series.items())},
         hosts=host_inputs(hosts))
 
 

@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from jaxpod.errors import JobNotFoundError
 from jaxpod.service.http import auth, models
-from jaxpod.service.http.routes import BackendDep, backend
+from jaxpod.service.http.routes import CHART_POINTS, BackendDep, backend
 
 router = APIRouter(include_in_schema=False)
 DASH = "\u2013"  # what an empty figure shows
@@ -102,7 +102,7 @@ async def index(backend: BackendDep,
     detail = None
     if shown:
         try:
-            detail = await run_in_threadpool(backend.job_detail, shown)
+            detail = await run_in_threadpool(backend.job_detail, shown, CHART_POINTS)
         except JobNotFoundError:
             detail = None
     return HTMLResponse(render(cluster, jobs, detail, shown), headers=_HEADERS)

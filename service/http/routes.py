@@ -35,6 +35,9 @@ MAX_OFFSET = 1 << 40
 CACHE = Timeout("JAXPOD_HTTP_CACHE_S", 0.25)
 #: An answer older than this is never given, even while the next one is being read.
 MAX_STALE_S = 5.0
+#: The most points per series a chart gets: the page's first render and an event
+#: stream's first ``metrics`` event (a long job has one per loop, millions perhaps).
+CHART_POINTS = 2000
 #: An event stream sends at most one status (the latest) per this many seconds: a job
 #: of fast loops changes hundreds of times a second, and each event is a read.
 EVENTS_INTERVAL = Timeout("JAXPOD_HTTP_EVENTS_INTERVAL_S", 0.2)
@@ -163,8 +166,11 @@ async def list_jobs(backend: BackendDep, recent: RecentDep,
 
 @jobs.get("/jobs/{job_id}", response_model=models.JobDetail, responses=NOT_FOUND,
           summary="A job: history, attempts, metric series, goodput")
-def get_job(backend: BackendDep, job_id: JobId) -> models.JobDetail:
-    return backend.job_detail(job_id)
+def get_job(backend: BackendDep, job_id: JobId,
+            points: Annotated[int, Query(ge=0, le=MAX_OFFSET, description=(
+                "at most this many points per series, evenly spaced with the first and "
+                "last kept (0, the default: every point)"))] = 0) -> models.JobDetail:
+    return backend.job_detail(job_id, points)
 
 
 @jobs.post("/jobs/{job_id}/cancel", response_model=models.JobSummary,
@@ -210,7 +216,10 @@ async def _events(backend: Backend, job_id: str) -> AsyncIterator[bytes]:
         since = min(sent.values(), default=-1)
         for name, points in manager.store.metrics(job_id, since).items():
             after = sent.get(name, -1)
-            tail = [(step, models.finite(v)) for step, v in points if step > after]
+            # The first read of a long job's history is thinned for the chart; later
+            # reads carry the few points of the loops since.
+            tail = [(step, models.finite(v)) for step, v in
+                    models.thin([p for p in points if p[0] > after], CHART_POINTS)]
             if tail:
                 fresh[name] = tail
                 sent[name] = tail[-1][0]

@@ -128,6 +128,9 @@ def test_a_job_through_the_api_and_its_event_stream(client: Any, api: httpx.Clie
         "PENDING", "ALLOCATING", "RUNNING", "SUCCEEDED"]
     assert detail["attempt_records"][0]["cause"] == "succeeded"
     assert detail["series"]["loss"] == points
+    thinned = api.get(f"/api/v1/jobs/{job.id}", params={"points": 2}).json()["series"]
+    assert thinned["loss"] == [points[0], points[-1]]  # the first and the last kept
+    assert api.get(f"/api/v1/jobs/{job.id}", params={"points": -1}).status_code == 422
     assert detail["metrics"]["loss"] == pytest.approx(points[-1][1])
     assert detail["goodput"]["wall_s"] == pytest.approx(
         detail["finished_at"] - detail["created_at"], abs=0.05)

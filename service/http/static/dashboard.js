@@ -5,6 +5,7 @@
 (function () {
   const W = 480, H = 180, PAD = 28;
   const JOBS_EVERY_MS = 1000, CLUSTER_EVERY_MS = 3000, RATE_POINTS = 120;
+  const CHART_POINTS = 2000;  // a series longer than twice this keeps every other point
   const shown = document.body.dataset.job || "";
   const asked = new URLSearchParams(window.location.search).has("job");
   const series = {};          // metric name -> [[step, value]]
@@ -150,7 +151,7 @@
 
   async function refreshDetail(id) {  // history, attempts, goodput: on a state change
     try {
-      const d = await getJSON("/api/v1/jobs/" + encodeURIComponent(id));
+      const d = await getJSON("/api/v1/jobs/" + encodeURIComponent(id) + "?points=1");
       fill("goodput", Object.entries(d.goodput).map(([k, v]) => [k, fmt(v, 3)]));
       fillHosts(d.hosts);
       fill("history", d.history.map(t => [when(t.at), t.from_state, t.to_state, t.reason]));
@@ -185,6 +186,12 @@
       for (const [name, points] of Object.entries(fresh)) {
         const kept = series[name] || (series[name] = []);
         for (const [step, value] of points) if (value !== null) kept.push([step, value]);
+        if (kept.length > 2 * CHART_POINTS) {  // thin the old, keep the newest point
+          const newest = kept[kept.length - 1];
+          const every = kept.filter((_, i) => i % 2 === 0);
+          if (every[every.length - 1] !== newest) every.push(newest);
+          series[name] = every;
+        }
       }
       draw(lossSvg, series[metric] || []);
     });
