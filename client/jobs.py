@@ -27,6 +27,7 @@ from jaxpod.jobs import (
     TERMINAL_STATES,
     Epochs,
     EpochsFn,
+    HostInput,
     InitialState,
     JobAttempt,
     JobResult,
@@ -282,6 +283,14 @@ class Job:
         return [JobAttempt(a.number, a.started_at, a.ended_at or None, a.cause or None,
                            a.step_reached if a.ended_at else None)
                 for a in reply.attempt_records]
+
+    def hosts(self) -> list[HostInput]:
+        """Each host's input feed in the running attempt, as the service last read it
+        (every ``JAXPOD_JOB_HOST_POLL_S``): the seconds its steps waited for input and the
+        chunks it has ready. Empty when no attempt runs. A host whose wait grows while
+        the others' stay near 0 is the one whose input holds the slice back."""
+        reply = self._call("GetJob", pb.JobRequest(job_id=self.id, detail=True), "hosts()")
+        return [HostInput(h.host, h.input_wait_s, h.input_queue_depth) for h in reply.hosts]
 
     def watch(self) -> Iterator[JobStatus]:
         """Yields the job's status once per change, starting with the current one; ends

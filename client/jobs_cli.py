@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from jaxpod.client.client import Client
-    from jaxpod.jobs import JobAttempt, JobStatus, JobTransition
+    from jaxpod.jobs import HostInput, JobAttempt, JobStatus, JobTransition
 
 ADDRESS_ENV = "JAXPOD_ADDRESS"
 TOKEN_ENV = "JAXPOD_TOKEN"
@@ -225,7 +225,7 @@ def run_job(args: argparse.Namespace) -> int:
     with _connect(args) as client:
         job = client.job(args.job_id)
         if not args.watch:
-            _print_status(job.status(), args.json, job.history(), job.attempts())
+            _print_status(job.status(), args.json, job.history(), job.attempts(), job.hosts())
             return 0
         try:
             last = None
@@ -265,11 +265,13 @@ def run_cancel(args: argparse.Namespace) -> int:
 
 
 def _print_status(status: JobStatus, as_json: bool, history: Sequence[JobTransition] = (),
-                  attempts: Sequence[JobAttempt] = ()) -> None:
+                  attempts: Sequence[JobAttempt] = (), hosts: Sequence[HostInput] = ()
+                  ) -> None:
     if as_json:
         print(json.dumps({**dataclasses.asdict(status),
                           "history": [dataclasses.asdict(t) for t in history],
-                          "attempts": [dataclasses.asdict(a) for a in attempts]}, indent=1))
+                          "attempts": [dataclasses.asdict(a) for a in attempts],
+                          "hosts": [dataclasses.asdict(h) for h in hosts]}, indent=1))
         return
     fields = [
         ("id", status.id), ("name", status.name), ("state", status.state),
@@ -295,6 +297,11 @@ def _print_status(status: JobStatus, as_json: bool, history: Sequence[JobTransit
             end = (f"ended {_time(a.ended_at)} ({a.cause}, step {a.step_reached})"
                    if a.ended_at else "running")
             print(f"  #{a.number}  started {_time(a.started_at)}, {end}")
+    if hosts:
+        print("input per host (running attempt):")
+        for h in hosts:
+            print(f"  host {h.host}  waited {h.input_wait_s:.3f} s  "
+                  f"{h.input_queue_depth} chunk(s) ready")
     if status.error:
         print("error:")
         for line in status.error.splitlines():

@@ -68,6 +68,21 @@ class JobStatus:
 
 
 @dataclass(frozen=True)
+class HostInput:
+    """One host's input feed in a job's running attempt, as the service last read it.
+
+    Attributes:
+      host: the host's index in the slice.
+      input_wait_s: seconds the host's steps waited for input that was not ready yet.
+      input_queue_depth: chunks of ``steps_per_run`` steps its infeed has ready.
+    """
+
+    host: int
+    input_wait_s: float
+    input_queue_depth: int
+
+
+@dataclass(frozen=True)
 class JobTransition:
     """One state change of a job; ``from_state`` is None for its submission."""
 

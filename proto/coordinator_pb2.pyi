@@ -524,7 +524,7 @@ class JobAttempt(_message.Message):
     def __init__(self, number: _Optional[int] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., cause: _Optional[str] = ..., step_reached: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "history", "attempt_records", "goodput")
+    __slots__ = ("job_id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "history", "attempt_records", "goodput", "hosts")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -555,6 +555,7 @@ class JobStatus(_message.Message):
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_RECORDS_FIELD_NUMBER: _ClassVar[int]
     GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
     name: str
@@ -571,7 +572,18 @@ class JobStatus(_message.Message):
     history: _containers.RepeatedCompositeFieldContainer[JobTransition]
     attempt_records: _containers.RepeatedCompositeFieldContainer[JobAttempt]
     goodput: _containers.ScalarMap[str, float]
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., attempts: _Optional[int] = ..., queue_position: _Optional[int] = ..., error: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., history: _Optional[_Iterable[_Union[JobTransition, _Mapping]]] = ..., attempt_records: _Optional[_Iterable[_Union[JobAttempt, _Mapping]]] = ..., goodput: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    hosts: _containers.RepeatedCompositeFieldContainer[HostInput]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., attempts: _Optional[int] = ..., queue_position: _Optional[int] = ..., error: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., history: _Optional[_Iterable[_Union[JobTransition, _Mapping]]] = ..., attempt_records: _Optional[_Iterable[_Union[JobAttempt, _Mapping]]] = ..., goodput: _Optional[_Mapping[str, float]] = ..., hosts: _Optional[_Iterable[_Union[HostInput, _Mapping]]] = ...) -> None: ...
+
+class HostInput(_message.Message):
+    __slots__ = ("host", "input_wait_s", "input_queue_depth")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    INPUT_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    INPUT_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    host: int
+    input_wait_s: float
+    input_queue_depth: int
+    def __init__(self, host: _Optional[int] = ..., input_wait_s: _Optional[float] = ..., input_queue_depth: _Optional[int] = ...) -> None: ...
 
 class JobList(_message.Message):
     __slots__ = ("jobs",)

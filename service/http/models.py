@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 from jaxpod.proto import coordinator_pb2 as pb
 
 if TYPE_CHECKING:
-    from jaxpod.service.jobs.runner import HostInput
+    from jaxpod.jobs import HostInput
 
 _P = TypeVar("_P")
 

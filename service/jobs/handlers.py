@@ -144,7 +144,8 @@ _Blocking = Callable[..., Awaitable[Any]]
 
 
 def job_status(manager: JobManager, job_id: str, detail: bool = False) -> pb.JobStatus:
-    """The job as ``GetJob`` answers it; ``detail`` adds its history and attempts.
+    """The job as ``GetJob`` answers it; ``detail`` adds its history, attempts and the
+    running attempt's host input figures.
 
     Raises:
       jaxpod.JobNotFoundError: no job has that id.
@@ -160,6 +161,10 @@ def job_status(manager: JobManager, job_id: str, detail: bool = False) -> pb.Job
                           ended_at=a.ended_at or 0.0, cause=a.cause or "",
                           step_reached=a.step_reached or 0)
             for a in manager.store.attempts(job_id))
+        status.hosts.extend(
+            pb.HostInput(host=h.host, input_wait_s=h.input_wait_s,
+                         input_queue_depth=h.input_queue_depth)
+            for h in manager.host_inputs(job_id))
     return status
 
 

@@ -24,18 +24,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from jaxpod.errors import AllocationTimeoutError
+from jaxpod.jobs import HostInput
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.jobs import goodput
 from jaxpod.service.jobs.checkpoints import JobCheckpoints
 from jaxpod.service.jobs.goodput import GoodputClock
-from jaxpod.service.jobs.runner import (
-    SLICE_FAILURES,
-    Finished,
-    HostInput,
-    JobRun,
-    Preempted,
-    Stopped,
-)
+from jaxpod.service.jobs.runner import SLICE_FAILURES, Finished, JobRun, Preempted, Stopped
 from jaxpod.service.jobs.states import (
     Allocating,
     Cancelled,

@@ -40,7 +40,7 @@ from jaxpod.errors import (
     WorkerLostError,
     WorkerStartError,
 )
-from jaxpod.jobs import InitialState, NoInput, ResumedInput, ResumedInputFn
+from jaxpod.jobs import HostInput, InitialState, NoInput, ResumedInput, ResumedInputFn
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.group_engine import DefinedFunction, GroupEngine, GroupValue
 from jaxpod.service.jobs import goodput
@@ -81,21 +81,6 @@ class Preempted(Exception):
         super().__init__(f"preemption notice at step {step}: {notice}")
         self.step = step
         self.notice = notice
-
-
-@dataclass(frozen=True)
-class HostInput:
-    """One host's input feed in the running attempt, as last read.
-
-    Attributes:
-      host: the host's index in the slice.
-      input_wait_s: seconds the host's steps waited for input not ready yet.
-      input_queue_depth: chunks of ``steps_per_run`` steps its infeed has ready.
-    """
-
-    host: int
-    input_wait_s: float
-    input_queue_depth: int
 
 
 @dataclass(frozen=True)

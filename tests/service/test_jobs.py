@@ -243,7 +243,7 @@ def test_dataset_fn_job_on_two_hosts_matches_numpy(client: Any) -> None:
 def test_a_host_whose_input_lags_shows_its_input_wait(client: Any, service: Service) -> None:
     # Host 1 makes each element in DELAY_S, host 0 reads its own from memory: host 1's
     # steps wait for their input, and host 0's then wait for host 1 in the collectives.
-    delay_s, steps, per_step = 0.005, 200, 4  # 4 replicas per host: 4 elements a step
+    delay_s, steps, per_step = 0.005, 400, 4  # 4 replicas per host: 4 elements a step
     host_batches = {h: lr_batches([3] * 8, seed=20 + h) for h in range(2)}
 
     def dataset_fn(ctx: Any) -> Any:
@@ -266,12 +266,20 @@ def test_a_host_whose_input_lags_shows_its_input_wait(client: Any, service: Serv
         seen = wait_for(lambda: (w := host_waits()).get("1", 0.0) > 0.05 and w, 120)
         assert seen, (host_waits(), job.status())
         detail = api.get(f"/api/v1/jobs/{job.id}").json()
+        sdk = job.hosts()
+        shown = _cli(service, "job", job.id)
+        running = job.status().state == "RUNNING"
         final = job.wait(timeout=300, progress=False)
     finally:
         api.close()
     assert final.state == "SUCCEEDED", final.error
     assert sorted(seen) == ["0", "1"] and seen["0"] < seen["1"] / 2
     assert [h["host"] for h in detail["hosts"]] == [0, 1]
+    # The SDK and `jaxpod job ID` (a fresh interpreter) show the same figures.
+    assert [h.host for h in sdk] == [0, 1] and sdk[1].input_wait_s >= seen["1"]
+    assert shown.returncode == 0, shown.stderr
+    if running:  # it was still running after the CLI answered, so the CLI saw it run
+        assert "input per host" in shown.stdout and "host 1  waited" in shown.stdout
     assert all(h["input_queue_depth"] >= 0 for h in detail["hosts"])
     # Host 1's pipeline spent steps * per_step * delay_s making elements; its steps waited
     # for most of it (the loops themselves take little), and goodput counts that wait.
