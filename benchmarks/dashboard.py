@@ -56,11 +56,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import resource
 import secrets
-import selectors
 import shutil
 import statistics
 import subprocess
@@ -75,9 +73,9 @@ import numpy as np
 from _common import log_tail, report, stop_process, target
 
 import jaxpod
+from jaxpod.client.embedded import read_announcement
 from jaxpod.timeouts import Deadline, wait_for
 
-LISTENING = "JAXPOD_LISTENING"
 START_S, STOP_S = 300.0, 90.0
 SIZE = 256  # the step's matrices: SIZE x SIZE float32
 #: Steps per on-device loop: loops of tens of milliseconds, as a TPU job's loops are at
@@ -124,24 +122,10 @@ class Service:
             raise
 
     def _announced(self, deadline: Deadline) -> dict[str, str]:
-        stdout = self.process.stdout
-        assert stdout is not None
-        pending = b""
-        with selectors.DefaultSelector() as selector:
-            selector.register(stdout, selectors.EVENT_READ)
-            while not deadline.expired():
-                if not selector.select(min(1.0, deadline.remaining())):
-                    if self.process.poll() is not None:
-                        break
-                    continue
-                chunk = os.read(stdout.fileno(), 4096)
-                if not chunk:
-                    break
-                *lines, pending = (pending + chunk).split(b"\n")
-                for line in lines:
-                    if line.startswith(LISTENING.encode()):
-                        return dict(json.loads(line[len(LISTENING):]))
-        raise RuntimeError(f"jaxpod serve did not start listening:\n{self.log_tail()}")
+        announced = read_announcement(self.process, deadline)
+        if announced is None:
+            raise RuntimeError(f"jaxpod serve did not start listening:\n{self.log_tail()}")
+        return announced
 
     def _ready(self) -> bool:
         assert self.process.poll() is None, f"jaxpod serve exited:\n{self.log_tail()}"

@@ -72,7 +72,6 @@ import contextlib
 import json
 import os
 import secrets
-import selectors
 import shutil
 import statistics
 import subprocess
@@ -93,7 +92,6 @@ SUBMIT_TARGET_MS = 100.0
 REACQUIRE_TARGET_MS = 50.0
 SERVICE_START_S = 300.0
 SERVICE_STOP_S = 60.0
-LISTENING = "JAXPOD_LISTENING"
 PARTS = ("peer", "reacquire", "jobs")
 
 
@@ -234,25 +232,13 @@ class Service:
             raise
 
     def _read_address(self, timeout_s: float) -> str:
-        stdout = self.process.stdout
-        assert stdout is not None
-        deadline = time.monotonic() + timeout_s
-        pending = b""
-        with selectors.DefaultSelector() as selector:
-            selector.register(stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
-                if not selector.select(1.0):
-                    if self.process.poll() is not None:
-                        break
-                    continue
-                chunk = os.read(stdout.fileno(), 4096)
-                if not chunk:
-                    break
-                *lines, pending = (pending + chunk).split(b"\n")
-                for line in lines:
-                    if line.startswith(LISTENING.encode()):
-                        return str(json.loads(line[len(LISTENING):])["address"])
-        raise RuntimeError(f"jaxpod serve did not start listening:\n{self.log_tail()}")
+        from jaxpod.client.embedded import read_announcement
+        from jaxpod.timeouts import Deadline
+
+        announced = read_announcement(self.process, Deadline(timeout_s))
+        if announced is None:
+            raise RuntimeError(f"jaxpod serve did not start listening:\n{self.log_tail()}")
+        return str(announced["address"])
 
     def _wait_serving(self, timeout_s: float) -> None:
         import grpc

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -126,6 +126,17 @@ def start(slices: str | None = None, log_path: str | None = None,
 
 
 def _read_address(proc: subprocess.Popen[bytes], deadline: Deadline, log_path: str) -> str:
+    announced = read_announcement(proc, deadline)
+    if announced is None:
+        raise _failed(proc, "did not start listening", log_path)
+    return str(announced["address"])
+
+
+def read_announcement(proc: subprocess.Popen[bytes], deadline: Deadline
+                      ) -> dict[str, Any] | None:
+    """What a ``jaxpod serve`` process started with ``stdout=PIPE`` announces on its
+    ``JAXPOD_LISTENING`` line (``address``, ``http``, ``pid``); ``None`` if it exits, or
+    ``deadline`` passes, first."""
     assert proc.stdout is not None
     selector = selectors.DefaultSelector()
     selector.register(proc.stdout, selectors.EVENT_READ)
@@ -140,12 +151,12 @@ def _read_address(proc: subprocess.Popen[bytes], deadline: Deadline, log_path: s
                 for raw in lines:
                     line = raw.decode(errors="replace")
                     if line.startswith(_LISTENING):
-                        return str(json.loads(line[len(_LISTENING):])["address"])
+                        return dict(json.loads(line[len(_LISTENING):]))
             elif proc.poll() is not None:
                 break
     finally:
         selector.close()
-    raise _failed(proc, "did not start listening", log_path)
+    return None
 
 
 def _wait_serving(service: EmbeddedService, deadline: Deadline, log_path: str) -> None:

@@ -7,10 +7,8 @@ state dir), over loopback with a random token.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
-import selectors
 import signal
 import subprocess
 import sys
@@ -22,6 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import jaxpod
+from jaxpod.client.embedded import read_announcement
 from jaxpod.service.local_cluster import descendants, is_running
 from jaxpod.timeouts import Deadline, wait_for
 
@@ -109,25 +108,11 @@ def listening_address(process: subprocess.Popen[bytes], deadline: Deadline) -> s
 def listening_addresses(process: subprocess.Popen[bytes], deadline: Deadline
                         ) -> tuple[str, str]:
     """The gRPC and HTTP ``host:port`` the service announces (HTTP: empty if none)."""
-    assert process.stdout is not None
-    buffer = b""
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
-        while not deadline.expired():
-            if not selector.select(timeout=min(1.0, deadline.remaining())):
-                if process.poll() is not None:
-                    break
-                continue
-            chunk = os.read(process.stdout.fileno(), 4096)
-            if not chunk:
-                break
-            buffer += chunk
-            for line in buffer.decode(errors="replace").splitlines():
-                if line.startswith("JAXPOD_LISTENING "):
-                    announced = json.loads(line.split(" ", 1)[1])
-                    assert announced["pid"] == process.pid
-                    return str(announced["address"]), str(announced.get("http", ""))
-    raise AssertionError(f"the service never announced its address (exit {process.poll()})")
+    announced = read_announcement(process, deadline)
+    assert announced is not None, (
+        f"the service never announced its address (exit {process.poll()})")
+    assert announced["pid"] == process.pid
+    return str(announced["address"]), str(announced.get("http", ""))
 
 
 def close_pipes(service: Service) -> None:
