@@ -365,8 +365,12 @@ def main() -> None:
         finally:
             job.cancel()
             client.close()
+    except BaseException:
+        print(f"jaxpod serve log (kept at {log_path}):\n{service.log_tail()}", flush=True)
+        raise
     finally:
         service.stop()
+    os.unlink(log_path)  # kept only when something failed
 
     def rate(phases: list[tuple[int, float]]) -> float:
         return sum(s for s, _ in phases) / sum(t for _, t in phases)

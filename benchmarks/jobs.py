@@ -265,17 +265,23 @@ class Service:
 
 
 @contextlib.contextmanager
-def running_service(ray_address: str) -> Iterator[Service]:
-    log_path = os.path.join(tempfile.gettempdir(), f"jaxpod-bench-jobs-{os.getpid()}.log")
+def running_service(ray_address: str, benchmark: str = "jobs") -> Iterator[Service]:
+    """A ``jaxpod serve`` on the cluster for the ``with`` block; its log is printed and
+    kept when the block fails, else removed."""
+    log_path = os.path.join(tempfile.gettempdir(),
+                            f"jaxpod-bench-{benchmark}-{os.getpid()}.log")
     start = time.perf_counter()
     service = Service(ray_address, log_path)
     print(f"jaxpod serve ready at {service.address} in {time.perf_counter() - start:.1f} s "
           f"(log {log_path})", flush=True)
     try:
         yield service
+    except BaseException:
+        print(f"jaxpod serve log (kept at {log_path}):\n{service.log_tail()}", flush=True)
+        raise
     finally:
         service.stop()
-    os.unlink(log_path)  # kept only when something failed
+    os.unlink(log_path)
 
 
 # ----------------------------------------------------------------- the jaxpod part

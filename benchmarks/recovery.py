@@ -71,7 +71,6 @@ Usage: ``python benchmarks/recovery.py [--quick] [--parts checkpoint,jobs]``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import shutil
@@ -81,7 +80,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +89,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import parse_parts, report, target
-from jobs import Service, rounded
+from jobs import rounded, running_service
 
 ACCELERATOR = "v4-16"
 PARTS = ("checkpoint", "jobs")
@@ -326,23 +325,6 @@ def measure_jobs(client: Any, repeats: int) -> dict[str, Any]:
     return figures
 
 
-@contextlib.contextmanager
-def running_service(ray_address: str) -> Iterator[Service]:
-    log_path = os.path.join(tempfile.gettempdir(), f"jaxpod-bench-recovery-{os.getpid()}.log")
-    start = time.perf_counter()
-    service = Service(ray_address, log_path)
-    print(f"jaxpod serve ready at {service.address} in {time.perf_counter() - start:.1f} s "
-          f"(log {log_path})", flush=True)
-    try:
-        yield service
-    except BaseException:
-        print(f"jaxpod serve log (kept at {log_path}):\n{service.log_tail()}", flush=True)
-        raise
-    finally:
-        service.stop()
-    os.unlink(log_path)  # kept only when something failed
-
-
 # ------------------------------------------------------------------- checkpoints
 def checkpoint_state(mib: int) -> dict[str, Any]:
     """A training state of ``mib`` MiB: four equal float32 arrays and a step."""
@@ -468,7 +450,7 @@ def main() -> None:
             figures["cluster_start_s"] = time.perf_counter() - start
             print(f"simulated {ACCELERATOR} up in {figures['cluster_start_s']:.1f} s "
                   f"({cluster.address})", flush=True)
-            with running_service(cluster.address) as service, \
+            with running_service(cluster.address, "recovery") as service, \
                     jaxpod.connect(service.address, token=service.token) as client:
                 figures.update(measure_jobs(client, interruptions))
         lost = figures["steps_lost_per_preemption_with_notice"]
