@@ -52,7 +52,6 @@ class HostOperations(ops.Host):
         self._expected_seq = 0
         self._busy = BusyClock()
         self._busy_base = 0.0  # busy seconds before the slice's current holder
-        self._input_wait_base = 0.0  # the engine's input wait before the current holder
         self._operations = 0
         self._started_at = 0.0
         self._output = OutputCapture()
@@ -171,7 +170,6 @@ class HostOperations(ops.Host):
             assignment = DeviceAssignment.build(None, computation_shape, op.num_replicas)
             self.engine = Engine(assignment, op.steps_per_run)
             self._assignment = wanted
-            self._input_wait_base = 0.0
         self.datasets.clear()
         return int(self.engine.num_replicas_in_sync)
 
@@ -237,8 +235,7 @@ class HostOperations(ops.Host):
         return ops.HostStats(num_values=held.num_values, device_bytes=held.device_bytes,
                              num_iterators=len(self.iterators), busy_s=busy_s,
                              operations=self._operations,
-                             input_wait_s=self.engine.input_wait.seconds()
-                             - self._input_wait_base,
+                             input_wait_s=self.engine.input_wait.seconds(),
                              input_queue_depth=prefetched)
 
     def reset_host(self, op: ops.ResetHost) -> ops.HostReset:
@@ -250,7 +247,7 @@ class HostOperations(ops.Host):
         self.close()  # stops the iterators' infeed threads and the output capture
         # An offset, not a new clock: a new one would leave the old one's thread behind.
         self._busy_base, self._operations = self._busy.seconds(), 0
-        self._input_wait_base = self.engine.input_wait.seconds()
+        self.engine.input_wait.reset()
         return freed
 
     def capture_output(self, op: ops.CaptureOutput) -> None:

@@ -87,6 +87,10 @@ class InputWait:
         with self._lock:
             return self._ns / 1e9
 
+    def reset(self) -> None:
+        with self._lock:
+            self._ns = 0
+
 
 class Infeed:
     """Runs a producer thread that turns a host feed into placed chunks of steps.

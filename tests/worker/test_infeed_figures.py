@@ -10,9 +10,11 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
+from jaxpod import operations as ops
 from jaxpod.timeouts import wait_for
 from jaxpod.worker.device_assignment import DeviceAssignment
 from jaxpod.worker.engine import Engine
+from jaxpod.worker.host_operations import HostOperations
 
 ROWS = 4  # a global batch: 2 rows per replica
 
@@ -71,3 +73,14 @@ def test_the_time_a_caller_waits_for_late_input_is_counted() -> None:
     # does besides waiting; never longer than next_steps took.
     assert took >= late_s
     assert 0.5 * took <= waited <= took, (waited, took)
+
+
+def test_host_stats_count_input_wait_from_the_slices_current_holder() -> None:
+    host = HostOperations(0, _engine())
+    host.engine.input_wait.add(250_000_000)  # what the holder's steps waited
+    stats = host.stats(ops.Stats())
+    assert (stats.input_wait_s, stats.input_queue_depth) == (0.25, 0)
+    host.reset_host(ops.ResetHost())  # the next holder starts from nothing
+    assert host.stats(ops.Stats()).input_wait_s == 0.0
+    host.engine.input_wait.add(10_000_000)
+    assert host.stats(ops.Stats()).input_wait_s == 0.01
