@@ -16,6 +16,7 @@ import numbers
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -246,6 +247,16 @@ def status_from(message: pb.JobStatus) -> JobStatus:
 
 
 # ------------------------------------------------------------------------- the job
+@dataclass(frozen=True)
+class JobDetails:
+    """One detailed read of a job (:meth:`Job.details`)."""
+
+    status: JobStatus
+    history: list[JobTransition]
+    attempts: list[JobAttempt]
+    hosts: list[HostInput]
+
+
 class Job:
     """A submitted job. It runs on the service whether or not this object (or its
     client) still exists; ``client.job(id)`` makes another from any process.
@@ -273,24 +284,31 @@ class Job:
 
     def history(self) -> list[JobTransition]:
         """Every state change of the job with its time and reason, oldest first."""
-        reply = self._call("GetJob", pb.JobRequest(job_id=self.id, detail=True), "history()")
-        return [JobTransition(t.from_state or None, t.to_state, t.at, t.reason)
-                for t in reply.history]
+        return self.details("history()").history
 
     def attempts(self) -> list[JobAttempt]:
         """Every attempt at running the job: start, end, cause and the step reached."""
-        reply = self._call("GetJob", pb.JobRequest(job_id=self.id, detail=True), "attempts()")
-        return [JobAttempt(a.number, a.started_at, a.ended_at or None, a.cause or None,
-                           a.step_reached if a.ended_at else None)
-                for a in reply.attempt_records]
+        return self.details("attempts()").attempts
 
     def hosts(self) -> list[HostInput]:
         """Each host's input feed in the running attempt, as the service last read it
         (every ``JAXPOD_JOB_HOST_POLL_S``): the seconds its steps waited for input and the
         chunks it has ready. Empty when no attempt runs. A host whose wait grows while
         the others' stay near 0 is the one whose input holds the slice back."""
-        reply = self._call("GetJob", pb.JobRequest(job_id=self.id, detail=True), "hosts()")
-        return [HostInput(h.host, h.input_wait_s, h.input_queue_depth) for h in reply.hosts]
+        return self.details("hosts()").hosts
+
+    def details(self, what: str = "details()") -> JobDetails:
+        """The status, history, attempts and host input figures, read at once."""
+        reply = self._call("GetJob", pb.JobRequest(job_id=self.id, detail=True), what)
+        return JobDetails(
+            status=status_from(reply),
+            history=[JobTransition(t.from_state or None, t.to_state, t.at, t.reason)
+                     for t in reply.history],
+            attempts=[JobAttempt(a.number, a.started_at, a.ended_at or None, a.cause or None,
+                                 a.step_reached if a.ended_at else None)
+                      for a in reply.attempt_records],
+            hosts=[HostInput(h.host, h.input_wait_s, h.input_queue_depth)
+                   for h in reply.hosts])
 
     def watch(self) -> Iterator[JobStatus]:
         """Yields the job's status once per change, starting with the current one; ends

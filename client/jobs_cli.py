@@ -225,7 +225,9 @@ def run_job(args: argparse.Namespace) -> int:
     with _connect(args) as client:
         job = client.job(args.job_id)
         if not args.watch:
-            _print_status(job.status(), args.json, job.history(), job.attempts(), job.hosts())
+            details = job.details()
+            _print_status(details.status, args.json, details.history, details.attempts,
+                          details.hosts)
             return 0
         try:
             last = None

@@ -98,8 +98,7 @@ class Backend:
         """The job's detail; ``points``: at most this many points per series (0: all)."""
         manager = self.jobs
         status = handlers.job_status(manager, job_id, detail=True)
-        return models.detail_of(status, manager.store.metrics(job_id),
-                                manager.host_inputs(job_id), points)
+        return models.detail_of(status, manager.store.metrics(job_id), points)
 
     def job_counts(self) -> dict[str, int]:
         """Jobs by state (every state, zeros included)."""

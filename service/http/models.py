@@ -193,7 +193,8 @@ def thin(points: Sequence[_P], at_most: int) -> list[_P]:
 
 
 def detail_of(status: pb.JobStatus, series: dict[str, list[tuple[int, float]]],
-              hosts: Sequence[HostInput] = (), points: int = 0) -> JobDetail:
+              points: int = 0) -> JobDetail:
+    """``status`` (read with ``detail``: history, attempts and hosts) and its series."""
     return JobDetail(
         **_summary_fields(status),
         history=[Transition(from_state=t.from_state or None, to_state=t.to_state, at=t.at,
@@ -205,9 +206,9 @@ def detail_of(status: pb.JobStatus, series: dict[str, list[tuple[int, float]]],
         goodput=dict(status.goodput),
         series={name: [(step, finite(v)) for step, v in thin(kept, points)]
                 for name, kept in sorted(series.items())},
-        hosts=host_inputs(hosts))
+        hosts=host_inputs(status.hosts))
 
 
-def host_inputs(hosts: Sequence[HostInput]) -> list[HostInputInfo]:
+def host_inputs(hosts: Sequence[HostInput | pb.HostInput]) -> list[HostInputInfo]:
     return [HostInputInfo(host=h.host, input_wait_s=h.input_wait_s,
                           input_queue_depth=h.input_queue_depth) for h in hosts]
