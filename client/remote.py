@@ -2,9 +2,11 @@
 
 Step and dataset functions travel once, pickled by value (so functions from scripts,
 notebooks and test modules work as they are), and are cached by the service by
-content. Arguments travel as :mod:`jaxpod.proto.tensors` trees; arrays larger than
-``UPLOAD_BYTES`` are uploaded in chunks first. Results of ``run`` stay on the workers
-as :class:`RemotePerReplica` handles (freed when garbage-collected); bytes come back
+content. Arguments travel as :mod:`jaxpod.proto.tensors` trees (any pytree: nodes
+other than dicts, lists and tuples travel frozen, :mod:`jaxpod.trees`, and come back
+as the same types); arrays larger than ``UPLOAD_BYTES`` are uploaded in chunks first.
+Results of ``run`` stay on the workers as :class:`RemotePerReplica` handles (freed
+when garbage-collected) in the structure the step function returned; bytes come back
 only from ``reduce``, ``gather``, ``experimental_local_results`` and ``.array``.
 """
 
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from google.protobuf.message import Message
 
+from jaxpod import trees
 from jaxpod.client import rpc
 from jaxpod.errors import HandleError, MessageTooLargeError, SessionError, UnknownFunctionError
 from jaxpod.proto import coordinator_pb2 as pb
@@ -55,7 +58,7 @@ class RemotePerReplica:
         self._strategy = strategy
         self.id = int(ref.id)
         self.shape = tuple(int(d) for d in ref.shape)
-        self.dtype = tensors.dtype_from_name(ref.dtype)
+        self.dtype = _dtype(ref.dtype)
         self.valid_rows = (np.asarray(ref.valid_rows, dtype=np.int64) if ref.has_valid_rows
                            else None)
         self._array: np.ndarray | None = None
@@ -88,6 +91,18 @@ class RemotePerReplica:
 
 
 PerReplica.register(RemotePerReplica)
+
+
+def _dtype(name: str) -> Any:
+    """A value's dtype: numpy's, or the name of a JAX-only one (``key<fry>``)."""
+    try:
+        return tensors.dtype_from_name(name)
+    except ValueError:
+        return name
+
+
+def _thawed_result(chunks: Iterator[Any]) -> Any:
+    return trees.thaw(tensors.read_result(chunks))
 
 
 class RemoteStrategy(TFCompatMixin):
@@ -162,7 +177,7 @@ class RemoteStrategy(TFCompatMixin):
         """Calls the result-streaming ``rpc``; returns the result it streams."""
         self._check_open(what)
         with self._dropped_riding(request):
-            return self._client.stream(rpc, request, tensors.read_result, what=what)
+            return self._client.stream(rpc, request, _thawed_result, what=what)
 
     def _ids(self) -> Any:  # the two ids every slice request starts with
         return {"session_id": self._client.session_id, "slice_id": self.slice_id}
@@ -246,7 +261,7 @@ class RemoteStrategy(TFCompatMixin):
         def leaf(node: pb.Tree) -> Any:
             return RemotePerReplica(self, node.value)
 
-        return tensors.decode(tree, leaf)
+        return trees.thaw(tensors.decode(tree, leaf))
 
     # --------------------------------------------------------------------- run
     def run(self, fn: Callable[..., Any], args: Any = (),

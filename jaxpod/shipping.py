@@ -3,7 +3,9 @@
 The sender pickles a function by value together with the versions that decide whether
 the bytes can be loaded (Python, jax, cloudpickle); the worker checks them before it
 unpickles, so a mismatch is a clear error instead of a confusing failure deep inside
-pickle or XLA.
+pickle or XLA. Pytree node types defined in the sender's own modules travel by value
+too, where their registration decorators do not run: their registrations ride along
+(:class:`~jaxpod.trees.Registration`) and the receiver registers them on load.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 import functools
 import hashlib
 import importlib.metadata
+import io
 import pickle
 import platform
 import sys
@@ -71,15 +74,58 @@ def ship_object(obj: Any, name: str, fix: str) -> ShippedFunction:
     Raises:
       TypeError: ``obj`` cannot be pickled.
     """
+    from jaxpod.trees import user_registrations
+
     _pickle_user_modules_by_value()
     try:
-        payload = cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        payload, classes = _dumps(obj)
+        registrations = user_registrations(classes)
+        if registrations:  # rare: pytree classes of the sender's own modules
+            payload = cloudpickle.dumps(_Registered(tuple(registrations), obj),
+                                        protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:
         raise TypeError(
             f"Cannot send {name} to the workers: it cannot be pickled "
             f"({type(e).__name__}: {e}). {fix}"
         ) from e
     return ShippedFunction(payload, runtime_versions())
+
+
+class _ClassRecorder(cloudpickle.Pickler):
+    """A cloudpickle pickler that notes every class it pickles."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.classes: set[type] = set()
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, type):
+            self.classes.add(obj)
+        return super().reducer_override(obj)
+
+
+def _dumps(obj: Any) -> tuple[bytes, set[type]]:
+    """``obj`` pickled by cloudpickle, and the classes the pickle holds."""
+    buffer = io.BytesIO()
+    pickler = _ClassRecorder(buffer)
+    pickler.dump(obj)
+    return buffer.getvalue(), pickler.classes
+
+
+@dataclass(frozen=True)
+class _Registered:
+    """A shipped object with the pytree registrations it may need (see the module)."""
+
+    registrations: tuple[Any, ...]
+    value: Any
+
+
+def is_shipped_by_value(kind: type) -> bool:
+    """Whether cloudpickle sends class ``kind`` by value: defined in ``__main__``, in a
+    function, or in a module the workers cannot import."""
+    module = getattr(kind, "__module__", None) or ""
+    return (module == "__main__" or "<locals>" in getattr(kind, "__qualname__", "")
+            or _is_user_module(module))
 
 
 @functools.cache
@@ -117,9 +163,16 @@ def _pickle_user_modules_by_value() -> None:
 
 
 def load(shipped: ShippedFunction) -> Any:
-    """Unpickles ``shipped`` after checking the sender's versions."""
+    """Unpickles ``shipped`` after checking the sender's versions; registers the pytree
+    node types it brought."""
     check_versions(shipped.versions)
-    return cloudpickle.loads(shipped.payload)
+    obj = cloudpickle.loads(shipped.payload)
+    if isinstance(obj, _Registered):
+        from jaxpod.trees import register
+
+        register(obj.registrations)
+        obj = obj.value
+    return obj
 
 
 def check_versions(sender: dict[str, str]) -> None:

@@ -50,8 +50,11 @@ class PerReplica(metaclass=abc.ABCMeta):  # noqa: B024 (remote values register)
         return tuple(self.array.shape[1:])
 
     @property
-    def dtype(self) -> np.dtype[Any]:
-        return np.dtype(self.array.dtype)
+    def dtype(self) -> Any:
+        """numpy's dtype of the components; a JAX dtype for typed PRNG keys."""
+        from jaxpod.trees import is_typed_key
+
+        return self.array.dtype if is_typed_key(self.array) else np.dtype(self.array.dtype)
 
     @property
     def padding(self) -> np.ndarray | None:

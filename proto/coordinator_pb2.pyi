@@ -62,8 +62,28 @@ class Mapping(_message.Message):
     values: _containers.RepeatedCompositeFieldContainer[Tree]
     def __init__(self, keys: _Optional[_Iterable[_Union[Tree, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[Tree, _Mapping]]] = ...) -> None: ...
 
+class Structure(_message.Message):
+    __slots__ = ("recipe", "type_name", "paths", "leaves")
+    RECIPE_FIELD_NUMBER: _ClassVar[int]
+    TYPE_NAME_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
+    recipe: bytes
+    type_name: str
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    leaves: _containers.RepeatedCompositeFieldContainer[Tree]
+    def __init__(self, recipe: _Optional[bytes] = ..., type_name: _Optional[str] = ..., paths: _Optional[_Iterable[str]] = ..., leaves: _Optional[_Iterable[_Union[Tree, _Mapping]]] = ...) -> None: ...
+
+class KeyData(_message.Message):
+    __slots__ = ("impl", "data")
+    IMPL_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    impl: str
+    data: Tree
+    def __init__(self, impl: _Optional[str] = ..., data: _Optional[_Union[Tree, _Mapping]] = ...) -> None: ...
+
 class Tree(_message.Message):
-    __slots__ = ("tensor", "value", "blob", "float_value", "int_value", "bool_value", "str_value", "none", "tuple", "list", "dict", "streamed")
+    __slots__ = ("tensor", "value", "blob", "float_value", "int_value", "bool_value", "str_value", "none", "tuple", "list", "dict", "streamed", "structure", "key")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     BLOB_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +96,8 @@ class Tree(_message.Message):
     LIST_FIELD_NUMBER: _ClassVar[int]
     DICT_FIELD_NUMBER: _ClassVar[int]
     STREAMED_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     tensor: Tensor
     value: ValueRef
     blob: int
@@ -88,7 +110,9 @@ class Tree(_message.Message):
     list: Sequence
     dict: Mapping
     streamed: Tensor
-    def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., value: _Optional[_Union[ValueRef, _Mapping]] = ..., blob: _Optional[int] = ..., float_value: _Optional[float] = ..., int_value: _Optional[int] = ..., bool_value: _Optional[bool] = ..., str_value: _Optional[str] = ..., none: _Optional[bool] = ..., tuple: _Optional[_Union[Sequence, _Mapping]] = ..., list: _Optional[_Union[Sequence, _Mapping]] = ..., dict: _Optional[_Union[Mapping, _Mapping]] = ..., streamed: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    structure: Structure
+    key: KeyData
+    def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., value: _Optional[_Union[ValueRef, _Mapping]] = ..., blob: _Optional[int] = ..., float_value: _Optional[float] = ..., int_value: _Optional[int] = ..., bool_value: _Optional[bool] = ..., str_value: _Optional[str] = ..., none: _Optional[bool] = ..., tuple: _Optional[_Union[Sequence, _Mapping]] = ..., list: _Optional[_Union[Sequence, _Mapping]] = ..., dict: _Optional[_Union[Mapping, _Mapping]] = ..., streamed: _Optional[_Union[Tensor, _Mapping]] = ..., structure: _Optional[_Union[Structure, _Mapping]] = ..., key: _Optional[_Union[KeyData, _Mapping]] = ...) -> None: ...
 
 class ResultChunk(_message.Message):
     __slots__ = ("skeleton", "data")

@@ -4,7 +4,10 @@ Arrays travel as :class:`Tensor` messages (numpy dtype name, shape, C-order
 little-endian bytes; ``bfloat16`` and the other ``ml_dtypes`` types included). Nests
 of arguments and results travel as :class:`Tree` messages; the leaves that are not
 plain data (remote values, uploaded tensors) are left to callbacks so each side
-decides what they mean. Large results stream as a skeleton followed by byte chunks.
+decides what they mean. Any other pytree node and typed PRNG keys travel frozen
+(:mod:`jaxpod.trees`): ``encode`` freezes what it meets, ``decode`` gives the frozen
+nodes back, and the ends that run user code thaw them. Large results stream as a
+skeleton followed by byte chunks.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jaxpod import trees
 from jaxpod.pieces import PieceLayout, Pieces, little_endian
 from jaxpod.proto import coordinator_pb2 as pb
 
 #: Version of the protocol; a client and a service must agree on it.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 #: The largest message either side accepts; larger tensors go through ``Put`` or
 #: result streams in chunks of ``CHUNK_BYTES``.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -112,7 +116,8 @@ LeafDecoder = Callable[[pb.Tree], Any]   # ValueRef / blob node -> Python value
 
 
 def encode(value: Any, leaf: LeafEncoder | None = None, path: str = "args") -> pb.Tree:
-    """A nest of tuples, lists, dicts, scalars and arrays as a ``Tree``.
+    """A pytree as a ``Tree``: tuples, lists, dicts, scalars and arrays as themselves,
+    other nodes and typed keys frozen (:func:`jaxpod.trees.freeze`).
 
     Args:
       value: the nest.
@@ -122,6 +127,7 @@ def encode(value: Any, leaf: LeafEncoder | None = None, path: str = "args") -> p
 
     Raises:
       UnsupportedValueError: a leaf of a type that cannot travel, naming its path.
+      TypeError: a node whose structure cannot be pickled, naming its path.
     """
     if leaf is not None:
         handled = leaf(value, path)
@@ -141,7 +147,21 @@ def encode(value: Any, leaf: LeafEncoder | None = None, path: str = "args") -> p
         return pb.Tree(float_value=value)
     if isinstance(value, str):
         return pb.Tree(str_value=value)
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+    if isinstance(value, trees.Structure):
+        return pb.Tree(structure=pb.Structure(
+            recipe=value.recipe, type_name=value.type_name,
+            paths=trees.paths_to_json(value.paths),
+            leaves=[encode(v, leaf, path + "".join(f"[{n!r}]" for n in p))
+                    for p, v in zip(value.paths, value.leaves, strict=True)]))
+    if isinstance(value, trees.KeyData):
+        return pb.Tree(key=pb.KeyData(impl=value.impl, data=encode(value.data, leaf, path)))
+    if isinstance(value, np.ndarray | np.generic):
+        return pb.Tree(tensor=to_tensor(value, path))
+    if type(value) not in (tuple, list, dict):  # a NamedTuple, a State, a typed key...
+        frozen = trees.freeze(value, path)
+        if frozen is not value:
+            return encode(frozen, leaf, path)
+    if isinstance(value, tuple):
         return pb.Tree(tuple=pb.Sequence(
             items=[encode(v, leaf, f"{path}[{i}]") for i, v in enumerate(value)]))
     if isinstance(value, list):
@@ -152,12 +172,13 @@ def encode(value: Any, leaf: LeafEncoder | None = None, path: str = "args") -> p
         return pb.Tree(dict=pb.Mapping(
             keys=[encode(k, None, f"{path} key") for k in keys],
             values=[encode(value[k], leaf, f"{path}[{k!r}]") for k in keys]))
-    if isinstance(value, np.ndarray | np.generic) or _is_jax_array(value):
+    if _is_jax_array(value):
         return pb.Tree(tensor=to_tensor(value, path))
     raise UnsupportedValueError(
         f"{path}: values of type {type(value).__module__}.{type(value).__qualname__} cannot "
-        "be sent to the workers. Send numpy or jax arrays, Python numbers, strings, None, "
-        "tuples, lists and dicts of them, and values this strategy returned.")
+        "travel: leaves of what a strategy or job sends and returns must be numpy or jax "
+        "arrays (typed PRNG keys included), Python numbers, strings, None, or values this "
+        "strategy returned; any pytree JAX can flatten may hold them.")
 
 
 def _is_jax_array(value: Any) -> bool:
@@ -180,6 +201,16 @@ def decode(tree: pb.Tree, leaf: LeafDecoder | None = None) -> Any:
     if kind == "dict":
         return {decode(k): decode(v, leaf)
                 for k, v in zip(tree.dict.keys, tree.dict.values, strict=True)}
+    if kind == "structure":
+        node = tree.structure
+        paths = trees.paths_from_json(node.paths)
+        if len(paths) != len(node.leaves):
+            raise ValueError(f"A {node.type_name} structure names {len(paths)} leaf paths "
+                             f"but carries {len(node.leaves)} leaves.")
+        return trees.Structure(node.recipe, node.type_name, paths,
+                               tuple(decode(v, leaf) for v in node.leaves))
+    if kind == "key":
+        return trees.KeyData(tree.key.impl, decode(tree.key.data, leaf))
     if kind in ("float_value", "int_value", "bool_value", "str_value"):
         return getattr(tree, kind)
     if kind == "none" or kind is None:

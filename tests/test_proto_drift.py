@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -182,12 +182,58 @@ def test_unsupported_leaf_names_its_path() -> None:
         pass
 
     with pytest.raises(tensors.UnsupportedValueError,
-                       match=r"args\[1\]\['x'\]\[0\]: values of type .*Opaque cannot be sent"):
+                       match=r"args\[1\]\['x'\]\[0\]: values of type .*Opaque cannot travel"):
         tensors.encode((np.zeros(2), {"x": [Opaque()]}))
     with pytest.raises(TypeError, match=r"kwargs\['s'\]: .*builtins.set"):
         tensors.encode({"s": {1, 2}}, path="kwargs")
     with pytest.raises(tensors.UnsupportedValueError, match=r"args\[0\]: the int 18446744073"):
         tensors.encode((2**64,))
+
+
+class _Point(NamedTuple):
+    x: Any
+    y: Any
+
+
+def test_any_pytree_travels_frozen_and_thaws_to_its_type() -> None:
+    """NamedTuples, OrderedDicts, registered classes and typed keys cross the wire as
+    frozen nodes: the decoding side holds them opaque (the coordinator), the user's
+    side thaws them to the same types; leaves keep their paths for errors."""
+    import collections
+
+    import jax
+
+    from jaxpod import trees
+
+    value = {"p": _Point(np.arange(2, dtype=np.float32), [np.int8(3)]),
+             "od": collections.OrderedDict(b=1.0, a=np.zeros(1)),
+             "key": jax.random.split(jax.random.key(1), 3)}
+    decoded = tensors.decode(_wire(tensors.encode(value)))
+    assert type(decoded["p"]) is trees.Structure and type(decoded["key"]) is trees.KeyData
+    assert decoded["p"].paths == (("x",), ("y", "0"))
+    assert decoded["p"].type_name.endswith("_Point")
+    back = trees.thaw(decoded)
+    assert type(back["p"]) is _Point and type(back["od"]) is collections.OrderedDict
+    assert list(back["od"]) == ["b", "a"]
+    _assert_same_array(back["p"].x, value["p"].x)
+    np.testing.assert_array_equal(jax.random.key_data(back["key"]),
+                                  jax.random.key_data(value["key"]))
+    # A leaf that cannot travel is named by its path inside the structure.
+    with pytest.raises(tensors.UnsupportedValueError, match=r"args\['p'\]\['y'\]"):
+        tensors.encode({"p": _Point(1.0, {1, 2})})
+
+
+def test_a_structure_whose_type_is_missing_thaws_to_dicts() -> None:
+    from jaxpod import trees
+
+    frozen = trees.Structure(b"not a pickle", "somewhere.Missing",
+                             (("a", "b"), ("c",)), (np.ones(1), np.zeros(1)))
+    with pytest.raises(trees.RecipeError, match=r"somewhere\.Missing cannot be rebuilt"):
+        trees.thaw(frozen)
+    notes: list[str] = []
+    back = trees.thaw(frozen, unknown_as_dicts=True, notes=notes)
+    assert set(back) == {"a", "c"} and set(back["a"]) == {"b"}
+    assert notes and "nested dicts" in notes[0]
 
 
 def test_leaf_callbacks_own_their_values() -> None:

@@ -29,6 +29,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpod import trees
 from jaxpod.errors import EndOfDataError, PeerHostError
 from jaxpod.scope import strategy_scope
 from jaxpod.types import InputContext, InputOptions, ReduceOp, ValueContext
@@ -283,8 +284,14 @@ class Engine:
 
     def _mirrored(self, leaf: Any) -> Any:
         if isinstance(leaf, jax.Array):
-            return leaf if leaf.sharding == self._replicated else jax.device_put(
-                leaf, self._replicated)
+            if leaf.sharding == self._replicated:
+                return leaf
+            if self.num_hosts == 1 or not leaf.is_fully_addressable:
+                return jax.device_put(leaf, self._replicated)
+            # Every host holds this value (a typed key made from a client's argument):
+            # the global array is built from each host's copy.
+            data, readable = _host_readable(leaf)
+            return readable(self._mirrored(np.asarray(data)))
         if self.num_hosts > 1 and np.ndim(leaf):
             arr = np.asarray(leaf)
             return jax.make_array_from_callback(arr.shape, self._replicated, lambda i: arr[i])
@@ -543,9 +550,10 @@ class Engine:
             valid = None
         else:
             array = value.array
+        array, readable = _host_readable(array)
         host = self._fetch_all(array)
         parts = [host[r] if valid is None else host[r, :valid[r]] for r in range(len(host))]
-        return np.concatenate(parts, axis=ax)
+        return readable(np.concatenate(parts, axis=ax))
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """This host's replicas' values as a tuple (numpy), padding rows dropped."""
@@ -575,19 +583,21 @@ class Engine:
         from their devices' shards (with ``views``, a component one shard holds whole
         is that shard's host view, not a copy)."""
         wanted = [r for r in self.local_replicas if replicas is None or r in replicas]
+        array, readable = _host_readable(value.array)
+        shape = tuple(array.shape[1:])  # a key's data has one more axis than the key
         local: dict[int, np.ndarray] = {}
-        for shard in value.array.addressable_shards:
+        for shard in array.addressable_shards:
             replica = shard.index[0].start or 0
             if replica not in wanted:
                 continue
             data = np.asarray(shard.data)[0]
-            if views and data.shape == tuple(value.shape):
+            if views and data.shape == shape:
                 local[replica] = data  # one device holds the whole component
             else:  # a replica split over logical devices has several shards
-                local.setdefault(replica, np.empty(value.shape, value.dtype))[
+                local.setdefault(replica, np.empty(shape, array.dtype))[
                     shard.index[1:]] = data
         valid = None if padded else value.padding
-        return [local[r] if valid is None else local[r][:valid[r]] for r in wanted]
+        return [readable(local[r] if valid is None else local[r][:valid[r]]) for r in wanted]
 
     def padded_parts(self, value: PerReplica) -> list[np.ndarray]:
         """This host's replicas' components with their padding rows (``value.array``'s
@@ -745,6 +755,15 @@ class Engine:
         if self.num_hosts == 1:
             return local
         return np.asarray(multihost_utils.process_allgather(local, tiled=True))
+
+
+def _host_readable(array: jax.Array) -> tuple[jax.Array, Callable[[Any], Any]]:
+    """``array`` in a form numpy can read, and what turns such host data back: typed PRNG
+    keys are read as their key data and wrapped again."""
+    if not trees.is_typed_key(array):
+        return array, lambda host: host
+    impl = str(jax.random.key_impl(array))
+    return jax.random.key_data(array), lambda host: jax.random.wrap_key_data(host, impl=impl)
 
 
 def _signature(leaves: Sequence[Any]) -> tuple[tuple[tuple[int, ...], str], ...]:

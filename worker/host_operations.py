@@ -4,7 +4,8 @@ It implements :class:`jaxpod.operations.Host`, one method per operation of
 :mod:`jaxpod.operations`, over this host's engine, value store, function registry,
 datasets and iterators. :meth:`HostOperations.execute` checks each operation's place
 in the group's sequence, frees what the coordinator dropped, runs the operation and
-turns any exception into a :class:`~jaxpod.operations.RemoteError` reply.
+turns any exception into a :class:`~jaxpod.operations.RemoteError` reply. Trees arrive
+and leave frozen (:mod:`jaxpod.trees`): the coordinator never holds the user's types.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxpod import operations as ops
+from jaxpod import trees
 from jaxpod.errors import HandleError
 from jaxpod.operations import Dropped, Handle, HandleInfo, OperationOrderError, RemoteError
 from jaxpod.pieces import Streamed
@@ -130,8 +132,8 @@ class HostOperations(ops.Host):
                               "was freed. Distribute the dataset again.") from None
 
     def _resolve(self, tree: ops.ValueArgs) -> Any:
-        return jax.tree.map(lambda x: self.store.get(x.id) if isinstance(x, Handle) else x,
-                            tree, is_leaf=lambda x: isinstance(x, Handle))
+        """The user's tree an operation's argument stands for: values for handles."""
+        return trees.thaw(tree, lambda x: self.store.get(x.id) if isinstance(x, Handle) else x)
 
     def _keep_values(self, tree: Any, watch: bool = False) -> ops.ValueInfos:
         """Keeps the tree's values; with ``watch``, the busy clock runs until they are
@@ -143,7 +145,7 @@ class HostOperations(ops.Host):
             valid = None if v.valid_rows is None else tuple(int(c) for c in v.valid_rows)
             return HandleInfo(self.store.put(v, self._new_id()), v.shape, str(v.dtype), valid)
 
-        infos = jax.tree.map(keep, tree, is_leaf=is_per_replica)
+        infos = trees.freeze(jax.tree.map(keep, tree, is_leaf=is_per_replica), "result")
         if watch:
             self._busy.watch(self._started_at, arrays)
         return infos
@@ -211,7 +213,7 @@ class HostOperations(ops.Host):
 
     def reduce(self, op: ops.Reduce) -> Any:
         result = self.engine.reduce(op.reduce_op, self._resolve(op.value), op.axis)
-        return result if self.process_id == 0 else None
+        return trees.freeze(result, "result") if self.process_id == 0 else None
 
     def gather_parts(self, op: ops.GatherParts) -> tuple[int, list[Any]]:
         # Streamed parts are views of device memory: the receiver copies them once.
@@ -223,10 +225,12 @@ class HostOperations(ops.Host):
         return list(self.engine.padded_parts(self.store.get(op.value.id)))
 
     def local_results(self, op: ops.LocalResults) -> tuple[Any, ...]:
-        return tuple(self.engine.experimental_local_results(self._resolve(op.value)))
+        return tuple(trees.freeze(r, "result") for r in
+                     self.engine.experimental_local_results(self._resolve(op.value)))
 
     def replica_value(self, op: ops.ReplicaValue) -> Any:
-        return self.engine.replica_value(self._resolve(op.value), op.replica)
+        return trees.freeze(self.engine.replica_value(self._resolve(op.value), op.replica),
+                            "state")
 
     def stats(self, op: ops.Stats) -> ops.HostStats:
         held = self.store.stats()
