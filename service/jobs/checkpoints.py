@@ -3,9 +3,10 @@
 A checkpoint is a folder ``<job dir>/checkpoints/step-<N>/`` holding one ``.npy`` file
 per array of the job's state (as numpy: replica 0's copy, since jobs train mirrored
 state; plain ``.npy``, written in one call each, not a zip that checksums and copies
-every byte again) and ``meta.json`` (the state's structure and the step, which is also
-the input position: the input is rebuilt and the rows or elements of the first ``N``
-steps skipped). It is written under a temporary name,
+every byte again), ``tree.pb`` (the state's structure, :mod:`~jaxpod.service.jobs.codec`)
+and ``meta.json`` (the step, which is also the input position: the input is rebuilt
+and the rows or elements of the first ``N`` steps skipped). It is written under a
+temporary name,
 every file fsynced, then the ``COMMITTED`` marker is written last and the folder renamed
 into place, so a crash at any moment leaves the previous checkpoint the latest usable
 one; half-written folders are removed the next time the job's checkpoints are opened.
@@ -34,11 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from jaxpod.service.jobs.store import flatten_tree, unflatten_tree
+from jaxpod.service.jobs.codec import join_tree, split_tree
+from jaxpod.service.jobs.files import sync_dir, write_synced
 
 logger = logging.getLogger(__name__)
 
 COMMITTED = "COMMITTED"
+_TREE = "tree.pb"
 #: Checkpoints kept per job (older ones are removed once a newer one is committed).
 DEFAULT_KEEP = 2
 _PREFIX = "step-"
@@ -97,8 +100,9 @@ class JobCheckpoints:
             return None
         path = self._folder(steps[-1])
         meta = json.loads((path / "meta.json").read_text())
-        arrays = {f.stem: np.load(f, allow_pickle=False) for f in path.glob("*.npy")}
-        state = unflatten_tree(meta["state"], arrays)
+        arrays = [np.load(path / f"leaf_{i}.npy", allow_pickle=False)
+                  for i in range(int(meta["leaves"]))]
+        state = join_tree((path / _TREE).read_bytes(), arrays)
         return Checkpoint(int(meta["step"]), state, path, float(meta["saved_at"]))
 
     # ------------------------------------------------------------------ writing
@@ -147,22 +151,23 @@ class JobCheckpoints:
         tmp = self.root / f".{final.name}.{secrets.token_hex(4)}.tmp"
         tmp.mkdir()
         try:
-            structure, arrays = flatten_tree(state, "state")
-            for key, array in arrays.items():
-                with open(tmp / f"{key}.npy", "wb") as f:
-                    np.save(f, array, allow_pickle=False)
+            skeleton, arrays = split_tree(state, "the job's state")
+            for i, array in enumerate(arrays):
+                with open(tmp / f"leaf_{i}.npy", "wb") as f:
+                    np.save(f, np.asarray(array), allow_pickle=False)
                     f.flush()
                     os.fsync(f.fileno())
-            _write_synced(tmp / "meta.json", json.dumps(
-                {"step": step, "saved_at": time.time(), "state": structure}).encode())
+            write_synced(tmp / _TREE, skeleton)
+            write_synced(tmp / "meta.json", json.dumps(
+                {"step": step, "saved_at": time.time(), "leaves": len(arrays)}).encode())
             if self._before_commit is not None:
                 self._before_commit(tmp)
-            _write_synced(tmp / COMMITTED, b"")  # last: only now is it a checkpoint
-            _sync_dir(tmp)
+            write_synced(tmp / COMMITTED, b"")  # last: only now is it a checkpoint
+            sync_dir(tmp)
             if final.exists():  # the same step again (a resumed attempt): replace it
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _sync_dir(self.root)
+            sync_dir(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -184,18 +189,3 @@ class JobCheckpoints:
 
     def _folder(self, step: int) -> Path:
         return self.root / f"{_PREFIX}{step}"
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import builtins
 import json
 import math
-import os
 import secrets
 import sqlite3
 import threading
@@ -33,7 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxpod.errors import JaxpodError, JobNotFoundError, VersionMismatchError
+from jaxpod.errors import JobNotFoundError, VersionMismatchError
+from jaxpod.service.jobs.codec import JobStoreError, load_trees, save_trees
+from jaxpod.service.jobs.files import write_file_atomically
 from jaxpod.service.jobs.goodput import PRODUCTIVE_SHARE, WALL_S
 from jaxpod.service.jobs.states import (
     TERMINAL_STATES,
@@ -55,10 +56,6 @@ RESTART_REASON = "coordinator restarted"
 
 #: How long a write waits for another process's transaction before giving up.
 BUSY_TIMEOUT_S = 30.0
-
-
-class JobStoreError(JaxpodError, ValueError):
-    """A value the job store cannot record (nothing of that call was written)."""
 
 
 class SchemaVersionError(VersionMismatchError):
@@ -364,7 +361,7 @@ class JobStore:
         if len(payload) <= INLINE_PAYLOAD_LIMIT:
             return payload, None
         rel = Path("jobs") / job_id / "payload.bin"
-        _write_file_atomically(self.state_dir / rel, lambda f: f.write(payload))
+        write_file_atomically(self.state_dir / rel, lambda f: f.write(payload))
         return None, rel.as_posix()
 
     def load_payload(self, job_id: str) -> bytes:
@@ -561,8 +558,9 @@ class JobStore:
     # ------------------------------------------------------------------ results
 
     def save_result(self, job_id: str, state: Any, outputs: Any) -> Path:
-        """Store the job's final state and outputs (nests of dict/list/tuple/None with
-        numpy leaves) as ``jobs/<id>/result.npz``; returns the file's path."""
+        """Store the job's final state and outputs (trees with numpy leaves, as the
+        wire carries them: :mod:`~jaxpod.service.jobs.codec`) as
+        ``jobs/<id>/result.npz``; returns the file's path."""
         rel = Path("jobs") / job_id / "result.npz"
         with self._write() as conn:
             self._require(conn, job_id)
@@ -674,48 +672,6 @@ def _connect(path: Path) -> sqlite3.Connection:
     return conn
 
 
-def save_trees(path: Path, trees: Mapping[str, Any]) -> None:
-    """Writes named nests (dict/list/tuple/None with numpy leaves) to one ``.npz``, whole
-    or not at all: under a temporary name, fsynced, then renamed, so a reader never opens
-    a half-written file and a failed write leaves none. No pickle: plain numpy reads it."""
-    arrays: dict[str, np.ndarray] = {}
-    structure = {name: _flatten(tree, name, arrays) for name, tree in trees.items()}
-    arrays["__structure__"] = np.frombuffer(json.dumps(structure).encode(), np.uint8)
-    _write_file_atomically(path, lambda f: np.savez(f, allow_pickle=False, **arrays))
-
-
-def flatten_tree(tree: Any, where: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """``tree`` (dict/list/tuple/None with numpy leaves) as a JSON-able description and
-    its arrays by key; :func:`unflatten_tree` puts them back together."""
-    arrays: dict[str, np.ndarray] = {}
-    return _flatten(tree, where, arrays), arrays
-
-
-def unflatten_tree(structure: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> Any:
-    return _unflatten(structure, arrays)
-
-
-def load_trees(path: Path) -> dict[str, Any]:
-    """What :func:`save_trees` wrote."""
-    with np.load(path, allow_pickle=False) as npz:
-        arrays = {key: npz[key] for key in npz.files}
-    structure = json.loads(arrays.pop("__structure__").tobytes())
-    return {name: _unflatten(node, arrays) for name, node in structure.items()}
-
-
-def _write_file_atomically(path: Path, write: Callable[[Any], object]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _spec_json(spec: Mapping[str, Any]) -> str:
     try:
         return json.dumps(dict(spec), sort_keys=True, allow_nan=False)
@@ -766,54 +722,3 @@ def _default_reason(new: JobStateData) -> str:
     if isinstance(new, Retrying):
         return new.cause
     return ""
-
-
-# Results: a nest of dict (str keys) / list / tuple / None with numpy leaves, stored as
-# npz leaves plus a JSON description of the nest (no pickle: a result file is safe to
-# open and readable with plain numpy).
-_PY_SCALARS = (bool, int, float, complex)
-
-
-def _flatten(tree: Any, where: str, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
-    if tree is None:
-        return {"t": "none"}
-    if isinstance(tree, np.ndarray | np.generic) or type(tree) in _PY_SCALARS:
-        array = np.asarray(tree)
-        if array.dtype.hasobject:
-            raise JobStoreError(f"Cannot store the object array at {where} in a job result; "
-                                "results hold numeric numpy arrays only.")
-        key = f"leaf_{len(arrays)}"
-        arrays[key] = array
-        kind = ("array" if isinstance(tree, np.ndarray)
-                else "scalar" if isinstance(tree, np.generic) else "py")
-        return {"t": kind, "k": key}
-    if type(tree) is dict:
-        bad = [k for k in tree if not isinstance(k, str)]
-        if bad:
-            raise JobStoreError(f"Dict keys in a job result must be strings; {where} has "
-                                f"{bad[0]!r}.")
-        return {"t": "dict", "items": [[k, _flatten(v, f"{where}[{k!r}]", arrays)]
-                                       for k, v in tree.items()]}
-    if type(tree) in (list, tuple):
-        return {"t": type(tree).__name__,
-                "items": [_flatten(v, f"{where}[{i}]", arrays) for i, v in enumerate(tree)]}
-    raise JobStoreError(
-        f"Cannot store {type(tree).__name__} at {where} in a job result: results are nests "
-        "of dict/list/tuple/None with numpy array leaves. Convert it first (for example "
-        "flax.serialization.to_state_dict, or a dict of its fields).")
-
-
-def _unflatten(node: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> Any:
-    kind = node["t"]
-    if kind == "none":
-        return None
-    if kind == "array":
-        return arrays[node["k"]]
-    if kind == "scalar":
-        return arrays[node["k"]][()]
-    if kind == "py":
-        return arrays[node["k"]].item()
-    if kind == "dict":
-        return {k: _unflatten(v, arrays) for k, v in node["items"]}
-    items = [_unflatten(v, arrays) for v in node["items"]]
-    return items if kind == "list" else tuple(items)
