@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from jaxpod import errors
+from jaxpod import errors, trees
 from jaxpod.client import rpc
 from jaxpod.jobs import (
     JOB_STATES,
@@ -365,11 +365,13 @@ class Job:
         self._client.check_open("result()")
         tree = self._client.stream(self._client.stub.GetJobResult, pb.JobRequest(job_id=self.id),
                                    tensors.read_result, what=f"result() of job {self.id}")
+        notes: list[str] = []
+        tree = trees.thaw(tree, unknown_as_dicts=True, notes=notes)
         reply = self._call("GetJobMetrics", pb.JobRequest(job_id=self.id), "result()")
         metrics = {s.name: [(int(k), float(v)) for k, v in zip(s.steps, s.values, strict=True)]
                    for s in reply.series}
         return JobResult(state=tree.get("state"), outputs=tree.get("outputs") or {},
-                         metrics=metrics, steps=status.step)
+                         metrics=metrics, steps=status.step, note=" ".join(notes) or None)
 
     def cancel(self) -> JobStatus:
         """Cancels the job: a queued one leaves the queue; a running one stops at its

@@ -108,16 +108,20 @@ class JobResult:
     """A finished job's result.
 
     Attributes:
-      state: the final state as numpy (replica 0's copy: jobs train mirrored state).
+      state: the final state (replica 0's copy: jobs train mirrored state), as the
+        pytree types ``init_fn`` made it, with numpy leaves (typed PRNG keys as keys).
       outputs: the last reduced outputs (name -> numpy).
       metrics: every recorded value: name -> ``[(step, value), ...]``.
       steps: steps run.
+      note: why ``state`` is not what ``init_fn`` made (``None`` when it is): a
+        pytree type this process cannot import comes as nested dicts.
     """
 
     state: Any
     outputs: Mapping[str, Any]
     metrics: Mapping[str, list[tuple[int, float]]] = field(default_factory=dict)
     steps: int = 0
+    note: str | None = None
 
 
 def check_outputs(outputs: Any) -> dict[str, str]:
@@ -182,12 +186,15 @@ class JobStep:
 
 @dataclass(frozen=True)
 class InitialState:
-    """``initial_state`` as an init function: every replica starts from the value."""
+    """``initial_state`` as an init function: every replica starts from the value (the
+    user's, or a checkpoint's, whose pytrees the coordinator holds frozen)."""
 
     value: Any
 
     def __call__(self) -> Any:
-        return self.value
+        from jaxpod.trees import thaw
+
+        return thaw(self.value)
 
 
 @dataclass(frozen=True)

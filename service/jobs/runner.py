@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from jaxpod.errors import (
+    JaxpodError,
     OperationTimeoutError,
     SliceResetError,
     UnknownFunctionError,
@@ -45,6 +46,7 @@ from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.group_engine import DefinedFunction, GroupEngine, GroupValue
 from jaxpod.service.jobs import goodput
 from jaxpod.service.jobs.checkpoints import Checkpoint, JobCheckpoints
+from jaxpod.service.jobs.codec import JobStoreError, check_storable
 from jaxpod.service.jobs.goodput import GoodputClock
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.shipping import ShippedFunction, ship_object
@@ -62,6 +64,10 @@ SLICE_FAILURES: tuple[type[BaseException], ...] = (
 #: preemption notices and for their input figures (between loops; a notice leaves 30 s
 #: of grace): short loops do not pay three extra round trips each.
 HOST_POLL = Timeout("JAXPOD_JOB_HOST_POLL_S", 0.5)
+
+
+class JobStateError(JaxpodError, TypeError):
+    """The job's state cannot be checkpointed or returned (a user error)."""
 
 
 class Stopped(Exception):
@@ -149,6 +155,7 @@ class JobRun:
         try:
             step = self._shipped(spec.step_fn)
             state = self._initial_state()
+            self._check_storable(state, "as init_fn made it")
             iterator = self._input().iterate(spec.steps_per_run)
             outputs: dict[str, Any] = {}
             while self.step < spec.steps:
@@ -162,6 +169,8 @@ class JobRun:
                 clock.reattribute(self._loops.attribute(self.step, k,
                                                         time.monotonic() - started),
                                   source=goodput.PRODUCTIVE)
+                if self.step == self.start_step:
+                    self._check_storable(state, "after the first loop")
                 self.step += k
                 outputs = self._reduce(raw)
                 self._record(self.step, outputs)
@@ -181,6 +190,18 @@ class JobRun:
             self._collect_logs()
             with contextlib.suppress(Exception):  # the slice may be gone: nothing to stop
                 engine.capture_output(False)
+
+    def _check_storable(self, state: Any, when: str) -> None:
+        """Fails the job now, as the user's error, if its state could not be
+        checkpointed or returned, rather than after its last step."""
+        if not self.spec.init_fn:
+            return
+        try:
+            check_storable(state, "the job's state", lambda x: isinstance(x, GroupValue))
+        except JobStoreError as e:
+            raise JobStateError(f"{e} (the state {when}). A job's state must be a pytree "
+                                "of arrays, its dict keys numbers, strings or tuples of "
+                                "them.") from None
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_due(self) -> bool:

@@ -4,7 +4,10 @@ A host worker of a running job is killed with SIGKILL (a lost host) or sent SIGT
 preemption notice) by its pid, which the job's own code prints on each host. The job
 must end with exactly the numbers of the same job run without interruption (compared
 with ``np.array_equal``), with its attempts and lost steps recorded; exceptions in the
-job's code are failures with their own budget, never retried as preemptions.
+job's code are failures with their own budget, never retried as preemptions. A job
+whose state is any pytree (a flax nnx model with its optax AdamW state, a
+``flax.struct.dataclass``, a ``NamedTuple``, a typed PRNG key) resumes the same way and
+returns its state as those types; one whose state cannot be returned fails at once.
 """
 
 from __future__ import annotations
@@ -12,13 +15,19 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import flax.struct
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 from serve_process import Service, crash_service, start_service, stop_service
 
 import jaxpod
@@ -235,6 +244,145 @@ def test_more_preemptions_than_the_budget_fail_the_job(client: Any) -> None:
         job.result()
 
 
+# ------------------------------------------------------------------ pytree states
+_GRAPHDEF, _PARAMS = nnx.split(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), nnx.Param)
+_ADAMW = optax.adamw(0.05, weight_decay=0.01)
+
+
+class Moments(NamedTuple):
+    seen: Any
+    last_loss: Any
+
+
+@flax.struct.dataclass
+class Noise:
+    total: Any
+    scale: float = flax.struct.field(pytree_node=False, default=0.5)
+
+
+def pytree_init() -> dict[str, Any]:
+    return {"params": _PARAMS, "opt": _ADAMW.init(_PARAMS), "key": jax.random.key(5),
+            "noise": Noise(jnp.zeros(())), "moments": Moments(jnp.zeros((), jnp.int32),
+                                                              jnp.zeros(()))}
+
+
+def pytree_step(state: dict[str, Any], batch: Any) -> Any:
+    """AdamW on the real rows of the global batch, a key split per step, and a
+    dataclass and a NamedTuple carried along; prints the host's pid, as above."""
+    jax.debug.callback(print_pid)
+    ctx = jaxpod.get_replica_context()
+    x, y = batch["x"], batch["y"]
+    mask = ctx.valid_row_mask.astype(x.dtype)[:, None]
+    count = ctx.all_reduce("SUM", mask.sum())
+
+    def loss(params: Any) -> Any:
+        return jnp.sum((nnx.merge(_GRAPHDEF, params)(x) - y) ** 2 * mask) / count
+
+    value, grads = jax.value_and_grad(loss)(state["params"])
+    grads, value = ctx.all_reduce("SUM", grads), ctx.all_reduce("SUM", value)
+    updates, opt = _ADAMW.update(grads, state["opt"], state["params"])
+    key, draw = jax.random.split(state["key"])
+    noise = state["noise"]
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt,
+            "key": key,
+            "noise": noise.replace(total=noise.total + noise.scale * jax.random.uniform(draw)),
+            "moments": Moments(state["moments"].seen + 1, value)}, {"loss": value}
+
+
+def pytree_dataset() -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(11)
+    out = []
+    for n in (16, 16, 11):  # 8 replicas: the last batch pads
+        x = rng.normal(size=(n, 3)).astype(np.float32)
+        out.append({"x": x, "y": (x @ np.array([[1.0, 0.5], [-1.0, 2.0], [0.0, 1.0]],
+                                               np.float32)).astype(np.float32)})
+    return out
+
+
+def submit_pytree_job(client: Any) -> Any:
+    return client.submit(pytree_step, steps=STEPS, accelerator_type="v4-16",
+                         steps_per_run=STEPS_PER_RUN, init_fn=pytree_init,
+                         dataset=pytree_dataset(), outputs={"loss": "MEAN"},
+                         checkpoint_every=CHECKPOINT_EVERY, max_retries_preemption=3)
+
+
+def assert_pytree_state(state: Any) -> None:
+    assert type(state["params"]) is nnx.State
+    assert type(state["opt"][0]) is optax.ScaleByAdamState
+    assert type(state["noise"]) is Noise and state["noise"].scale == 0.5
+    assert type(state["moments"]) is Moments and int(state["moments"].seen) == STEPS
+    assert jax.dtypes.issubdtype(state["key"].dtype, jax.dtypes.prng_key)
+
+
+def in_process_pytree_state() -> Any:
+    """The same job on the in-process strategy over this process's 8 devices."""
+    strategy = jaxpod.TPUStrategy()
+    batches = pytree_dataset()
+    dataset = strategy.experimental_distribute_dataset(batches * STEPS)  # rows cross batches
+    state, _ = strategy.run_steps(pytree_step, iter(dataset), STEPS,
+                                  initial_state=strategy.run(pytree_init))
+    return strategy.experimental_local_results(state)[0]
+
+
+def test_a_pytree_state_resumes_bit_for_bit_and_comes_back_as_its_types(
+        client: Any) -> None:
+    uninterrupted = submit_pytree_job(client).result(timeout=300)
+    assert_pytree_state(uninterrupted.state)
+    assert uninterrupted.note is None
+    job = submit_pytree_job(client)
+    assert wait_for(lambda: running_past(job, CHECKPOINT_EVERY + 4), 300), job.status()
+    os.kill(host_pids(job, 1)[-1], signal.SIGKILL)
+    final = job.wait(timeout=300, progress=False)
+    assert final.state == "SUCCEEDED", final.error
+    assert final.attempts == 2
+    resumed = job.result()
+    assert_pytree_state(resumed.state)
+    got, want = jax.tree.leaves(resumed.state), jax.tree.leaves(uninterrupted.state)
+    assert jax.tree.structure(resumed.state) == jax.tree.structure(uninterrupted.state)
+    for g, w in zip(got, want, strict=True):
+        if jax.dtypes.issubdtype(w.dtype, jax.dtypes.prng_key):
+            g, w = jax.random.key_data(g), jax.random.key_data(w)
+        assert np.array_equal(np.asarray(g), np.asarray(w))
+    assert resumed.metrics == uninterrupted.metrics
+    # The same numbers as the in-process strategy's (summation orders differ).
+    local = in_process_pytree_state()
+    for g, w in zip(got, jax.tree.leaves(local), strict=True):
+        if jax.dtypes.issubdtype(w.dtype, jax.dtypes.prng_key):
+            g, w = jax.random.key_data(g), jax.random.key_data(w)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+@jax.tree_util.register_pytree_node_class
+class Guarded:
+    """A pytree whose auxiliary data holds a lock: it cannot leave its process."""
+
+    def __init__(self, x: Any, lock: Any) -> None:
+        self.x, self.lock = x, lock
+
+    def tree_flatten(self) -> tuple[tuple[Any], Any]:
+        return (self.x,), self.lock
+
+    @classmethod
+    def tree_unflatten(cls, lock: Any, children: Any) -> Guarded:
+        return cls(children[0], lock)
+
+
+def guarded_init() -> Guarded:
+    return Guarded(jnp.zeros(2), threading.Lock())  # made on the hosts
+
+
+def test_a_state_that_cannot_be_returned_fails_before_the_first_step(client: Any) -> None:
+    job = client.submit(lambda state, batch: (state, {}), steps=1000, init_fn=guarded_init,
+                        accelerator_type="v4-16", dataset=dataset())
+    final = job.wait(timeout=300, progress=False)
+    assert final.state == "FAILED" and final.step == 0, final
+    first_line = final.error.splitlines()[0]
+    assert first_line.startswith("TypeError: ") and "Guarded cannot be sent" in first_line
+    assert "must pickle" in first_line
+    assert len(job.attempts()) == 1
+
+
+# ------------------------------------------------------------------ last: it kills the service
 def test_a_killed_coordinator_restarted_on_its_state_dir_resumes_the_job(
         client: Any, service: Service, cluster: LocalTPUCluster, state_dir: Path,
         uninterrupted: Any, tmp_path: Path) -> None:
