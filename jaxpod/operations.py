@@ -227,12 +227,14 @@ class StepItems:
 @dataclass(frozen=True)
 class RunSteps(Operation[ValueInfos]):
     """``strategy.run_steps``: ``steps`` steps in one on-device loop, fed from an
-    iterator (by id) or from :class:`StepItems`; returns the new values."""
+    iterator (by id) or from :class:`StepItems`; returns the new values, once they are
+    computed if ``wait`` (else once the loop is dispatched)."""
 
     function_id: str
     source: int | StepItems
     steps: int
     initial_state: ValueArgs
+    wait: bool = False
     dispatches: ClassVar[bool] = True
 
     def apply(self, host: Host) -> ValueInfos:

@@ -217,7 +217,10 @@ class GroupEngine:
 
     def run_steps(self, fn: Callable[..., Any] | DefinedFunction,
                   iterator: GroupIterator | StepItems, steps: int | None = None,
-                  initial_state: Any = None) -> Any:
+                  initial_state: Any = None, wait: bool = False) -> Any:
+        """``strategy.run_steps``; with ``wait``, it returns once the loop's results
+        are computed (not just dispatched): a caller that times loops sees their
+        compute."""
         source: int | StepItems
         if isinstance(iterator, StepItems):
             source = StepItems(self._to_handles(iterator.items))
@@ -228,7 +231,7 @@ class GroupEngine:
                             f"dataset, or be StepItems. Got {type(iterator).__name__}.")
         k = self.steps_per_run if steps is None else steps
         state = self._to_handles(initial_state)
-        result = self._call_defined(fn, lambda f: ops.RunSteps(f, source, k, state))[0]
+        result = self._call_defined(fn, lambda f: ops.RunSteps(f, source, k, state, wait))[0]
         return self._wrap(result)
 
     # ------------------------------------------------------------------- results

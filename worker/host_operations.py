@@ -189,7 +189,10 @@ class HostOperations(ops.Host):
                     else self._iterator(op.source))
         result = self.engine.run_steps(fn, iterator, op.steps,
                                        initial_state=self._resolve(op.initial_state))
-        return self._keep_values(result, watch=True)
+        if op.wait:
+            jax.block_until_ready(jax.tree.map(lambda v: v.array, result,
+                                               is_leaf=is_per_replica))
+        return self._keep_values(result, watch=not op.wait)
 
     def values_from_function(self, op: ops.ValuesFromFunction) -> ops.ValueInfos:
         fn = self.functions.get(op.function_id)

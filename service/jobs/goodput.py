@@ -38,19 +38,27 @@ PRODUCTIVE = "productive"
 #: Steps waiting on their input: the longest wait of any host of the slice (the others
 #: wait for it in the step's collectives), as the hosts measure it.
 INPUT_WAIT = "input_wait"
+#: Reducing the declared outputs after each loop and recording them as metrics (the
+#: slice waits meanwhile).
+METRICS = "metrics"
+#: Reading the hosts' logs, input figures and preemption notices between loops.
+MONITORING = "monitoring"
 #: Time steps waited on a checkpoint save.
 CHECKPOINTING = "checkpointing"
+#: Fetching and storing the final state and outputs.
+RESULT = "result"
 #: Steps run again after a preemption because their results were lost.
 LOST_WORK = "lost_work"
 #: Between an attempt's end and the next attempt's allocation (RETRYING, back-off), and
 #: the time a coordinator was down.
 RECOVERING = "recovering"
-#: Bookkeeping: reductions, metric and log writes, anything not above.
+#: Anything not above (nothing the runner does on purpose).
 OTHER = "other"
 
 #: Every category, in the order a job's life meets them.
 CATEGORIES: tuple[str, ...] = (QUEUED, ALLOCATING, SETUP, COMPILING, PRODUCTIVE, INPUT_WAIT,
-                               CHECKPOINTING, LOST_WORK, RECOVERING, OTHER)
+                               METRICS, MONITORING, CHECKPOINTING, RESULT, LOST_WORK,
+                               RECOVERING, OTHER)
 
 #: The keys :func:`summary` adds to the totals (never categories).
 WALL_S = "wall_s"

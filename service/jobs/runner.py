@@ -163,9 +163,9 @@ class JobRun:
                 k = min(spec.steps_per_run, spec.steps - self.step)
                 clock.switch(goodput.PRODUCTIVE)
                 started = time.monotonic()
-                state, raw = self._defined_call(
-                    step, lambda f: engine.run_steps(f, iterator, k, state))  # noqa: B023
-                clock.switch(goodput.OTHER)
+                state, raw = self._defined_call(  # returns once the loop is computed
+                    step, lambda f: engine.run_steps(f, iterator, k, state, wait=True))  # noqa: B023
+                clock.switch(goodput.METRICS)
                 clock.reattribute(self._loops.attribute(self.step, k,
                                                         time.monotonic() - started),
                                   source=goodput.PRODUCTIVE)
@@ -175,13 +175,16 @@ class JobRun:
                 outputs = self._reduce(raw)
                 self._record(self.step, outputs)
                 if time.monotonic() >= self._next_host_poll:
+                    clock.switch(goodput.MONITORING)
                     self._next_host_poll = time.monotonic() + HOST_POLL.seconds()
                     self._collect_logs()
                     self._read_inputs()
                     self._check_notices(state)
                 if self._checkpoint_due():
                     self._checkpoint(state, wait=False)
+            clock.switch(goodput.MONITORING)
             self._read_inputs()
+            clock.switch(goodput.RESULT)
             final = self._final_state(state)
             with clock.during(goodput.CHECKPOINTING):
                 self.checkpoints.wait()  # a save in flight must not outlive the attempt

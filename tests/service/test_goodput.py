@@ -48,7 +48,8 @@ def _fsum(totals: dict[str, float]) -> float:
 
 def test_categories_are_the_documented_ones() -> None:
     assert CATEGORIES == ("queued", "allocating", "setup", "compiling", "productive",
-                          "input_wait", "checkpointing", "lost_work", "recovering", "other")
+                          "input_wait", "metrics", "monitoring", "checkpointing", "result",
+                          "lost_work", "recovering", "other")
     assert set(GoodputClock(clock=FakeClock()).totals()) == set(CATEGORIES)
 
 
