@@ -243,7 +243,8 @@ def status_from(message: pb.JobStatus) -> JobStatus:
         error=message.error or None, metrics=dict(message.metrics),
         goodput=dict(message.goodput) or None,
         created_at=message.created_at, started_at=message.started_at or None,
-        finished_at=message.finished_at or None, accelerator_type=message.accelerator_type)
+        finished_at=message.finished_at or None, accelerator_type=message.accelerator_type,
+        steps_per_s=message.steps_per_s or None)
 
 
 # ------------------------------------------------------------------------- the job

@@ -277,7 +277,9 @@ def _print_status(status: JobStatus, as_json: bool, history: Sequence[JobTransit
         return
     fields = [
         ("id", status.id), ("name", status.name), ("state", status.state),
-        ("step", f"{status.step}/{status.steps}"), ("attempts", str(status.attempts)),
+        ("step", f"{status.step}/{status.steps}"),
+        ("rate", "-" if status.steps_per_s is None else f"{status.steps_per_s:.4g} steps/s"),
+        ("attempts", str(status.attempts)),
         ("queue position", "-" if status.queue_position is None else str(status.queue_position)),
         ("accelerator", status.accelerator_type or "-"),
         ("created", _time(status.created_at)), ("started", _time(status.started_at)),

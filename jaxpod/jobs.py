@@ -44,6 +44,9 @@ class JobStatus:
       goodput: seconds by category and the productive share (``None`` until recorded).
       created_at, started_at, finished_at: seconds since the epoch (``None``: not yet).
       accelerator_type: the slice type it runs on.
+      steps_per_s: steps per wall-clock second: the running attempt's over its recent
+        loops (what a progress bar shows), else the last attempt's over its running
+        time (``None``: no steps ran yet).
     """
 
     id: str
@@ -60,6 +63,7 @@ class JobStatus:
     started_at: float | None
     finished_at: float | None
     accelerator_type: str = ""
+    steps_per_s: float | None = None
 
     @property
     def done(self) -> bool:

@@ -548,7 +548,7 @@ class JobAttempt(_message.Message):
     def __init__(self, number: _Optional[int] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., cause: _Optional[str] = ..., step_reached: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "history", "attempt_records", "goodput", "hosts")
+    __slots__ = ("job_id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "history", "attempt_records", "goodput", "hosts", "steps_per_s")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -580,6 +580,7 @@ class JobStatus(_message.Message):
     ATTEMPT_RECORDS_FIELD_NUMBER: _ClassVar[int]
     GOODPUT_FIELD_NUMBER: _ClassVar[int]
     HOSTS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
     name: str
@@ -597,7 +598,8 @@ class JobStatus(_message.Message):
     attempt_records: _containers.RepeatedCompositeFieldContainer[JobAttempt]
     goodput: _containers.ScalarMap[str, float]
     hosts: _containers.RepeatedCompositeFieldContainer[HostInput]
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., attempts: _Optional[int] = ..., queue_position: _Optional[int] = ..., error: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., history: _Optional[_Iterable[_Union[JobTransition, _Mapping]]] = ..., attempt_records: _Optional[_Iterable[_Union[JobAttempt, _Mapping]]] = ..., goodput: _Optional[_Mapping[str, float]] = ..., hosts: _Optional[_Iterable[_Union[HostInput, _Mapping]]] = ...) -> None: ...
+    steps_per_s: float
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., attempts: _Optional[int] = ..., queue_position: _Optional[int] = ..., error: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., history: _Optional[_Iterable[_Union[JobTransition, _Mapping]]] = ..., attempt_records: _Optional[_Iterable[_Union[JobAttempt, _Mapping]]] = ..., goodput: _Optional[_Mapping[str, float]] = ..., hosts: _Optional[_Iterable[_Union[HostInput, _Mapping]]] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
 
 class HostInput(_message.Message):
     __slots__ = ("host", "input_wait_s", "input_queue_depth")

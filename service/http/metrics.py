@@ -24,8 +24,6 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from jaxpod.service.http.models import steps_per_s
-
 if TYPE_CHECKING:
     from jaxpod.service.http.backend import Backend
 
@@ -182,8 +180,9 @@ class ServiceCollector(Collector):
         labels = ("job_id", "name")
         step = GaugeMetricFamily("jaxpod_job_step", "Steps done, per unfinished job.",
                                  labels=labels)
-        rate = GaugeMetricFamily("jaxpod_job_steps_per_second", "Steps per productive "
-                                 "second (goodput clock), per unfinished job.", labels=labels)
+        rate = GaugeMetricFamily("jaxpod_job_steps_per_second", "Steps per wall-clock "
+                                 "second over the running attempt's recent loops, per "
+                                 "unfinished job.", labels=labels)
         share = GaugeMetricFamily("jaxpod_job_goodput_ratio", "Productive share of the job's "
                                   "wall time so far, per unfinished job.", labels=labels)
         compile_s = GaugeMetricFamily("jaxpod_job_compile_seconds", "Seconds the job spent "
@@ -204,9 +203,8 @@ class ServiceCollector(Collector):
         for status in backend.unfinished():
             key = (status.job_id, status.name)
             step.add_metric(key, status.step)
-            per_s = steps_per_s(status)
-            if per_s is not None:
-                rate.add_metric(key, per_s)
+            if status.steps_per_s:
+                rate.add_metric(key, status.steps_per_s)
             goodput = dict(status.goodput)
             if goodput:
                 share.add_metric(key, goodput.get("productive_share", 0.0))

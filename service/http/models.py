@@ -91,8 +91,11 @@ class JobSummary(BaseModel):
     metrics: dict[str, float | None] = Field(description="each output's latest value "
                                                          "(null: NaN)")
     steps_per_s: float | None = Field(
-        description="steps per productive second (goodput): the job's step rate on its "
-                    "slice, compilation and lost work excluded")
+        description="steps per wall-clock second: the running attempt's over its recent "
+                    "loops, else the last attempt's over its running time")
+    steps_per_productive_s: float | None = Field(
+        description="steps per productive second (goodput): the step rate with "
+                    "compilation, lost work, checkpoints and bookkeeping taken out")
     productive_share: float | None
     created_at: float
     started_at: float | None
@@ -156,7 +159,7 @@ def finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def steps_per_s(status: pb.JobStatus) -> float | None:
+def steps_per_productive_s(status: pb.JobStatus) -> float | None:
     """Steps per productive second, from the goodput clock (``None`` before any)."""
     productive = status.goodput.get("productive", 0.0)
     return status.step / productive if productive > 0 and status.step else None
@@ -175,7 +178,8 @@ def _summary_fields(status: pb.JobStatus) -> dict[str, Any]:
         queue_position=None if status.queue_position < 0 else status.queue_position,
         error=status.error or None,
         metrics={k: finite(v) for k, v in sorted(status.metrics.items())},
-        steps_per_s=steps_per_s(status), productive_share=share,
+        steps_per_s=status.steps_per_s or None,
+        steps_per_productive_s=steps_per_productive_s(status), productive_share=share,
         created_at=status.created_at, started_at=status.started_at or None,
         finished_at=status.finished_at or None)
 

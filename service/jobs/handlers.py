@@ -191,7 +191,8 @@ def status_of_record(manager: JobManager, record: JobRecord, positions: dict[str
         queue_position=-1 if position is None else position, error=error,
         metrics=manager.store.latest_metrics(record.id),
         created_at=record.created_at, started_at=record.started_at or 0.0,
-        finished_at=record.finished_at or 0.0, goodput=_goodput(manager, record.id))
+        finished_at=record.finished_at or 0.0, goodput=_goodput(manager, record.id),
+        steps_per_s=manager.steps_per_s(record) or 0.0)
 
 
 async def watch_statuses(manager: JobManager, job_id: str, blocking: _Blocking,

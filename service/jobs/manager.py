@@ -274,6 +274,16 @@ class JobManager:
             run = active.run if active is not None else None
         return run.hosts if run is not None else ()
 
+    def steps_per_s(self, record: JobRecord) -> float | None:
+        """The job's steps per wall-clock second: its running attempt's recent rate,
+        else what its last attempt that ran steps did (``None``: no steps ran yet)."""
+        with self._lock:
+            active = self._active.get(record.id)
+            run = active.run if active is not None else None
+        if run is not None:
+            return run.rate.steps_per_s()
+        return record.steps_per_s
+
     def goodput(self, job_id: str) -> dict[str, float]:
         """The job's goodput totals: live for an unfinished job, else as stored."""
         clock = self._clocks.get(job_id)

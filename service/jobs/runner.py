@@ -22,6 +22,7 @@ goodput clock's productive steps to its input wait.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -59,6 +60,9 @@ logger = logging.getLogger(__name__)
 SLICE_FAILURES: tuple[type[BaseException], ...] = (
     WorkerLostError, SliceResetError, WorkerStartError, OperationTimeoutError)
 
+
+#: The span of recent loops a running attempt's step rate is measured over.
+RATE_WINDOW = Timeout("JAXPOD_JOB_RATE_WINDOW_S", 10.0)
 
 #: How often, at most, the runner asks the hosts for what the job printed, for
 #: preemption notices and for their input figures (between loops; a notice leaves 30 s
@@ -144,6 +148,7 @@ class JobRun:
         self._checkpointed = self.start_step
         #: Each host's input feed as last read (empty before the first read).
         self.hosts: tuple[HostInput, ...] = ()
+        self.rate = StepRate(self.start_step, RATE_WINDOW.seconds())
         self._input_waited = 0.0  # the longest host input wait moved to INPUT_WAIT so far
 
     def run(self) -> Finished:
@@ -297,6 +302,7 @@ class JobRun:
         return reduced
 
     def _record(self, step: int, outputs: Mapping[str, np.ndarray]) -> None:
+        self.rate.add(step)
         scalars = {name: float(v) for name, v in outputs.items() if v.size == 1}
         if scalars:
             self.store.add_metrics(self.job_id, step, scalars)
@@ -335,6 +341,45 @@ class JobRun:
         if not self.spec.init_fn:
             return None
         return _plain(self.engine.replica_value(state, 0))
+
+
+class StepRate:
+    """A running attempt's steps per wall-clock second, over its loops of the last
+    ``window_s`` (counted from the attempt's start until a loop is that old): what a
+    progress bar shows, compilation and input waits included.
+
+    Args:
+      start_step: the step the attempt started from.
+      window_s: the span of recent loops measured.
+      clock: wall-clock seconds (tests inject a fake).
+    """
+
+    def __init__(self, start_step: int, window_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._window_s = window_s
+        self._samples: collections.deque[tuple[float, int]] = collections.deque(
+            [(clock(), start_step)])
+        self._lock = threading.Lock()
+
+    def add(self, step: int) -> None:
+        """A loop ended: ``step`` steps are done."""
+        now = self._clock()
+        with self._lock:
+            self._samples.append((now, step))
+            while len(self._samples) > 2 and self._samples[1][0] <= now - self._window_s:
+                self._samples.popleft()
+
+    def steps_per_s(self) -> float | None:
+        """Steps per second over the window (``None`` before the first loop ended). A
+        job whose loops stopped coming slows down by the time since the last one."""
+        now = self._clock()
+        with self._lock:
+            (t0, s0), (t1, s1) = self._samples[0], self._samples[-1]
+        if s1 == s0:
+            return None
+        span = max(t1, now - self._window_s) - t0
+        return (s1 - s0) / span if span > 0 else None
 
 
 class _LoopTimes:

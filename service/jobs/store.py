@@ -146,6 +146,14 @@ _V3 = [
 ]
 
 
+# v4: when each attempt started running its steps, and from which step: a finished
+# job's rate is its last attempt's steps over that attempt's running time.
+_V4 = [
+    "ALTER TABLE attempts ADD COLUMN running_at REAL",
+    "ALTER TABLE attempts ADD COLUMN start_step INTEGER",
+]
+
+
 def _statements(statements: Sequence[str]) -> Callable[[sqlite3.Connection], None]:
     # One execute() per statement: executescript() would commit the open transaction
     # and so break the all-or-nothing migration.
@@ -158,7 +166,7 @@ def _statements(statements: Sequence[str]) -> Callable[[sqlite3.Connection], Non
 #: MIGRATIONS[i] takes a database from schema version i to i + 1. Append only: never
 #: edit a released one (databases in the field were built by it).
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
-    _statements(_V1), _statements(_V2), _statements(_V3)]
+    _statements(_V1), _statements(_V2), _statements(_V3), _statements(_V4)]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -195,7 +203,9 @@ def migrate(conn: sqlite3.Connection, target: int = SCHEMA_VERSION, where: str =
 
 @dataclass(frozen=True)
 class JobRecord:
-    """One job as stored. ``spec`` is the JSON-decoded plain submit arguments."""
+    """One job as stored. ``spec`` is the JSON-decoded plain submit arguments;
+    ``steps_per_s`` the last attempt that ended after running steps: its steps over the
+    wall time they took (``None``: none did)."""
 
     id: str
     name: str
@@ -209,6 +219,7 @@ class JobRecord:
     started_at: float | None
     finished_at: float | None
     attempts: int
+    steps_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -262,14 +273,17 @@ class Recovery:
 
 _JOB_COLUMNS = ("id, name, accelerator_type, spec, state, step, steps, error, created_at, "
                 "started_at, finished_at, "
-                "(SELECT COUNT(*) FROM attempts a WHERE a.job_id = jobs.id)")
+                "(SELECT COUNT(*) FROM attempts a WHERE a.job_id = jobs.id), "
+                "(SELECT (a.step_reached - a.start_step) / (a.ended_at - a.running_at) "
+                " FROM attempts a WHERE a.job_id = jobs.id AND a.ended_at > a.running_at "
+                " AND a.step_reached > a.start_step ORDER BY a.number DESC LIMIT 1)")
 
 
 def _job(row: Sequence[Any]) -> JobRecord:
     return JobRecord(id=row[0], name=row[1], accelerator_type=row[2], spec=json.loads(row[3]),
                      state=JobState(row[4]), step=row[5], steps=row[6], error=row[7],
                      created_at=row[8], started_at=row[9], finished_at=row[10],
-                     attempts=row[11])
+                     attempts=row[11], steps_per_s=row[12])
 
 
 # --------------------------------------------------------------------------- the store
@@ -417,6 +431,8 @@ class JobStore:
         if isinstance(new, Running):
             sets += ["step = ?", "started_at = COALESCE(started_at, ?)"]
             args += [new.step, now]
+            conn.execute("UPDATE attempts SET running_at = ?, start_step = ? "
+                         "WHERE job_id = ? AND number = ?", (now, new.step, job_id, new.attempt))
         if isinstance(new, Failed):
             sets.append("error = ?")
             args.append(new.error)

@@ -276,6 +276,36 @@ def test_jaxpod_status_prints_slices_and_jobs(service: Service, client: Any,
     assert {j["id"] for j in summary["jobs"]} >= {j.id for j in recent}
 
 
+def test_the_page_shows_the_rate_the_progress_bar_shows(client: Any, api: httpx.Client
+                                                        ) -> None:
+    """The steps/s the page renders (the API's ``steps_per_s``) is steps per wall-clock
+    second, as the SDK's progress bar (tqdm) measures it: within 10 % mid-run."""
+    from jaxpod.client.jobs import _ProgressBar
+
+    job = submit(client, steps=300, steps_per_run=2, paced=True, name="rate")
+    bar = _ProgressBar(job)
+    compared = None
+    try:
+        for status in job.watch():
+            bar.show(status)
+            if status.state == "RUNNING" and status.step >= 240:  # past the rate window
+                tqdm_rate = bar._bar.format_dict["rate"]
+                shown = api.get(f"/api/v1/jobs/{job.id}").json()["steps_per_s"]
+                compared = (tqdm_rate, shown, status.steps_per_s)
+                break
+    finally:
+        bar.close()
+        job.cancel()
+    assert compared is not None, "the job ended before step 240"
+    tqdm_rate, shown, streamed = compared
+    assert shown == pytest.approx(tqdm_rate, rel=0.10), compared
+    assert streamed == pytest.approx(tqdm_rate, rel=0.10), compared
+    # Not the productive rate, which leaves the paced host work out.
+    summary = api.get(f"/api/v1/jobs/{job.id}").json()
+    assert summary["steps_per_productive_s"] is None or \
+        summary["steps_per_productive_s"] >= summary["steps_per_s"]
+
+
 def test_the_committed_openapi_document_is_current() -> None:
     assert OPENAPI_PATH.read_text() == openapi_document(), (
         "service/openapi.json is out of date with the HTTP API; regenerate it with "
