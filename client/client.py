@@ -21,6 +21,7 @@ import grpc
 import grpc.experimental  # not loaded by ``import grpc``; ChannelOptions lives there
 
 import jaxpod
+from jaxpod import errors
 from jaxpod.client import embedded, rpc
 from jaxpod.client.jobs import Job, build_spec, check_state, status_from, submit_spec
 from jaxpod.client.remote import RemoteStrategy
@@ -55,11 +56,13 @@ def connect(address: str | None = None, token: str | None = None, *,
       The client; close it (or use it as a context manager) to release its slices.
     """
     address = address or os.environ.get(ADDRESS_ENV) or None
+    source = "jaxpod.connect(token=...)"
     if address is None:
         service = _embedded_service()
-        address, token = service.address, service.token
-    return Client(address, token if token is not None else os.environ.get(TOKEN_ENV),
-                  lease_s=lease_s)
+        address, token, source = service.address, service.token, "the embedded service"
+    elif token is None:
+        token, source = os.environ.get(TOKEN_ENV), f"${TOKEN_ENV}"
+    return Client(address, token, lease_s=lease_s, token_source=source)
 
 
 def _embedded_service() -> embedded.EmbeddedService:
@@ -76,10 +79,11 @@ class Client:
       address: ``host:port``.
       token: bearer token, if the service requires one.
       lease_s: requested session lease (0 or ``None``: the service's default).
+      token_source: where ``token`` came from, for the error when it is refused.
     """
 
     def __init__(self, address: str, token: str | None = None,
-                 lease_s: float | None = None) -> None:
+                 lease_s: float | None = None, token_source: str = "token=") -> None:
         self.address = address
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ())
@@ -95,6 +99,11 @@ class Client:
                 client_version=jaxpod.__version__, protocol_version=PROTOCOL_VERSION,
                 lease_s=lease_s or 0.0, runtime_versions=self.runtime_versions),
                 what="connect", idempotent=True, timeout=rpc.CONTROL_TIMEOUT)
+        except errors.AuthenticationError as e:
+            self._channel.close()
+            e.add_note(f"The token was taken from {token_source}." if token else
+                       f"No token was given (neither token= nor ${TOKEN_ENV} is set).")
+            raise
         except BaseException:
             self._channel.close()
             raise

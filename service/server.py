@@ -83,10 +83,11 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
         if method.startswith(("/grpc.health.", "/grpc.reflection.")):
             return await continuation(details)
         metadata = dict(details.invocation_metadata or ())
-        if hmac.compare_digest(_as_bytes(metadata.get("authorization")), self._expected):
+        given = metadata.get("authorization")
+        if hmac.compare_digest(_as_bytes(given), self._expected):
             return await continuation(details)
         handler = await continuation(details)
-        return _refuse(handler)
+        return _refuse(handler, given is not None)
 
 
 def _as_bytes(value: str | bytes | None) -> bytes:
@@ -102,10 +103,14 @@ _HANDLER_KINDS = {(False, False): grpc.unary_unary_rpc_method_handler,
                   (True, True): grpc.stream_stream_rpc_method_handler}
 
 
-def _refuse(handler: Any) -> Any:
+def _refuse(handler: Any, token_given: bool) -> Any:
     error = AuthenticationError(
-        "The jaxpod service requires a token: pass jaxpod.connect(token=...) or set "
-        "JAXPOD_TOKEN to the token the service was started with.")
+        "The jaxpod service refused the token this call carried: it is not the token the "
+        "service was started with. Pass that one to jaxpod.connect(token=...) or set "
+        "JAXPOD_TOKEN to it." if token_given else
+        "The jaxpod service requires a token and this call carried none: pass "
+        "jaxpod.connect(token=...) or set JAXPOD_TOKEN to the token the service was "
+        "started with.")
     code, details, trailers = status_of(error)
 
     async def abort(request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -263,10 +263,16 @@ def test_health_and_reflection(service: Service) -> None:
 def test_token_is_required(service: Service, monkeypatch: pytest.MonkeyPatch,
                            stub: pb_grpc.CoordinatorStub) -> None:
     monkeypatch.delenv("JAXPOD_TOKEN", raising=False)
-    with pytest.raises(jaxpod.AuthenticationError, match="requires a token"):
+    with pytest.raises(jaxpod.AuthenticationError, match="refused the token") as wrong:
         jaxpod.connect(service.address, token="not-the-token")
-    with pytest.raises(jaxpod.AuthenticationError):
+    assert "taken from jaxpod.connect(token=...)" in "\n".join(wrong.value.__notes__)
+    with pytest.raises(jaxpod.AuthenticationError, match="carried none") as missing:
         jaxpod.connect(service.address)
+    assert "No token was given" in "\n".join(missing.value.__notes__)
+    monkeypatch.setenv("JAXPOD_TOKEN", "also-wrong")
+    with pytest.raises(jaxpod.AuthenticationError, match="refused the token") as from_env:
+        jaxpod.connect(service.address)
+    assert "taken from $JAXPOD_TOKEN" in "\n".join(from_env.value.__notes__)
     for metadata in ((), (("authorization", "Bearer wrong"),),
                      (("authorization", service.token),)):  # not as a bearer token
         error, mapped = _raw_error(stub.ClusterStatus, pb.Empty(), metadata)
