@@ -31,6 +31,7 @@ from jaxpod.jobs import (
     HostInput,
     InitialState,
     JobAttempt,
+    JobCheckpoint,
     JobResult,
     JobStatus,
     JobStep,
@@ -256,6 +257,7 @@ class JobDetails:
     history: list[JobTransition]
     attempts: list[JobAttempt]
     hosts: list[HostInput]
+    checkpoints: list[JobCheckpoint]
 
 
 class Job:
@@ -299,7 +301,8 @@ class Job:
         return self.details("hosts()").hosts
 
     def details(self, what: str = "details()") -> JobDetails:
-        """The status, history, attempts and host input figures, read at once."""
+        """The status, history, attempts, host input figures and checkpoints, read at
+        once."""
         reply = self._call("GetJob", pb.JobRequest(job_id=self.id, detail=True), what)
         return JobDetails(
             status=status_from(reply),
@@ -309,7 +312,9 @@ class Job:
                                  a.step_reached if a.ended_at else None)
                       for a in reply.attempt_records],
             hosts=[HostInput(h.host, h.input_wait_s, h.input_queue_depth)
-                   for h in reply.hosts])
+                   for h in reply.hosts],
+            checkpoints=[JobCheckpoint(int(c.step), c.path, c.saved_at)
+                         for c in reply.checkpoints])
 
     def watch(self) -> Iterator[JobStatus]:
         """Yields the job's status once per change, starting with the current one; ends
@@ -362,7 +367,9 @@ class Job:
         if status.state == "FAILED":
             raise errors.JobFailedError(self.id, status.error or "no reason recorded")
         if status.state == "CANCELLED":
-            raise errors.JobCancelledError(self.id, status.error or "cancelled")
+            saved = self.checkpoints()
+            raise errors.JobCancelledError(self.id, status.error or "cancelled",
+                                           saved[-1] if saved else None)
         self._client.check_open("result()")
         tree = self._client.stream(self._client.stub.GetJobResult, pb.JobRequest(job_id=self.id),
                                    tensors.read_result, what=f"result() of job {self.id}")
@@ -373,6 +380,12 @@ class Job:
                    for s in reply.series}
         return JobResult(state=tree.get("state"), outputs=tree.get("outputs") or {},
                          metrics=metrics, steps=status.step, note=" ".join(notes) or None)
+
+    def checkpoints(self) -> list[JobCheckpoint]:
+        """The job's committed checkpoints, oldest first: the step each holds the state
+        of, where the service's hosts wrote it and when. A finished job keeps its last
+        ones (a cancelled job's state is there)."""
+        return self.details("checkpoints()").checkpoints
 
     def cancel(self) -> JobStatus:
         """Cancels the job: a queued one leaves the queue; a running one stops at its

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from jaxpod.client.client import Client
-    from jaxpod.jobs import HostInput, JobAttempt, JobStatus, JobTransition
+    from jaxpod.jobs import HostInput, JobAttempt, JobCheckpoint, JobStatus, JobTransition
 
 ADDRESS_ENV = "JAXPOD_ADDRESS"
 TOKEN_ENV = "JAXPOD_TOKEN"
@@ -227,7 +227,7 @@ def run_job(args: argparse.Namespace) -> int:
         if not args.watch:
             details = job.details()
             _print_status(details.status, args.json, details.history, details.attempts,
-                          details.hosts)
+                          details.hosts, details.checkpoints)
             return 0
         try:
             last = None
@@ -267,13 +267,15 @@ def run_cancel(args: argparse.Namespace) -> int:
 
 
 def _print_status(status: JobStatus, as_json: bool, history: Sequence[JobTransition] = (),
-                  attempts: Sequence[JobAttempt] = (), hosts: Sequence[HostInput] = ()
-                  ) -> None:
+                  attempts: Sequence[JobAttempt] = (), hosts: Sequence[HostInput] = (),
+                  checkpoints: Sequence[JobCheckpoint] = ()) -> None:
     if as_json:
         print(json.dumps({**dataclasses.asdict(status),
                           "history": [dataclasses.asdict(t) for t in history],
                           "attempts": [dataclasses.asdict(a) for a in attempts],
-                          "hosts": [dataclasses.asdict(h) for h in hosts]}, indent=1))
+                          "hosts": [dataclasses.asdict(h) for h in hosts],
+                          "checkpoints": [dataclasses.asdict(c) for c in checkpoints]},
+                         indent=1))
         return
     fields = [
         ("id", status.id), ("name", status.name), ("state", status.state),
@@ -301,6 +303,10 @@ def _print_status(status: JobStatus, as_json: bool, history: Sequence[JobTransit
             end = (f"ended {_time(a.ended_at)} ({a.cause}, step {a.step_reached})"
                    if a.ended_at else "running")
             print(f"  #{a.number}  started {_time(a.started_at)}, {end}")
+    if checkpoints:
+        print("checkpoints:")
+        for c in checkpoints:
+            print(f"  step {c.step}  {_time(c.saved_at)}  {c.path}")
     if hosts:
         print("input per host (running attempt):")
         for h in hosts:

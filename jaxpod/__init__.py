@@ -27,7 +27,7 @@ from jaxpod.errors import (
     WorkerLostError,
     WorkerStartError,
 )
-from jaxpod.jobs import JobAttempt, JobResult, JobStatus, JobTransition
+from jaxpod.jobs import JobAttempt, JobCheckpoint, JobResult, JobStatus, JobTransition
 from jaxpod.scope import get_strategy
 from jaxpod.tf_compat import InputReplicationMode, MultiStepContext, StrategyExtended
 from jaxpod.types import AutoShardPolicy, InputContext, InputOptions, ReduceOp, ValueContext
@@ -61,6 +61,7 @@ __all__ = [
     "Job",
     "JobAttempt",
     "JobCancelledError",
+    "JobCheckpoint",
     "JobFailedError",
     "JobNotFoundError",
     "JobResult",

@@ -131,12 +131,19 @@ class JobFailedError(JaxpodError):
 
 
 class JobCancelledError(JaxpodError):
-    """``result()`` of a job that ended ``CANCELLED``; ``reason`` says who or what did."""
+    """``result()`` of a job that ended ``CANCELLED``; ``reason`` says who or what did;
+    ``checkpoint`` is its last checkpoint (a ``jaxpod.JobCheckpoint``; ``None``: none),
+    which holds its state at that step."""
 
-    def __init__(self, job_id: str, reason: str) -> None:
+    def __init__(self, job_id: str, reason: str, checkpoint: Any = None) -> None:
         super().__init__(job_id, reason)
         self.job_id = job_id
         self.reason = reason
+        self.checkpoint = checkpoint
 
     def __str__(self) -> str:
-        return f"Job {self.args[0]} was cancelled ({self.args[1]}); it has no result."
+        where = ("it has no result and no checkpoint" if self.checkpoint is None else
+                 f"it has no result, but its last checkpoint, at step "
+                 f"{self.checkpoint.step}, holds its state: {self.checkpoint.path} "
+                 "(job.checkpoints() lists them)")
+        return f"Job {self.args[0]} was cancelled ({self.args[1]}); {where}."

@@ -108,6 +108,16 @@ class JobAttempt:
 
 
 @dataclass(frozen=True)
+class JobCheckpoint:
+    """A committed checkpoint of a job: ``step`` steps were done; ``path`` is where the
+    service's hosts wrote it; ``saved_at`` when (seconds since the epoch)."""
+
+    step: int
+    path: str
+    saved_at: float
+
+
+@dataclass(frozen=True)
 class JobResult:
     """A finished job's result.
 

@@ -548,7 +548,7 @@ class JobAttempt(_message.Message):
     def __init__(self, number: _Optional[int] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., cause: _Optional[str] = ..., step_reached: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "history", "attempt_records", "goodput", "hosts", "steps_per_s")
+    __slots__ = ("job_id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "history", "attempt_records", "goodput", "hosts", "steps_per_s", "checkpoints")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -581,6 +581,7 @@ class JobStatus(_message.Message):
     GOODPUT_FIELD_NUMBER: _ClassVar[int]
     HOSTS_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
     name: str
@@ -599,7 +600,8 @@ class JobStatus(_message.Message):
     goodput: _containers.ScalarMap[str, float]
     hosts: _containers.RepeatedCompositeFieldContainer[HostInput]
     steps_per_s: float
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., attempts: _Optional[int] = ..., queue_position: _Optional[int] = ..., error: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., history: _Optional[_Iterable[_Union[JobTransition, _Mapping]]] = ..., attempt_records: _Optional[_Iterable[_Union[JobAttempt, _Mapping]]] = ..., goodput: _Optional[_Mapping[str, float]] = ..., hosts: _Optional[_Iterable[_Union[HostInput, _Mapping]]] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
+    checkpoints: _containers.RepeatedCompositeFieldContainer[JobCheckpoint]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., attempts: _Optional[int] = ..., queue_position: _Optional[int] = ..., error: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., history: _Optional[_Iterable[_Union[JobTransition, _Mapping]]] = ..., attempt_records: _Optional[_Iterable[_Union[JobAttempt, _Mapping]]] = ..., goodput: _Optional[_Mapping[str, float]] = ..., hosts: _Optional[_Iterable[_Union[HostInput, _Mapping]]] = ..., steps_per_s: _Optional[float] = ..., checkpoints: _Optional[_Iterable[_Union[JobCheckpoint, _Mapping]]] = ...) -> None: ...
 
 class HostInput(_message.Message):
     __slots__ = ("host", "input_wait_s", "input_queue_depth")
@@ -658,3 +660,13 @@ class JobLogs(_message.Message):
     LINES_FIELD_NUMBER: _ClassVar[int]
     lines: _containers.RepeatedCompositeFieldContainer[LogLine]
     def __init__(self, lines: _Optional[_Iterable[_Union[LogLine, _Mapping]]] = ...) -> None: ...
+
+class JobCheckpoint(_message.Message):
+    __slots__ = ("step", "path", "saved_at")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SAVED_AT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    path: str
+    saved_at: float
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., saved_at: _Optional[float] = ...) -> None: ...

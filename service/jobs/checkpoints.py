@@ -93,6 +93,19 @@ class JobCheckpoints:
                     continue
         return sorted(found)
 
+    def listed(self) -> list[tuple[int, Path, float]]:
+        """Each committed checkpoint's step, folder and save time, oldest first (their
+        states are not read)."""
+        listed = []
+        for step in self.steps():
+            path = self._folder(step)
+            try:
+                saved_at = float(json.loads((path / "meta.json").read_text())["saved_at"])
+            except (OSError, ValueError, KeyError):  # pruned meanwhile
+                continue
+            listed.append((step, path, saved_at))
+        return listed
+
     def latest(self) -> Checkpoint | None:
         """The newest committed checkpoint, or None."""
         steps = self.steps()

@@ -144,8 +144,8 @@ _Blocking = Callable[..., Awaitable[Any]]
 
 
 def job_status(manager: JobManager, job_id: str, detail: bool = False) -> pb.JobStatus:
-    """The job as ``GetJob`` answers it; ``detail`` adds its history, attempts and the
-    running attempt's host input figures.
+    """The job as ``GetJob`` answers it; ``detail`` adds its history, attempts, the
+    running attempt's host input figures and its checkpoints.
 
     Raises:
       jaxpod.JobNotFoundError: no job has that id.
@@ -165,6 +165,9 @@ def job_status(manager: JobManager, job_id: str, detail: bool = False) -> pb.Job
             pb.HostInput(host=h.host, input_wait_s=h.input_wait_s,
                          input_queue_depth=h.input_queue_depth)
             for h in manager.host_inputs(job_id))
+        status.checkpoints.extend(
+            pb.JobCheckpoint(step=step, path=path, saved_at=saved_at)
+            for step, path, saved_at in manager.checkpoints(job_id))
     return status
 
 

@@ -260,6 +260,16 @@ class JobManager:
             self.events.changed(changed)
         return record
 
+    def checkpoints(self, job_id: str) -> list[tuple[int, str, float]]:
+        """The job's committed checkpoints: step, path and save time, oldest first.
+
+        Raises:
+          jaxpod.JobNotFoundError: no job has that id.
+        """
+        self.store.get(job_id)
+        return [(step, str(path), saved_at)
+                for step, path, saved_at in self._checkpoints(job_id).listed()]
+
     def holders(self) -> dict[str, str]:
         """Slice name -> the job holding it."""
         with self._lock:
@@ -510,9 +520,10 @@ class JobManager:
                 self.store.set_goodput(job_id, clock.stop())
 
     def _finish(self, job_id: str, state: Failed | Succeeded | Cancelled) -> None:
+        # Its last checkpoints stay: they hold a cancelled or failed job's state, and a
+        # large state that result(state=False) leaves on the hosts' storage.
         self._stop_clock(job_id)
         self._change(job_id, state)
-        self._checkpoints(job_id).remove_all()  # over: its result (or error) is stored
         logger.info("job %s %s", job_id, state.state.value)
 
     def _change(self, job_id: str, state: Any, reason: str | None = None) -> None:

@@ -351,6 +351,27 @@ def test_cancel_stops_a_running_job_and_the_next_one_starts(client: Any) -> None
     assert float(after.result().state["total"]) == 8.0  # two steps of 4 ones
 
 
+def test_a_cancelled_job_keeps_its_checkpoints_and_result_says_where(
+        client: Any, service: Service) -> None:
+    job = client.submit(counting_step, steps=100_000, accelerator_type="v4-8",
+                        initial_state={"total": np.float32(0)},
+                        dataset=[np.ones((4,), np.float32)], checkpoint_every=4)
+    assert wait_for(lambda: len(job.checkpoints()) >= 2, 120), job.status()
+    assert job.cancel().state == "CANCELLED"
+    saved = job.checkpoints()
+    steps = [c.step for c in saved]
+    assert steps == sorted(steps) and all(s % 4 == 0 and s > 0 for s in steps)
+    assert all(Path(c.path).is_dir() for c in saved)  # the service's own machine
+    with pytest.raises(jaxpod.JobCancelledError) as cancelled:
+        job.result()
+    assert cancelled.value.checkpoint == saved[-1]
+    assert f"at step {saved[-1].step}, holds its state: {saved[-1].path}" in str(
+        cancelled.value)
+    shown = _cli(service, "job", job.id)
+    assert shown.returncode == 0, shown.stderr
+    assert f"step {saved[-1].step}" in shown.stdout and saved[-1].path in shown.stdout
+
+
 def test_a_raising_step_fails_the_job_with_the_users_exception(client: Any) -> None:
     job = client.submit(failing_step, steps=3, accelerator_type="v4-8",
                         dataset=[np.ones((4,), np.float32)])
