@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import multihost_utils
+from jax.extend import core as jax_core
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -393,12 +394,14 @@ class Engine:
                 (state,), _ = jax.tree.unflatten(state_treedef, [s[0] for s in state_leaves])
             xs = ([a[0] for a in arrays], counts[0])
             first = jax.tree.map(lambda x: x[0], xs)
-            new_state, out = jax.eval_shape(step, state, first)
+            # One trace of the step serves both the carry's shapes and the loop's body.
+            traced, (new_state, out) = jax.make_jaxpr(step, return_shape=True)(state, first)
             _check_state(state, new_state)
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out)
+            call, results = jax_core.jaxpr_as_fun(traced), jax.tree.structure((new_state, out))
 
             def loop_body(carry: tuple[Any, Any], x: Any) -> tuple[tuple[Any, Any], None]:
-                new, out = step(carry[0], x)
+                new, out = jax.tree.unflatten(results, call(*jax.tree.leaves((carry[0], x))))
                 return (new, out), None
 
             (state, out), _ = lax.scan(loop_body, (state, zeros), xs)
