@@ -122,6 +122,18 @@ class HostStats:
 
 
 @dataclass(frozen=True)
+class HostNews:
+    """What a job's runner learns from one host between loops, in one round trip: the
+    lines its code printed since the last report, its input figures (as
+    :class:`HostStats` has them) and its preemption notice (``None``: none came)."""
+
+    lines: list[str]
+    input_wait_s: float
+    input_queue_depth: int
+    notice: Notice | None
+
+
+@dataclass(frozen=True)
 class HostReset:
     """What :class:`ResetHost` freed on one host, and what it kept for the next holder."""
 
@@ -429,6 +441,17 @@ class TakeOutput(Operation["list[str]"]):
 
 
 @dataclass(frozen=True)
+class HostReport(Operation[HostNews]):
+    """The host's news for a job's runner: printed lines (taken, as
+    :class:`TakeOutput` takes them), input figures and preemption notice."""
+
+    counts_as_work: ClassVar[bool] = False
+
+    def apply(self, host: Host) -> HostNews:
+        return host.host_report(self)
+
+
+@dataclass(frozen=True)
 class PreemptionNotices(Operation["Notice | None"]):
     """The host's notice of a coming preemption (``None``: none came). No device work:
     the coordinator asks after every on-device loop and before keeping a slice warm."""
@@ -477,6 +500,8 @@ class Host(Protocol):
     def take_output(self, op: TakeOutput) -> list[str]: ...
 
     def preemption_notices(self, op: PreemptionNotices) -> Notice | None: ...
+
+    def host_report(self, op: HostReport) -> HostNews: ...
 
     def replica_value(self, op: ReplicaValue) -> Any: ...
 

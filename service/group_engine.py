@@ -333,6 +333,11 @@ class GroupEngine:
         ``jax.debug.print`` text comes once the computation printing it has run."""
         return self._call(ops.TakeOutput())
 
+    def host_reports(self) -> list[ops.HostNews]:
+        """Each host's news for a job's runner, in host order, in one round trip: the
+        lines printed since the last take, its input figures and its preemption notice."""
+        return self._call(ops.HostReport())
+
     def preemption_notices(self, timeout: float | None = None) -> list[ops.Notice | None]:
         """Each host's notice of a coming preemption (``None`` where none came), in
         host order. A host with one is about to be killed: checkpoint and release.

@@ -238,12 +238,14 @@ class HostOperations(ops.Host):
     def stats(self, op: ops.Stats) -> ops.HostStats:
         held = self.store.stats()
         busy_s = self._busy.seconds() - self._busy_base
-        prefetched = sum(it.prefetched for it in self.iterators.values())
         return ops.HostStats(num_values=held.num_values, device_bytes=held.device_bytes,
                              num_iterators=len(self.iterators), busy_s=busy_s,
                              operations=self._operations,
                              input_wait_s=self.engine.input_wait.seconds(),
-                             input_queue_depth=prefetched)
+                             input_queue_depth=self._prefetched())
+
+    def _prefetched(self) -> int:
+        return sum(it.prefetched for it in self.iterators.values())
 
     def reset_host(self, op: ops.ResetHost) -> ops.HostReset:
         # Functions stay (their jitted programs stay compiled); the figures start over,
@@ -268,6 +270,12 @@ class HostOperations(ops.Host):
 
     def preemption_notices(self, op: ops.PreemptionNotices) -> ops.Notice | None:
         return preemption.notice()
+
+    def host_report(self, op: ops.HostReport) -> ops.HostNews:
+        return ops.HostNews(
+            lines=self._output.take(), input_wait_s=self.engine.input_wait.seconds(),
+            input_queue_depth=self._prefetched(),
+            notice=preemption.notice())
 
 
 def _unshipped(value: Any) -> Any:
