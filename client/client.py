@@ -276,7 +276,7 @@ class Client:
                             f"jobs` shows it). Got {job_id!r}.")
         reply = self.call(self.stub.GetJob, pb.JobRequest(job_id=job_id),
                           what=f"job({job_id!r})", idempotent=True, timeout=rpc.CONTROL_TIMEOUT)
-        return Job(self, reply.job_id or job_id, reply.name or reply.job_id or job_id)
+        return Job(self, reply.status.id or job_id, reply.status.name or job_id)
 
     def jobs(self, state: str | None = None) -> list[JobStatus]:
         """Every job the service knows (in the order it lists them), or only those

@@ -16,7 +16,6 @@ import numbers
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -25,36 +24,34 @@ from jaxpod import errors, trees
 from jaxpod.client import rpc
 from jaxpod.jobs import (
     JOB_STATES,
-    TERMINAL_STATES,
+    SUBMIT_DEFAULTS,
+    SUBMIT_KEYWORDS,
+    Attempt,
     Epochs,
     EpochsFn,
     HostInput,
     InitialState,
-    JobAttempt,
     JobCheckpoint,
+    JobDetails,
     JobResult,
+    JobSpec,
     JobStatus,
     JobStep,
-    JobTransition,
+    Transition,
     check_outputs,
     is_reiterable,
 )
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
+from jaxpod.proto.job_messages import from_message, to_message
 from jaxpod.timeouts import Timeout
 
 if TYPE_CHECKING:
     from jaxpod.client.client import Client
 
-#: ``client.submit``'s keyword arguments (what ``jaxpod submit FILE.py`` reads from it).
-SUBMIT_KEYWORDS = ("steps", "accelerator_type", "init_fn", "initial_state", "dataset",
-                   "dataset_fn", "steps_per_run", "outputs", "checkpoint_every", "name",
-                   "num_slices", "max_retries_preemption", "max_retries_failure")
-#: Their defaults (``client.submit``'s signature says the same; a test keeps them equal).
-SUBMIT_DEFAULTS: dict[str, Any] = {
-    "accelerator_type": None, "init_fn": None, "initial_state": None, "dataset": None,
-    "dataset_fn": None, "steps_per_run": 1, "outputs": None, "checkpoint_every": None,
-    "name": None, "num_slices": 1, "max_retries_preemption": 10, "max_retries_failure": 0}
+__all__ = ["SUBMIT_DEFAULTS", "SUBMIT_KEYWORDS", "Job", "build_spec", "check_state",
+           "submit_spec"]
+
 #: How long a broken watch stream is re-opened for while the service is unreachable
 #: (a coordinator restart); the window starts again with every status received.
 WATCH_RECONNECT_TIMEOUT = Timeout("JAXPOD_WATCH_RECONNECT_S", 120.0)
@@ -69,7 +66,7 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int, accelerator_type: str
                dataset_fn: Callable[..., Any] | None, steps_per_run: int,
                outputs: Mapping[str, Any] | None, checkpoint_every: int | None,
                name: str | None, num_slices: int, max_retries_preemption: int,
-               max_retries_failure: int) -> pb.JobSpec:
+               max_retries_failure: int) -> JobSpec:
     """Checks ``client.submit``'s arguments and builds the ``JobSpec`` it sends.
 
     Raises:
@@ -132,29 +129,30 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int, accelerator_type: str
     stateful = init_fn is not None or initial_state is not None
     has_input = dataset is not None or dataset_fn is not None
     step = JobStep(step_fn, tuple(checked_outputs), stateful=stateful, has_input=has_input)
-    spec = pb.JobSpec(
-        name=name or "", accelerator_type=accelerator_type or "", num_slices=num_slices,
-        steps=steps, steps_per_run=steps_per_run,
-        step_fn=ship_object(step, f"step_fn {_qualname(step_fn)}", _CAPTURE_FIX).payload,
-        outputs=checked_outputs, checkpoint_every=checkpoint_every or 0,
-        max_retries_preemption=max_retries_preemption,
-        max_retries_failure=max_retries_failure, runtime_versions=runtime_versions())
+    shipped: dict[str, bytes] = {}
     if init_fn is not None:
-        spec.init_fn = ship_object(init_fn, f"init_fn {_qualname(init_fn)}",
-                                   _CAPTURE_FIX).payload
+        shipped["init_fn"] = ship_object(init_fn, f"init_fn {_qualname(init_fn)}",
+                                         _CAPTURE_FIX).payload
     elif initial_state is not None:
-        spec.init_fn = ship_object(
+        shipped["init_fn"] = ship_object(
             InitialState(initial_state), f"initial_state ({type(initial_state).__name__})",
             "initial_state must be a nest of arrays and plain Python values.").payload
     if dataset is not None:
-        spec.dataset = ship_object(
+        shipped["dataset"] = ship_object(
             Epochs(dataset), f"dataset ({type(dataset).__name__})",
             "Pass a list of batches (numpy arrays or nests of them), or use dataset_fn= "
             "to build the data on the hosts.").payload
     elif dataset_fn is not None:
-        spec.dataset_fn = ship_object(EpochsFn(dataset_fn),
-                                      f"dataset_fn {_qualname(dataset_fn)}",
-                                      _CAPTURE_FIX).payload
+        shipped["dataset_fn"] = ship_object(EpochsFn(dataset_fn),
+                                            f"dataset_fn {_qualname(dataset_fn)}",
+                                            _CAPTURE_FIX).payload
+    spec = JobSpec(
+        steps=steps, accelerator_type=accelerator_type, steps_per_run=steps_per_run,
+        outputs=checked_outputs or None, checkpoint_every=checkpoint_every, name=name,
+        num_slices=num_slices, max_retries_preemption=max_retries_preemption,
+        max_retries_failure=max_retries_failure, runtime_versions=runtime_versions(),
+        step_fn=ship_object(step, f"step_fn {_qualname(step_fn)}", _CAPTURE_FIX).payload,
+        **shipped)
     _check_spec_size(spec)
     return spec
 
@@ -200,9 +198,9 @@ def _check_dataset(dataset: Any) -> None:
             "that builds the generator on each host.")
 
 
-def _check_spec_size(spec: pb.JobSpec) -> None:
+def _check_spec_size(spec: JobSpec) -> None:
     limit = tensors.MAX_MESSAGE_BYTES - _SPEC_SLACK_BYTES
-    size = spec.ByteSize()
+    size = to_message(spec).ByteSize()
     if size <= limit:
         return
     parts = {f: len(getattr(spec, f)) for f in ("step_fn", "init_fn", "dataset", "dataset_fn")}
@@ -227,39 +225,21 @@ def check_state(state: str | None) -> str:
     return wanted
 
 
-def submit_spec(client: Client, spec: pb.JobSpec) -> Job:
+def submit_spec(client: Client, spec: JobSpec) -> Job:
     """Sends a built spec (:func:`build_spec`); returns the submitted job."""
     client.check_open("submit")
     # Not retried: a submission that reached the service would run twice.
-    reply = client.call(client.stub.SubmitJob, spec, what="submit", timeout=rpc.CONTROL_TIMEOUT)
-    return Job(client, reply.job_id, reply.name or reply.job_id)
+    reply = client.call(client.stub.SubmitJob, to_message(spec), what="submit",
+                        timeout=rpc.CONTROL_TIMEOUT)
+    return Job(client, reply.id, reply.name or reply.id)
 
 
 def status_from(message: pb.JobStatus) -> JobStatus:
     """The :class:`jaxpod.JobStatus` a ``JobStatus`` message stands for."""
-    return JobStatus(
-        id=message.job_id, name=message.name, state=message.state, step=int(message.step),
-        steps=int(message.steps), attempts=int(message.attempts),
-        queue_position=None if message.queue_position < 0 else int(message.queue_position),
-        error=message.error or None, metrics=dict(message.metrics),
-        goodput=dict(message.goodput) or None,
-        created_at=message.created_at, started_at=message.started_at or None,
-        finished_at=message.finished_at or None, accelerator_type=message.accelerator_type,
-        steps_per_s=message.steps_per_s or None)
+    return from_message(JobStatus, message)
 
 
 # ------------------------------------------------------------------------- the job
-@dataclass(frozen=True)
-class JobDetails:
-    """One detailed read of a job (:meth:`Job.details`)."""
-
-    status: JobStatus
-    history: list[JobTransition]
-    attempts: list[JobAttempt]
-    hosts: list[HostInput]
-    checkpoints: list[JobCheckpoint]
-
-
 class Job:
     """A submitted job. It runs on the service whether or not this object (or its
     client) still exists; ``client.job(id)`` makes another from any process.
@@ -283,38 +263,29 @@ class Job:
 
     def status(self) -> JobStatus:
         """The job as the service last recorded it."""
-        return status_from(self._call("GetJob", pb.JobRequest(job_id=self.id), "status()"))
+        return status_from(self._call("GetJob", pb.JobRequest(job_id=self.id),
+                                      "status()").status)
 
-    def history(self) -> list[JobTransition]:
+    def history(self) -> list[Transition]:
         """Every state change of the job with its time and reason, oldest first."""
-        return self.details("history()").history
+        return list(self.details("history()").history)
 
-    def attempts(self) -> list[JobAttempt]:
+    def attempts(self) -> list[Attempt]:
         """Every attempt at running the job: start, end, cause and the step reached."""
-        return self.details("attempts()").attempts
+        return list(self.details("attempts()").attempts)
 
     def hosts(self) -> list[HostInput]:
         """Each host's input feed in the running attempt, as the service last read it
         (every ``JAXPOD_JOB_HOST_POLL_S``): the seconds its steps waited for input and the
         chunks it has ready. Empty when no attempt runs. A host whose wait grows while
         the others' stay near 0 is the one whose input holds the slice back."""
-        return self.details("hosts()").hosts
+        return list(self.details("hosts()").hosts)
 
     def details(self, what: str = "details()") -> JobDetails:
         """The status, history, attempts, host input figures and checkpoints, read at
         once."""
         reply = self._call("GetJob", pb.JobRequest(job_id=self.id, detail=True), what)
-        return JobDetails(
-            status=status_from(reply),
-            history=[JobTransition(t.from_state or None, t.to_state, t.at, t.reason)
-                     for t in reply.history],
-            attempts=[JobAttempt(a.number, a.started_at, a.ended_at or None, a.cause or None,
-                                 a.step_reached if a.ended_at else None)
-                      for a in reply.attempt_records],
-            hosts=[HostInput(h.host, h.input_wait_s, h.input_queue_depth)
-                   for h in reply.hosts],
-            checkpoints=[JobCheckpoint(int(c.step), c.path, c.saved_at)
-                         for c in reply.checkpoints])
+        return from_message(JobDetails, reply)
 
     def watch(self) -> Iterator[JobStatus]:
         """Yields the job's status once per change, starting with the current one; ends
@@ -385,7 +356,7 @@ class Job:
         """The job's committed checkpoints, oldest first: the step each holds the state
         of, where the service's hosts wrote it and when. A finished job keeps its last
         ones (a cancelled job's state is there)."""
-        return self.details("checkpoints()").checkpoints
+        return list(self.details("checkpoints()").checkpoints)
 
     def cancel(self) -> JobStatus:
         """Cancels the job: a queued one leaves the queue; a running one stops at its
@@ -426,7 +397,7 @@ class Job:
                     if status != last:  # a re-opened stream starts with the current status
                         last = status
                         yield status
-                    if status.state in TERMINAL_STATES:
+                    if status.done:
                         return
                 error: grpc.RpcError | None = None
             except grpc.RpcError as e:

@@ -1,29 +1,65 @@
-"""What a job is made of, shared by the client that submits it and the workers that run it.
+"""What a job is: every job concept, named once, and what its parts are made of.
 
-The client wraps the user's objects before shipping them (:func:`job_parts`): the step
-function in a :class:`JobStep`, which checks what it returns and keeps only the declared
-outputs; a dataset in :class:`Epochs` (or a ``dataset_fn`` in :class:`EpochsFn`), which
-starts over when the input runs out, so a job of ``steps`` steps never runs short; an
+The job's types are defined here and nowhere else: :class:`JobSpec` (what was submitted),
+:class:`JobState` (the state machine's names), :class:`JobStatus`, :class:`Transition`,
+:class:`Attempt`, :class:`HostInput`, :class:`JobCheckpoint`, :class:`JobDetails` and
+:class:`JobResult`. The job store, the job manager, the SDK and the HTTP API all use
+them; protobuf messages exist only at the gRPC edge (:mod:`jaxpod.proto.job_messages`
+converts, field by field, by name) and the HTTP API's models are derived from them.
+
+The client wraps the user's objects before shipping them: the step function in a
+:class:`JobStep`, which checks what it returns and keeps only the declared outputs; a
+dataset in :class:`Epochs` (or a ``dataset_fn`` in :class:`EpochsFn`), which starts over
+when the input runs out, so a job of ``steps`` steps never runs short; an
 ``initial_state`` in :class:`InitialState`, so every job's state starts as
 ``strategy.run(init_fn)``. The workers unpickle these by reference (this module is part
 of the installed package) and the user's code inside them by value.
-
-:class:`JobStatus` and :class:`JobResult` are what ``Job.status()`` and ``Job.result()``
-return.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from jaxpod.types import ReduceOp
 
-#: The states a job can be in (DESIGN §3); the last three are final.
-JOB_STATES = ("PENDING", "ALLOCATING", "RUNNING", "RETRYING", "SUCCEEDED", "FAILED",
-              "CANCELLED")
-TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+
+class JobState(enum.StrEnum):
+    """A job's state (DESIGN §3); the last three are final. A ``str``: it equals and
+    prints as its name."""
+
+    PENDING = "PENDING"
+    ALLOCATING = "ALLOCATING"
+    RUNNING = "RUNNING"
+    RETRYING = "RETRYING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+    @classmethod
+    def parse(cls, name: str | JobState) -> JobState:
+        """``name`` as a state, in any case; a clear error (listing the states) for
+        anything else."""
+        try:
+            return cls(str(name).upper())
+        except ValueError:
+            known = ", ".join(s.value for s in cls)
+            raise ValueError(f"Unknown job state {name!r}; expected one of {known} (any "
+                             "case).") from None
+
+
+#: States a job never leaves.
+TERMINAL_STATES: frozenset[JobState] = frozenset(
+    {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+#: Every state's name, in the order a job meets them.
+JOB_STATES: tuple[str, ...] = tuple(s.value for s in JobState)
 
 
 @dataclass(frozen=True)
@@ -33,15 +69,16 @@ class JobStatus:
     Attributes:
       id: the job's id (what ``client.job(id)`` and ``jaxpod job ID`` take).
       name: its name (its id unless given at submit).
-      state: ``"PENDING"``, ``"ALLOCATING"``, ``"RUNNING"``, ``"RETRYING"``,
-        ``"SUCCEEDED"``, ``"FAILED"`` or ``"CANCELLED"``.
+      state: a :class:`JobState` (a ``str``: ``status.state == "RUNNING"``).
       step: steps done; steps: steps asked for.
       attempts: attempts started so far (a retried job has more than one).
       queue_position: 0 is next for a free slice; ``None`` when not queued.
       error: for a ``FAILED`` job, the reason (the user's exception type, message and
-        remote traceback, or what the service saw).
+        remote traceback, or what the service saw); for a ``CANCELLED`` one, who or
+        what cancelled it.
       metrics: each declared output's latest reduced value.
-      goodput: seconds by category and the productive share (``None`` until recorded).
+      goodput: seconds by category, ``wall_s`` and ``productive_share`` (``None``
+        until recorded).
       created_at, started_at, finished_at: seconds since the epoch (``None``: not yet).
       accelerator_type: the slice type it runs on.
       steps_per_s: steps per wall-clock second: the running attempt's over its recent
@@ -51,7 +88,7 @@ class JobStatus:
 
     id: str
     name: str
-    state: str
+    state: JobState
     step: int
     steps: int
     attempts: int
@@ -72,6 +109,31 @@ class JobStatus:
 
 
 @dataclass(frozen=True)
+class Transition:
+    """One state change of a job; ``from_state`` is ``None`` for its submission."""
+
+    from_state: JobState | None
+    to_state: JobState
+    at: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt at running a job (1 is the first). ``ended_at`` and ``step_reached``
+    are ``None`` while it runs; ``running_at`` and ``start_step`` say when it began
+    running steps and from which (``None``: it never did)."""
+
+    number: int
+    started_at: float
+    ended_at: float | None
+    cause: str | None
+    step_reached: int | None
+    running_at: float | None = None
+    start_step: int | None = None
+
+
+@dataclass(frozen=True)
 class HostInput:
     """One host's input feed in a job's running attempt, as the service last read it.
 
@@ -87,27 +149,6 @@ class HostInput:
 
 
 @dataclass(frozen=True)
-class JobTransition:
-    """One state change of a job; ``from_state`` is None for its submission."""
-
-    from_state: str | None
-    to_state: str
-    at: float
-    reason: str
-
-
-@dataclass(frozen=True)
-class JobAttempt:
-    """One attempt at running a job (1 is the first); ``ended_at`` None: running."""
-
-    number: int
-    started_at: float
-    ended_at: float | None
-    cause: str | None
-    step_reached: int | None
-
-
-@dataclass(frozen=True)
 class JobCheckpoint:
     """A committed checkpoint of a job: ``step`` steps were done; ``path`` is where the
     service's hosts wrote it; ``saved_at`` when (seconds since the epoch)."""
@@ -115,6 +156,77 @@ class JobCheckpoint:
     step: int
     path: str
     saved_at: float
+
+
+@dataclass(frozen=True)
+class JobDetails:
+    """A job read in full: its status, every state change, every attempt, each host's
+    input feed in the running attempt and its committed checkpoints (oldest first)."""
+
+    status: JobStatus
+    history: tuple[Transition, ...] = ()
+    attempts: tuple[Attempt, ...] = ()
+    hosts: tuple[HostInput, ...] = ()
+    checkpoints: tuple[JobCheckpoint, ...] = ()
+
+
+#: The names these types had in the SDK before they were the service's too.
+JobTransition = Transition
+JobAttempt = Attempt
+
+
+def _shipped(*keywords: str) -> Any:
+    """A :class:`JobSpec` field holding the user's object of ``keywords`` (what
+    ``client.submit`` takes for it), pickled by value; empty: not given."""
+    return field(default=b"", metadata={"submit": keywords})
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A job as submitted: ``client.submit``'s keyword arguments, in its order, with the
+    user's objects shipped (cloudpickle; only the workers load them). The submit
+    keywords, their order and defaults are derived from these fields
+    (:data:`SUBMIT_KEYWORDS`); ``init_fn`` also carries an ``initial_state``."""
+
+    steps: int
+    accelerator_type: str | None = None
+    init_fn: bytes = _shipped("init_fn", "initial_state")
+    dataset: bytes = _shipped("dataset")
+    dataset_fn: bytes = _shipped("dataset_fn")
+    steps_per_run: int = 1
+    outputs: Mapping[str, str] | None = None
+    checkpoint_every: int | None = None
+    name: str | None = None
+    num_slices: int = 1
+    max_retries_preemption: int = 10
+    max_retries_failure: int = 0
+    step_fn: bytes = _shipped()  # submit's positional argument
+    runtime_versions: Mapping[str, str] | None = field(default=None,
+                                                        metadata={"submit": ()})
+
+    def declared_outputs(self) -> Mapping[str, str]:
+        """Each declared output's reduce op (empty: none)."""
+        return self.outputs or {}
+
+    def replace(self, **changes: Any) -> JobSpec:
+        return dataclasses.replace(self, **changes)
+
+
+def _submit_keywords() -> dict[str, Any]:
+    keywords: dict[str, Any] = {}
+    for f in dataclasses.fields(JobSpec):
+        names = f.metadata.get("submit", (f.name,))
+        for name in names:
+            shipped = "submit" in f.metadata
+            keywords[name] = None if shipped or f.default is dataclasses.MISSING else f.default
+    return keywords
+
+
+#: ``client.submit``'s keyword arguments after ``step_fn``, in order, with their
+#: defaults (``steps`` has none: ``None`` here); ``jaxpod submit FILE.py`` reads them.
+SUBMIT_DEFAULTS: dict[str, Any] = {k: v for k, v in _submit_keywords().items()
+                                   if k != "steps"}
+SUBMIT_KEYWORDS: tuple[str, ...] = tuple(_submit_keywords())
 
 
 @dataclass(frozen=True)

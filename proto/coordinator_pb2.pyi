@@ -534,21 +534,25 @@ class JobTransition(_message.Message):
     def __init__(self, from_state: _Optional[str] = ..., to_state: _Optional[str] = ..., at: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JobAttempt(_message.Message):
-    __slots__ = ("number", "started_at", "ended_at", "cause", "step_reached")
+    __slots__ = ("number", "started_at", "ended_at", "cause", "step_reached", "running_at", "start_step")
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     ENDED_AT_FIELD_NUMBER: _ClassVar[int]
     CAUSE_FIELD_NUMBER: _ClassVar[int]
     STEP_REACHED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_AT_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
     number: int
     started_at: float
     ended_at: float
     cause: str
     step_reached: int
-    def __init__(self, number: _Optional[int] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., cause: _Optional[str] = ..., step_reached: _Optional[int] = ...) -> None: ...
+    running_at: float
+    start_step: int
+    def __init__(self, number: _Optional[int] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., cause: _Optional[str] = ..., step_reached: _Optional[int] = ..., running_at: _Optional[float] = ..., start_step: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "history", "attempt_records", "goodput", "hosts", "steps_per_s", "checkpoints")
+    __slots__ = ("id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "goodput", "steps_per_s")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -563,7 +567,7 @@ class JobStatus(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
-    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -576,13 +580,9 @@ class JobStatus(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
-    HISTORY_FIELD_NUMBER: _ClassVar[int]
-    ATTEMPT_RECORDS_FIELD_NUMBER: _ClassVar[int]
     GOODPUT_FIELD_NUMBER: _ClassVar[int]
-    HOSTS_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
-    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
-    job_id: str
+    id: str
     state: str
     name: str
     accelerator_type: str
@@ -595,13 +595,9 @@ class JobStatus(_message.Message):
     created_at: float
     started_at: float
     finished_at: float
-    history: _containers.RepeatedCompositeFieldContainer[JobTransition]
-    attempt_records: _containers.RepeatedCompositeFieldContainer[JobAttempt]
     goodput: _containers.ScalarMap[str, float]
-    hosts: _containers.RepeatedCompositeFieldContainer[HostInput]
     steps_per_s: float
-    checkpoints: _containers.RepeatedCompositeFieldContainer[JobCheckpoint]
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., attempts: _Optional[int] = ..., queue_position: _Optional[int] = ..., error: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., history: _Optional[_Iterable[_Union[JobTransition, _Mapping]]] = ..., attempt_records: _Optional[_Iterable[_Union[JobAttempt, _Mapping]]] = ..., goodput: _Optional[_Mapping[str, float]] = ..., hosts: _Optional[_Iterable[_Union[HostInput, _Mapping]]] = ..., steps_per_s: _Optional[float] = ..., checkpoints: _Optional[_Iterable[_Union[JobCheckpoint, _Mapping]]] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., attempts: _Optional[int] = ..., queue_position: _Optional[int] = ..., error: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., goodput: _Optional[_Mapping[str, float]] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
 
 class HostInput(_message.Message):
     __slots__ = ("host", "input_wait_s", "input_queue_depth")
@@ -612,6 +608,30 @@ class HostInput(_message.Message):
     input_wait_s: float
     input_queue_depth: int
     def __init__(self, host: _Optional[int] = ..., input_wait_s: _Optional[float] = ..., input_queue_depth: _Optional[int] = ...) -> None: ...
+
+class JobCheckpoint(_message.Message):
+    __slots__ = ("step", "path", "saved_at")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SAVED_AT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    path: str
+    saved_at: float
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., saved_at: _Optional[float] = ...) -> None: ...
+
+class JobDetails(_message.Message):
+    __slots__ = ("status", "history", "attempts", "hosts", "checkpoints")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    status: JobStatus
+    history: _containers.RepeatedCompositeFieldContainer[JobTransition]
+    attempts: _containers.RepeatedCompositeFieldContainer[JobAttempt]
+    hosts: _containers.RepeatedCompositeFieldContainer[HostInput]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[JobCheckpoint]
+    def __init__(self, status: _Optional[_Union[JobStatus, _Mapping]] = ..., history: _Optional[_Iterable[_Union[JobTransition, _Mapping]]] = ..., attempts: _Optional[_Iterable[_Union[JobAttempt, _Mapping]]] = ..., hosts: _Optional[_Iterable[_Union[HostInput, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[JobCheckpoint, _Mapping]]] = ...) -> None: ...
 
 class JobList(_message.Message):
     __slots__ = ("jobs",)
@@ -660,13 +680,3 @@ class JobLogs(_message.Message):
     LINES_FIELD_NUMBER: _ClassVar[int]
     lines: _containers.RepeatedCompositeFieldContainer[LogLine]
     def __init__(self, lines: _Optional[_Iterable[_Union[LogLine, _Mapping]]] = ...) -> None: ...
-
-class JobCheckpoint(_message.Message):
-    __slots__ = ("step", "path", "saved_at")
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    PATH_FIELD_NUMBER: _ClassVar[int]
-    SAVED_AT_FIELD_NUMBER: _ClassVar[int]
-    step: int
-    path: str
-    saved_at: float
-    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., saved_at: _Optional[float] = ...) -> None: ...

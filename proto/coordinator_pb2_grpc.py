@@ -142,7 +142,7 @@ class CoordinatorStub:
         self.GetJob = channel.unary_unary(
                 '/jaxpod.v1.Coordinator/GetJob',
                 request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
-                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.FromString,
+                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobDetails.FromString,
                 _registered_method=True)
         self.ListJobs = channel.unary_unary(
                 '/jaxpod.v1.Coordinator/ListJobs',
@@ -316,7 +316,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetJob(self, request, context):
-        """with history and attempts if detail
+        """history, attempts... only if detail
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -471,7 +471,7 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'GetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJob,
                     request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.FromString,
-                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.SerializeToString,
+                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobDetails.SerializeToString,
             ),
             'ListJobs': grpc.unary_unary_rpc_method_handler(
                     servicer.ListJobs,
@@ -1097,7 +1097,7 @@ class Coordinator:
             target,
             '/jaxpod.v1.Coordinator/GetJob',
             jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
-            jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.FromString,
+            jaxpod_dot_proto_dot_coordinator__pb2.JobDetails.FromString,
             options,
             channel_credentials,
             insecure,

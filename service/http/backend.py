@@ -15,12 +15,11 @@ from typing import Any, cast
 
 import jaxpod
 from jaxpod.errors import JaxpodError
+from jaxpod.jobs import JobState, JobStatus
 from jaxpod.proto import tensors
 from jaxpod.service.coordinator import CoordinatorService
 from jaxpod.service.http import models
-from jaxpod.service.jobs import handlers
 from jaxpod.service.jobs.manager import JobManager
-from jaxpod.service.jobs.states import JobState
 
 #: How long the readiness check waits for the job store's write lock.
 STORE_CHECK_TIMEOUT_S = 1.0
@@ -88,7 +87,7 @@ class Backend:
     # ------------------------------------------------------------------ jobs
     def job_list(self, state: str | None, limit: int, offset: int) -> models.JobList:
         manager = self.jobs
-        statuses = handlers.list_statuses(manager, state, limit, offset)
+        statuses = manager.statuses(state, limit, offset)
         total = (offset + len(statuses) if len(statuses) < limit and (statuses or not offset)
                  else len(manager.store.list(state)))
         return models.JobList(jobs=[models.summary_of(s) for s in statuses], total=total,
@@ -97,24 +96,23 @@ class Backend:
     def job_detail(self, job_id: str, points: int = 0) -> models.JobDetail:
         """The job's detail; ``points``: at most this many points per series (0: all)."""
         manager = self.jobs
-        status = handlers.job_status(manager, job_id, detail=True)
-        return models.detail_of(status, manager.store.metrics(job_id), points)
+        return models.detail_of(manager.details(job_id), manager.store.metrics(job_id), points)
 
     def job_counts(self) -> dict[str, int]:
         """Jobs by state (every state, zeros included)."""
         counts = dict.fromkeys((s.value for s in JobState), 0)
         if self.service.jobs is not None:
-            for record in self.service.jobs.store.list():
-                counts[record.state.value] += 1
+            for status in self.service.jobs.store.list():
+                counts[status.state.value] += 1
         return counts
 
-    def unfinished(self) -> list[Any]:
+    def unfinished(self) -> list[JobStatus]:
         """Statuses of the jobs not over yet (what per-job metrics cover)."""
         if self.service.jobs is None:
             return []
         manager = self.service.jobs
         return [s for state in JobState if not state.is_terminal
-                for s in handlers.list_statuses(manager, state.value)]
+                for s in manager.statuses(state.value)]
 
     # ------------------------------------------------------------------ readiness
     def readiness(self) -> models.Readiness:

@@ -201,20 +201,20 @@ class ServiceCollector(Collector):
             "jaxpod_host_input_queue_depth", "Chunks of steps_per_run steps a host's infeed "
             "has ready, in the job's running attempt.", labels=(*labels, "host"))
         for status in backend.unfinished():
-            key = (status.job_id, status.name)
-            step.add_metric(key, status.step)
+            job = (status.id, status.name)
+            step.add_metric(job, status.step)
             if status.steps_per_s:
-                rate.add_metric(key, status.steps_per_s)
-            goodput = dict(status.goodput)
+                rate.add_metric(job, status.steps_per_s)
+            goodput = dict(status.goodput or {})
             if goodput:
-                share.add_metric(key, goodput.get("productive_share", 0.0))
-                compile_s.add_metric(key, goodput.get("compiling", 0.0))
-                input_wait.add_metric(key, goodput.get("input_wait", 0.0))
+                share.add_metric(job, goodput.get("productive_share", 0.0))
+                compile_s.add_metric(job, goodput.get("compiling", 0.0))
+                input_wait.add_metric(job, goodput.get("input_wait", 0.0))
             for category, seconds in sorted(goodput.items()):
                 if category not in ("wall_s", "productive_share"):
-                    categories.add_metric((*key, category), seconds)
-            for host in backend.jobs.host_inputs(status.job_id):
-                host_wait.add_metric((*key, str(host.host)), host.input_wait_s)
-                host_depth.add_metric((*key, str(host.host)), host.input_queue_depth)
+                    categories.add_metric((*job, category), seconds)
+            for host in backend.jobs.host_inputs(status.id):
+                host_wait.add_metric((*job, str(host.host)), host.input_wait_s)
+                host_depth.add_metric((*job, str(host.host)), host.input_queue_depth)
         yield from (step, rate, share, compile_s, input_wait, categories, host_wait,
                     host_depth)

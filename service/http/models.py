@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 
-from jaxpod.proto import coordinator_pb2 as pb
-
-if TYPE_CHECKING:
-    from jaxpod.jobs import HostInput
+from jaxpod.jobs import (
+    Attempt,
+    HostInput,
+    JobCheckpoint,
+    JobDetails,
+    JobState,
+    JobStatus,
+    Transition,
+)
 
 _P = TypeVar("_P")
 
-JobStateName = Literal["PENDING", "ALLOCATING", "RUNNING", "RETRYING", "SUCCEEDED", "FAILED",
-                       "CANCELLED"]
+JobStateName: TypeAlias = JobState
 ClusterState = Literal["connecting", "ready", "failed"]
 SliceState = Literal["free", "busy", "unhealthy"]
 
@@ -78,28 +84,43 @@ class Sessions(BaseModel):
     sessions: list[SessionInfo]
 
 
-class JobSummary(BaseModel):
-    id: str
-    name: str
-    state: JobStateName
-    accelerator_type: str
-    step: int
-    steps: int
-    attempts: int
-    queue_position: int | None
-    error: str | None
-    metrics: dict[str, float | None] = Field(description="each output's latest value "
-                                                         "(null: NaN)")
-    steps_per_s: float | None = Field(
-        description="steps per wall-clock second: the running attempt's over its recent "
-                    "loops, else the last attempt's over its running time")
-    steps_per_productive_s: float | None = Field(
-        description="steps per productive second (goodput): the step rate with "
-                    "compilation, lost work, checkpoints and bookkeeping taken out")
-    productive_share: float | None
-    created_at: float
-    started_at: float | None
-    finished_at: float | None
+def derived(cls: type, name: str, *, drop: Sequence[str] = (), **extra: Any) -> Any:
+    """A pydantic model with dataclass ``cls``'s fields (less ``drop``; ``extra`` adds
+    or replaces fields, as ``create_model`` takes them): the one place the API's models
+    are made from the job types of :mod:`jaxpod.jobs`."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: (hints[f.name], ...) for f in dataclasses.fields(cls)
+              if f.name not in drop}
+    return create_model(name, __doc__=cls.__doc__, **{**fields, **extra})
+
+
+if TYPE_CHECKING:  # made at run time: mypy sees them as Any
+    JobSummary: TypeAlias = Any
+    JobDetail: TypeAlias = Any
+else:
+    JobSummary = derived(
+        JobStatus, "JobSummary", drop=("goodput",),
+        metrics=(dict[str, float | None],
+                 Field(description="each output's latest value (null: NaN)")),
+        productive_share=(float | None, Field(description="the productive share of the "
+                                                          "job's wall time (goodput)")),
+        steps_per_productive_s=(float | None, Field(
+            description="steps per productive second (goodput): the step rate with "
+                        "compilation, lost work, checkpoints and bookkeeping taken out")))
+    JobDetail = create_model(
+        "JobDetail", __base__=JobSummary,
+        history=(list[Transition], ...),
+        attempt_records=(list[Attempt], ...),
+        goodput=(dict[str, float], Field(description="seconds by category, wall_s and "
+                                                     "productive_share (empty: none yet)")),
+        series=(dict[str, list[tuple[int, float | None]]], Field(
+            description="each metric: [step, value] by step (null: NaN); with `points`, "
+                        "at most that many, evenly spaced, the first and last kept")),
+        hosts=(list[HostInput], Field(description="each host's input feed in the running "
+                                                  "attempt, as last read (empty when none "
+                                                  "runs)")),
+        checkpoints=(list[JobCheckpoint], Field(description="committed checkpoints, "
+                                                            "oldest first")))
 
 
 class JobList(BaseModel):
@@ -107,42 +128,6 @@ class JobList(BaseModel):
     total: int = Field(description="jobs matching the filter, over all pages")
     limit: int
     offset: int
-
-
-class Transition(BaseModel):
-    from_state: JobStateName | None
-    to_state: JobStateName
-    at: float
-    reason: str
-
-
-class AttemptInfo(BaseModel):
-    number: int
-    started_at: float
-    ended_at: float | None
-    cause: str | None
-    step_reached: int | None
-
-
-class HostInputInfo(BaseModel):
-    host: int = Field(description="the host's index in the slice")
-    input_wait_s: float = Field(description="seconds its steps waited for input that was "
-                                            "not ready yet, in the running attempt")
-    input_queue_depth: int = Field(description="chunks of steps_per_run steps its infeed "
-                                               "has ready")
-
-
-class JobDetail(JobSummary):
-    history: list[Transition]
-    attempt_records: list[AttemptInfo]
-    goodput: dict[str, float] = Field(description="seconds by category, wall_s and "
-                                                  "productive_share (empty: none yet)")
-    series: dict[str, list[tuple[int, float | None]]] = Field(
-        description="each metric: [step, value] by step (null: NaN); with `points`, at "
-                    "most that many, evenly spaced, the first and last kept")
-    hosts: list[HostInputInfo] = Field(
-        default_factory=list, description="each host's input feed in the running attempt, "
-                                          "as last read (empty when no attempt runs)")
 
 
 class Health(BaseModel):
@@ -159,29 +144,23 @@ def finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def steps_per_productive_s(status: pb.JobStatus) -> float | None:
+def steps_per_productive_s(status: JobStatus) -> float | None:
     """Steps per productive second, from the goodput clock (``None`` before any)."""
-    productive = status.goodput.get("productive", 0.0)
+    productive = (status.goodput or {}).get("productive", 0.0)
     return status.step / productive if productive > 0 and status.step else None
 
 
-def summary_of(status: pb.JobStatus) -> JobSummary:
-    return JobSummary(**_summary_fields(status))
+def summary_of(status: JobStatus) -> Any:
+    """``status`` as the API's :data:`JobSummary`."""
+    return JobSummary.model_validate(_summary_fields(status))
 
 
-def _summary_fields(status: pb.JobStatus) -> dict[str, Any]:
-    share = status.goodput.get("productive_share")
-    return dict(
-        id=status.job_id, name=status.name, state=status.state,
-        accelerator_type=status.accelerator_type, step=status.step, steps=status.steps,
-        attempts=status.attempts,
-        queue_position=None if status.queue_position < 0 else status.queue_position,
-        error=status.error or None,
-        metrics={k: finite(v) for k, v in sorted(status.metrics.items())},
-        steps_per_s=status.steps_per_s or None,
-        steps_per_productive_s=steps_per_productive_s(status), productive_share=share,
-        created_at=status.created_at, started_at=status.started_at or None,
-        finished_at=status.finished_at or None)
+def _summary_fields(status: JobStatus) -> dict[str, Any]:
+    fields = {f.name: getattr(status, f.name) for f in dataclasses.fields(status)}
+    fields.pop("goodput")
+    return {**fields, "metrics": {k: finite(v) for k, v in sorted(status.metrics.items())},
+            "productive_share": (status.goodput or {}).get("productive_share"),
+            "steps_per_productive_s": steps_per_productive_s(status)}
 
 
 def thin(points: Sequence[_P], at_most: int) -> list[_P]:
@@ -196,23 +175,12 @@ def thin(points: Sequence[_P], at_most: int) -> list[_P]:
     return [points[round(i * (n - 1) / (at_most - 1))] for i in range(at_most)]
 
 
-def detail_of(status: pb.JobStatus, series: dict[str, list[tuple[int, float]]],
-              points: int = 0) -> JobDetail:
-    """``status`` (read with ``detail``: history, attempts and hosts) and its series."""
-    return JobDetail(
-        **_summary_fields(status),
-        history=[Transition(from_state=t.from_state or None, to_state=t.to_state, at=t.at,
-                            reason=t.reason) for t in status.history],
-        attempt_records=[AttemptInfo(number=a.number, started_at=a.started_at,
-                                     ended_at=a.ended_at or None, cause=a.cause or None,
-                                     step_reached=a.step_reached if a.ended_at else None)
-                         for a in status.attempt_records],
-        goodput=dict(status.goodput),
-        series={name: [(step, finite(v)) for step, v in thin(kept, points)]
-                for name, kept in sorted(series.items())},
-        hosts=host_inputs(status.hosts))
-
-
-def host_inputs(hosts: Sequence[HostInput | pb.HostInput]) -> list[HostInputInfo]:
-    return [HostInputInfo(host=h.host, input_wait_s=h.input_wait_s,
-                          input_queue_depth=h.input_queue_depth) for h in hosts]
+def detail_of(details: JobDetails, series: dict[str, list[tuple[int, float]]],
+              points: int = 0) -> Any:
+    """``details`` and the job's metric series as the API's :data:`JobDetail`."""
+    return JobDetail.model_validate({
+        **_summary_fields(details.status), "history": list(details.history),
+        "attempt_records": list(details.attempts), "goodput": dict(details.status.goodput or {}),
+        "series": {name: [(step, finite(v)) for step, v in thin(kept, points)]
+                   for name, kept in sorted(series.items())},
+        "hosts": list(details.hosts), "checkpoints": list(details.checkpoints)})

@@ -21,10 +21,10 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
+from jaxpod.jobs import HostInput
 from jaxpod.service.http import models
 from jaxpod.service.http.backend import Backend
 from jaxpod.service.jobs import handlers
-from jaxpod.service.jobs.states import JobState
 from jaxpod.timeouts import Timeout
 
 #: The most jobs one page of ``GET /api/v1/jobs`` holds.
@@ -188,7 +188,7 @@ async def cancel_job(backend: BackendDep, job_id: JobId) -> models.JobSummary:
                                       "change (the latest; at most one per "
                                       "JAXPOD_HTTP_EVENTS_INTERVAL_S), `metrics` ({name: "
                                       "[[step, value]]}: the points not sent yet), `hosts` "
-                                      "({hosts: [HostInputInfo]}: each host's input feed in "
+                                      "({hosts: [HostInput]}: each host's input feed in "
                                       "the running attempt, when it changed), `end` once "
                                       "the job is over"}},
     summary="Server-sent events of the job's status changes and metrics")
@@ -207,7 +207,7 @@ def _sse(event: str, data: Any) -> bytes:
 async def _events(backend: Backend, job_id: str) -> AsyncIterator[bytes]:
     manager = backend.jobs
     sent: dict[str, int] = {}  # series -> the last step sent
-    hosts_sent: list[models.HostInputInfo] = []
+    hosts_sent: tuple[HostInput, ...] = ()
 
     def new_points() -> dict[str, list[tuple[int, float | None]]]:
         fresh = {}
@@ -242,11 +242,11 @@ async def _events(backend: Backend, job_id: str) -> AsyncIterator[bytes]:
             fresh = await _blocking(new_points)
             if fresh:
                 yield _sse("metrics", {"series": fresh})
-            hosts = models.host_inputs(manager.host_inputs(job_id))
+            hosts = manager.host_inputs(job_id)
             if hosts != hosts_sent:
-                yield _sse("hosts", {"hosts": [h.model_dump() for h in hosts]})
+                yield _sse("hosts", {"hosts": [dataclasses.asdict(h) for h in hosts]})
                 hosts_sent = hosts
-            if not JobState(status.state).is_terminal:
+            if not status.state.is_terminal:
                 # Changes meanwhile are coalesced: the next read gets the latest.
                 await asyncio.wait({stop}, timeout=EVENTS_INTERVAL.seconds())
         yield _sse("end", {"id": job_id})

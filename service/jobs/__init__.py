@@ -1,14 +1,24 @@
-"""Jobs (DESIGN §3, issue 15): submitted step functions that outlive their client.
+"""Jobs (DESIGN §3): submitted step functions that outlive their client. The job's types
+are :mod:`jaxpod.jobs`'s; these are the parts of the service that run jobs.
 
 * :mod:`jaxpod.service.jobs.states` -- the job state machine: one small class per state,
-  the allowed transitions in one place;
+  carrying its data, and the allowed transitions in one place;
+* :mod:`jaxpod.service.jobs.controller` -- ``JobController``: one job's life as that
+  state machine (``_step(state) -> next state``), every change told to callbacks;
+* :mod:`jaxpod.service.jobs.policies` -- what decides: the failure policy (retry
+  budgets) and the queue policy (FIFO per accelerator type), each behind a Protocol;
+* :mod:`jaxpod.service.jobs.manager` -- ``JobManager``: the queue, the dispatcher, one
+  controller thread per started job, and the reads that show jobs as they are now;
+* :mod:`jaxpod.service.jobs.runner` -- one attempt of a job on a held slice: the loop of
+  ``steps_per_run`` steps, outputs reduced into metrics, the hosts' reports read;
 * :mod:`jaxpod.service.jobs.store` -- ``JobStore``: jobs, their history, attempts,
   metrics, logs and results in SQLite (WAL) under the state dir, with schema migrations;
-* :mod:`jaxpod.service.jobs.manager` -- ``JobManager``: a FIFO queue per accelerator
-  type, the dispatcher, one runner thread per job, cancellation and retry budgets;
-* :mod:`jaxpod.service.jobs.runner` -- one attempt of a job on a held slice: the loop of
-  ``steps_per_run`` steps, outputs reduced into metrics, logs collected;
-* :mod:`jaxpod.service.jobs.handlers` -- the job RPCs (a mixin of the coordinator).
+  :mod:`~jaxpod.service.jobs.codec` and :mod:`~jaxpod.service.jobs.files` keep trees
+  and files for it;
+* :mod:`jaxpod.service.jobs.checkpoints`, :mod:`jaxpod.service.jobs.goodput` -- a job's
+  checkpoints and where its wall time goes;
+* :mod:`jaxpod.service.jobs.handlers` -- the job RPCs (a mixin of the coordinator), the
+  only place job types become protobuf messages and back (:mod:`jaxpod.proto.job_messages`).
 
 Nothing is imported here, so importing one part does not load the others.
 """

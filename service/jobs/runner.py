@@ -27,7 +27,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +42,15 @@ from jaxpod.errors import (
     WorkerLostError,
     WorkerStartError,
 )
-from jaxpod.jobs import HostInput, InitialState, NoInput, ResumedInput, ResumedInputFn
-from jaxpod.proto import coordinator_pb2 as pb
+from jaxpod.jobs import (
+    HostInput,
+    InitialState,
+    JobSpec,
+    NoInput,
+    ResumedInput,
+    ResumedInputFn,
+)
+from jaxpod.operations import HostNews
 from jaxpod.service.group_engine import DefinedFunction, GroupEngine, GroupValue
 from jaxpod.service.jobs import goodput
 from jaxpod.service.jobs.checkpoints import Checkpoint, JobCheckpoints
@@ -103,46 +110,50 @@ class Finished:
     steps: int
 
 
-class JobRun:
-    """Runs one attempt of job ``job_id`` on ``engine``.
+@dataclass(frozen=True)
+class RunContext:
+    """What an attempt works with besides its slice.
 
-    Args:
-      job_id: the job.
-      spec: what the client submitted.
-      engine: the held slice's replica group.
+    Attributes:
       store: where progress, metrics and logs go.
       checkpoints: the job's checkpoints (written here; ``resume`` came from there).
       resume: the checkpoint to start from (``None``: from the beginning).
-      stop: set to stop between loops; ``stop_reason()`` then says why, and
-        ``checkpoint_on_stop()`` whether to checkpoint first (the service stopping).
-      changed: called after each recorded change (watchers wake up).
+      stop: asks the attempt to stop between loops, saying why (when the service is
+        stopping, it checkpoints first).
       clock: the job's goodput clock (the runner switches it between setup, steps,
-        checkpointing and bookkeeping).
+        metrics, monitoring, checkpointing and the result).
+      on_progress: called after each recorded loop (watchers wake up).
       redo_until: the furthest step an earlier attempt reached: steps up to it that
         this attempt runs again count as lost work.
     """
 
-    def __init__(self, job_id: str, spec: pb.JobSpec, engine: GroupEngine, store: JobStore,
-                 checkpoints: JobCheckpoints, resume: Checkpoint | None,
-                 stop: threading.Event, stop_reason: Callable[[], str],
-                 checkpoint_on_stop: Callable[[], bool],
-                 changed: Callable[[], None], clock: GoodputClock,
-                 redo_until: int = 0) -> None:
+    store: JobStore
+    checkpoints: JobCheckpoints
+    resume: Checkpoint | None
+    stop: Any  # a controller.StopSignal (is_set, reason, shutting_down)
+    clock: GoodputClock
+    on_progress: Callable[[], None]
+    redo_until: int = 0
+
+
+class JobRun:
+    """Runs one attempt of job ``job_id`` on ``engine`` (see :class:`RunContext`)."""
+
+    def __init__(self, job_id: str, spec: JobSpec, engine: GroupEngine,
+                 context: RunContext) -> None:
         self.job_id = job_id
         self.spec = spec
         self.engine = engine
-        self.store = store
-        self.checkpoints = checkpoints
-        self.resume = resume
-        self._stop = stop
-        self._stop_reason = stop_reason
-        self._checkpoint_on_stop = checkpoint_on_stop
-        self._changed = changed
-        self._clock = clock
-        self._loops = _LoopTimes(redo_until)
+        self.store = context.store
+        self.checkpoints = context.checkpoints
+        self.resume = context.resume
+        self._stop = context.stop
+        self._changed = context.on_progress
+        self._clock = context.clock
+        self._loops = _LoopTimes(context.redo_until)
         self._next_host_poll = 0.0
-        self._versions = dict(spec.runtime_versions)
-        self.start_step = resume.step if resume is not None else 0
+        self._versions = dict(spec.runtime_versions or {})
+        self.start_step = self.resume.step if self.resume is not None else 0
         #: Steps done so far (what a lost attempt reached).
         self.step = self.start_step
         self._checkpointed = self.start_step
@@ -182,20 +193,18 @@ class JobRun:
                 if time.monotonic() >= self._next_host_poll:
                     clock.switch(goodput.MONITORING)
                     self._next_host_poll = time.monotonic() + HOST_POLL.seconds()
-                    self._collect_logs()
-                    self._read_inputs()
-                    self._check_notices(state)
+                    self._check_notice(self._poll_hosts(), state)
                 if self._checkpoint_due():
                     self._checkpoint(state, wait=False)
             clock.switch(goodput.MONITORING)
-            self._read_inputs()
+            self._poll_hosts()
             clock.switch(goodput.RESULT)
             final = self._final_state(state)
             with clock.during(goodput.CHECKPOINTING):
                 self.checkpoints.wait()  # a save in flight must not outlive the attempt
             return Finished(final, outputs, self.step)
         finally:
-            self._collect_logs()
+            self._poll_hosts()  # what the job printed last
             with contextlib.suppress(Exception):  # the slice may be gone: nothing to stop
                 engine.capture_output(False)
 
@@ -213,8 +222,8 @@ class JobRun:
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_due(self) -> bool:
-        every = self.spec.checkpoint_every
-        return bool(every) and self.step < self.spec.steps and \
+        every = self.spec.checkpoint_every or 0
+        return every > 0 and self.step < self.spec.steps and \
             self.step - self._checkpointed >= every
 
     def _checkpoint(self, state: Any, wait: bool) -> None:
@@ -233,17 +242,17 @@ class JobRun:
     def _check_stop(self, state: Any) -> None:
         if not self._stop.is_set():
             return
-        if self._checkpoint_on_stop() and self.step > self.start_step:
+        if self._stop.shutting_down and self.step > self.start_step:
             self._checkpoint(state, wait=True)  # the next coordinator resumes here
-        raise Stopped(self._stop_reason())
+        raise Stopped(self._stop.reason)
 
-    def _check_notices(self, state: Any) -> None:
-        notices = [(h, n) for h, n in enumerate(self.engine.preemption_notices()) if n]
-        if not notices:
-            return
-        host, notice = notices[0]
-        self._checkpoint(state, wait=True)
-        raise Preempted(self.step, f"host {host}: {notice.reason}")
+    def _check_notice(self, news: Sequence[HostNews], state: Any) -> None:
+        """A host was told it will be preempted: checkpoint now and give the slice up."""
+        noticed = [(h, n.notice) for h, n in enumerate(news) if n.notice is not None]
+        if noticed:
+            host, notice = noticed[0]
+            self._checkpoint(state, wait=True)
+            raise Preempted(self.step, f"host {host}: {notice.reason}")
 
     # ------------------------------------------------------------------ parts
 
@@ -291,7 +300,7 @@ class JobRun:
         ones only) when it has any: as ``strategy.reduce(op, value, axis=0)``. Outputs
         with the same op and axis go in one call."""
         groups: dict[tuple[str, int | None], dict[str, Any]] = {}
-        for name, op in self.spec.outputs.items():
+        for name, op in self.spec.declared_outputs().items():
             value = raw[name]
             axis = 0 if isinstance(value, GroupValue) and value.shape else None
             groups.setdefault((op, axis), {})[name] = value
@@ -310,31 +319,27 @@ class JobRun:
             self.store.set_step(self.job_id, step)
         self._changed()
 
-    def _collect_logs(self) -> None:
+    def _poll_hosts(self) -> list[HostNews]:
+        """One report from every host: the lines the job printed (to its logs) and its
+        input figures; the slice runs in lockstep, so the new wait of the host that
+        waited longest moves from productive to input wait. Empty when the hosts cannot
+        be read (a report must never fail the job, nor hide its error)."""
         try:
-            per_host = self.engine.take_output()
-        except Exception as e:  # logs must never fail the job (nor hide its error)
-            logger.debug("job %s: taking its output failed: %s", self.job_id, e)
-            return
-        for host, lines in enumerate(per_host):
-            if lines:
-                self.store.append_logs(self.job_id, host, lines)
-
-    def _read_inputs(self) -> None:
-        """Reads the hosts' input figures; moves the new input wait out of productive."""
-        try:
-            stats = self.engine.stats()
-        except Exception as e:  # figures must never fail the job (nor hide its error)
-            logger.debug("job %s: reading its hosts' input figures failed: %s",
-                         self.job_id, e)
-            return
-        self.hosts = tuple(HostInput(i, float(s["input_wait_s"]), int(s["input_queue_depth"]))
-                           for i, s in enumerate(stats))
+            news = self.engine.host_reports()
+        except Exception as e:
+            logger.debug("job %s: reading its hosts' reports failed: %s", self.job_id, e)
+            return []
+        for host, report in enumerate(news):
+            if report.lines:
+                self.store.append_logs(self.job_id, host, report.lines)
+        self.hosts = tuple(HostInput(i, n.input_wait_s, n.input_queue_depth)
+                           for i, n in enumerate(news))
         waited = max((h.input_wait_s for h in self.hosts), default=0.0)
         if waited > self._input_waited:
             self._clock.reattribute({goodput.INPUT_WAIT: waited - self._input_waited},
                                     source=goodput.PRODUCTIVE)
             self._input_waited = waited
+        return news
 
     def _final_state(self, state: Any) -> Any:
         """The state as numpy: replica 0's copy (jobs train mirrored state)."""

@@ -1,54 +1,27 @@
 """The job state machine of DESIGN §3, with every allowed transition in one place.
 
-Modelled on Ray Train v2's ``controller/state.py``: an enum names the states, and one
-small frozen dataclass per state carries the data that only makes sense in that state
-(a queue position while ``PENDING``, the attempt number while ``ALLOCATING``, ...). The
-job manager holds one of these objects per job; the store persists its name (and the
-step, error or reason it carries) and refuses any move that :data:`TRANSITIONS` does
-not allow, so an illegal move is an error at the point it is attempted, never a job
-record that contradicts its own history.
+Modelled on Ray Train v2's ``controller/state.py``: :class:`~jaxpod.jobs.JobState`
+names the states, and one small frozen dataclass per state carries the data that only
+makes sense in that state (a queue position while ``PENDING``, the attempt number while
+``ALLOCATING``, the slice while ``RUNNING``...). The job controller
+(:mod:`~jaxpod.service.jobs.controller`) moves a job from one to the next; the store
+persists each one's name (and the step, error or reason it carries) and refuses any
+move that :data:`TRANSITIONS` does not allow, so an illegal move is an error at the
+point it is attempted, never a job record that contradicts its own history.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from jaxpod.errors import JaxpodError
+from jaxpod.jobs import TERMINAL_STATES, JobState
 
-
-class JobState(enum.Enum):
-    """The name of a job's state, as stored and as shown to users."""
-
-    PENDING = "PENDING"
-    ALLOCATING = "ALLOCATING"
-    RUNNING = "RUNNING"
-    RETRYING = "RETRYING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in TERMINAL_STATES
-
-    @classmethod
-    def parse(cls, name: str | JobState) -> JobState:
-        """``name`` as a state; a clear error (listing the states) for anything else."""
-        if isinstance(name, JobState):
-            return name
-        try:
-            return cls(str(name).upper())
-        except ValueError:
-            known = ", ".join(s.value for s in cls)
-            raise ValueError(f"Unknown job state {name!r}; expected one of {known}.") from None
-
-
-#: States a job never leaves.
-TERMINAL_STATES: frozenset[JobState] = frozenset(
-    {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+__all__ = ["TERMINAL_STATES", "TRANSITIONS", "Allocating", "Cancelled", "Failed",
+           "IllegalTransitionError", "JobState", "JobStateData", "Pending", "Retrying",
+           "Running", "Succeeded", "check_transition"]
 
 _S = JobState
 #: Every allowed move, and only these. RETRYING -> FAILED: the retry budget can run out
@@ -100,27 +73,33 @@ class Allocating:
 
 @dataclass(frozen=True)
 class Running:
-    """Attempt ``attempt`` runs on its slice; ``step`` steps are done."""
+    """Attempt ``attempt`` runs on its slice; ``step`` steps are done (the attempt
+    starts from there). ``held`` is the slice (a ``HeldSlice``) and ``resume`` the
+    checkpoint it starts from: what the controller needs, never stored."""
 
     attempt: int
     step: int
+    held: Any = field(default=None, compare=False, repr=False)
+    resume: Any = field(default=None, compare=False, repr=False)
     state: ClassVar[JobState] = JobState.RUNNING
 
 
 @dataclass(frozen=True)
 class Retrying:
-    """Attempt ``attempt`` ended for ``cause`` (a lost host, a preempted slice) and a new
-    one will be allocated."""
+    """Attempt ``attempt`` ended for ``cause`` (a lost host, a preempted slice, no slice
+    in time) and a new one will be allocated after ``backoff_s``."""
 
     attempt: int
     cause: str
+    backoff_s: float = field(default=0.0, compare=False)
     state: ClassVar[JobState] = JobState.RETRYING
 
 
 @dataclass(frozen=True)
 class Succeeded:
-    """All steps ran; the result is stored."""
+    """All steps ran; ``result`` (the final state and outputs) is to be stored."""
 
+    result: Any = field(default=None, compare=False, repr=False)
     state: ClassVar[JobState] = JobState.SUCCEEDED
 
 

@@ -18,7 +18,6 @@ written by a newer jaxpod is refused rather than misread.
 from __future__ import annotations
 
 import builtins
-import json
 import math
 import secrets
 import sqlite3
@@ -33,14 +32,14 @@ from typing import Any
 import numpy as np
 
 from jaxpod.errors import JobNotFoundError, VersionMismatchError
+from jaxpod.jobs import Attempt, JobState, JobStatus, Transition
 from jaxpod.service.jobs.codec import JobStoreError, load_trees, save_trees
 from jaxpod.service.jobs.files import write_file_atomically
-from jaxpod.service.jobs.goodput import PRODUCTIVE_SHARE, WALL_S
+from jaxpod.service.jobs.goodput import PRODUCTIVE_SHARE, WALL_S, summary
 from jaxpod.service.jobs.states import (
     TERMINAL_STATES,
     Cancelled,
     Failed,
-    JobState,
     JobStateData,
     Retrying,
     Running,
@@ -153,6 +152,9 @@ _V4 = [
     "ALTER TABLE attempts ADD COLUMN start_step INTEGER",
 ]
 
+# v5: the spec is kept once, in the payload (the JobSpec message), not also as JSON.
+_V5 = ["ALTER TABLE jobs DROP COLUMN spec"]
+
 
 def _statements(statements: Sequence[str]) -> Callable[[sqlite3.Connection], None]:
     # One execute() per statement: executescript() would commit the open transaction
@@ -166,7 +168,8 @@ def _statements(statements: Sequence[str]) -> Callable[[sqlite3.Connection], Non
 #: MIGRATIONS[i] takes a database from schema version i to i + 1. Append only: never
 #: edit a released one (databases in the field were built by it).
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
-    _statements(_V1), _statements(_V2), _statements(_V3), _statements(_V4)]
+    _statements(_V1), _statements(_V2), _statements(_V3), _statements(_V4),
+    _statements(_V5)]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -202,48 +205,6 @@ def migrate(conn: sqlite3.Connection, target: int = SCHEMA_VERSION, where: str =
 # --------------------------------------------------------------------------- records
 
 @dataclass(frozen=True)
-class JobRecord:
-    """One job as stored. ``spec`` is the JSON-decoded plain submit arguments;
-    ``steps_per_s`` the last attempt that ended after running steps: its steps over the
-    wall time they took (``None``: none did)."""
-
-    id: str
-    name: str
-    accelerator_type: str | None
-    spec: Mapping[str, Any]
-    state: JobState
-    step: int
-    steps: int
-    error: str | None
-    created_at: float
-    started_at: float | None
-    finished_at: float | None
-    attempts: int
-    steps_per_s: float | None = None
-
-
-@dataclass(frozen=True)
-class Transition:
-    """One state change; ``from_state`` is None for the creation (-> PENDING)."""
-
-    from_state: JobState | None
-    to_state: JobState
-    at: float
-    reason: str
-
-
-@dataclass(frozen=True)
-class Attempt:
-    """One attempt at running a job (1 is the first); open while ``ended_at`` is None."""
-
-    number: int
-    started_at: float
-    ended_at: float | None
-    cause: str | None
-    step_reached: int | None
-
-
-@dataclass(frozen=True)
 class LogLine:
     """A line the job's code printed; ``seq`` orders lines over hosts (and tails them)."""
 
@@ -267,23 +228,39 @@ class Recovery:
     """What :meth:`JobStore.recover` found: every unfinished job, to queue again (in
     creation order), and which of them were in flight (now ``RETRYING``)."""
 
-    requeue: tuple[JobRecord, ...]
-    resumed: tuple[JobRecord, ...]
+    requeue: tuple[JobStatus, ...]
+    resumed: tuple[JobStatus, ...]
 
 
-_JOB_COLUMNS = ("id, name, accelerator_type, spec, state, step, steps, error, created_at, "
+#: A job's row as :func:`_status` reads it: its columns, its attempts so far, the rate
+#: of its last attempt that ran steps and ended, and its last transition's reason.
+_JOB_COLUMNS = ("id, name, accelerator_type, state, step, steps, error, created_at, "
                 "started_at, finished_at, "
                 "(SELECT COUNT(*) FROM attempts a WHERE a.job_id = jobs.id), "
                 "(SELECT (a.step_reached - a.start_step) / (a.ended_at - a.running_at) "
                 " FROM attempts a WHERE a.job_id = jobs.id AND a.ended_at > a.running_at "
-                " AND a.step_reached > a.start_step ORDER BY a.number DESC LIMIT 1)")
+                " AND a.step_reached > a.start_step ORDER BY a.number DESC LIMIT 1), "
+                "(SELECT reason FROM transitions t WHERE t.job_id = jobs.id "
+                " ORDER BY t.seq DESC LIMIT 1)")
 
 
-def _job(row: Sequence[Any]) -> JobRecord:
-    return JobRecord(id=row[0], name=row[1], accelerator_type=row[2], spec=json.loads(row[3]),
-                     state=JobState(row[4]), step=row[5], steps=row[6], error=row[7],
-                     created_at=row[8], started_at=row[9], finished_at=row[10],
-                     attempts=row[11], steps_per_s=row[12])
+def _status(conn: sqlite3.Connection, row: Sequence[Any]) -> JobStatus:
+    """The job a :data:`_JOB_COLUMNS` row describes, with its latest metrics and stored
+    goodput (read in the caller's transaction). A cancelled job's ``error`` is who or
+    what cancelled it."""
+    (job_id, name, accelerator_type, state, step, steps, error, created_at, started_at,
+     finished_at, attempts, steps_per_s, last_reason) = row
+    metrics = {n: math.nan if v is None else v
+               for n, v in conn.execute(_LATEST_METRICS, {"job": job_id}).fetchall()}
+    totals = dict(conn.execute("SELECT category, seconds FROM goodput WHERE job_id = ? "
+                               "ORDER BY category", (job_id,)).fetchall())
+    state = JobState(state)
+    return JobStatus(
+        id=job_id, name=name, state=state, step=step, steps=steps, attempts=attempts,
+        queue_position=None, error=last_reason if state is JobState.CANCELLED else error,
+        metrics=metrics, goodput=summary(totals) if totals else None, created_at=created_at,
+        started_at=started_at, finished_at=finished_at,
+        accelerator_type=accelerator_type or "", steps_per_s=steps_per_s)
 
 
 # --------------------------------------------------------------------------- the store
@@ -343,24 +320,25 @@ class JobStore:
 
     # ------------------------------------------------------------------ jobs
 
-    def create_job(self, *, steps: int, payload: bytes, spec: Mapping[str, Any] | None = None,
-                   name: str | None = None, accelerator_type: str | None = None,
-                   job_id: str | None = None) -> JobRecord:
-        """Record a new ``PENDING`` job; ``name`` defaults to its id."""
+    def create_job(self, *, steps: int, payload: bytes, name: str | None = None,
+                   accelerator_type: str | None = None, job_id: str | None = None
+                   ) -> JobStatus:
+        """Record a new ``PENDING`` job; ``payload`` is its spec (the submitted
+        ``JobSpec`` message, which the store does not read); ``name`` defaults to its
+        id."""
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise JobStoreError(f"steps must be an int >= 1; got {steps!r}.")
         if not isinstance(payload, bytes | bytearray | memoryview):
             raise JobStoreError(f"payload must be bytes; got {type(payload).__name__}.")
-        spec_json = _spec_json(spec or {})
         job_id = job_id or secrets.token_hex(6)
         now = self._clock()
         inline, rel_path = self._place_payload(job_id, bytes(payload))
         try:
             with self._write() as conn:
                 conn.execute(
-                    "INSERT INTO jobs (id, name, accelerator_type, spec, payload, payload_path,"
-                    " created_at, state, steps) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (job_id, name or job_id, accelerator_type, spec_json, inline, rel_path, now,
+                    "INSERT INTO jobs (id, name, accelerator_type, payload, payload_path,"
+                    " created_at, state, steps) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (job_id, name or job_id, accelerator_type, inline, rel_path, now,
                      JobState.PENDING.value, steps))
                 conn.execute("INSERT INTO transitions (job_id, from_state, to_state, at, reason)"
                              " VALUES (?, NULL, ?, ?, 'submitted')",
@@ -387,15 +365,16 @@ class JobStore:
             raise self._not_found(job_id)
         return bytes(row[0]) if row[1] is None else (self.state_dir / row[1]).read_bytes()
 
-    def get(self, job_id: str) -> JobRecord:
+    def get(self, job_id: str) -> JobStatus:
+        """The job as stored (``queue_position`` and live figures are the manager's)."""
         with self._read() as conn:
             return self._get(conn, job_id)
 
-    def _get(self, conn: sqlite3.Connection, job_id: str) -> JobRecord:
+    def _get(self, conn: sqlite3.Connection, job_id: str) -> JobStatus:
         row = conn.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if row is None:
             raise self._not_found(job_id)
-        return _job(row)
+        return _status(conn, row)
 
     def _not_found(self, job_id: str) -> JobNotFoundError:
         # Not the file's path: the error travels to clients, who have no use for the
@@ -410,7 +389,7 @@ class JobStore:
 
     # ------------------------------------------------------------------ state
 
-    def transition(self, job_id: str, new: JobStateData, reason: str | None = None) -> JobRecord:
+    def transition(self, job_id: str, new: JobStateData, reason: str | None = None) -> JobStatus:
         """Move the job to ``new`` (validated against the state machine) and record the
         change with its time and reason, atomically; returns the updated record.
 
@@ -491,9 +470,9 @@ class JobStore:
     def attempts(self, job_id: str) -> builtins.list[Attempt]:
         with self._read() as conn:
             self._require(conn, job_id)
-            rows = conn.execute("SELECT number, started_at, ended_at, cause, step_reached "
-                                "FROM attempts WHERE job_id = ? ORDER BY number",
-                                (job_id,)).fetchall()
+            rows = conn.execute("SELECT number, started_at, ended_at, cause, step_reached, "
+                                "running_at, start_step FROM attempts WHERE job_id = ? "
+                                "ORDER BY number", (job_id,)).fetchall()
         return [Attempt(*r) for r in rows]
 
     # ------------------------------------------------------------------ metrics, logs
@@ -621,10 +600,11 @@ class JobStore:
             waiting = conn.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state IN (?, ?) "
                                    "ORDER BY seq", (JobState.PENDING.value,
                                                     JobState.RETRYING.value)).fetchall()
-        return Recovery(requeue=tuple(_job(r) for r in waiting), resumed=resumed)
+            requeue = tuple(_status(conn, r) for r in waiting)
+        return Recovery(requeue=requeue, resumed=resumed)
 
     def list(self, state: JobState | str | None = None, limit: int | None = None,
-             offset: int = 0) -> builtins.list[JobRecord]:
+             offset: int = 0) -> builtins.list[JobStatus]:
         """Jobs in creation order, optionally only those in ``state``; ``limit`` and
         ``offset`` page through them."""
         if (limit is not None and limit < 0) or offset < 0:
@@ -636,7 +616,7 @@ class JobStore:
             rows = conn.execute(f"SELECT {_JOB_COLUMNS} FROM jobs {where} ORDER BY seq "
                                 "LIMIT ? OFFSET ?",
                                 (*args, -1 if limit is None else limit, offset)).fetchall()
-        return [_job(r) for r in rows]
+            return [_status(conn, r) for r in rows]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -686,15 +666,6 @@ def _connect(path: Path) -> sqlite3.Connection:
         conn.close()
         raise
     return conn
-
-
-def _spec_json(spec: Mapping[str, Any]) -> str:
-    try:
-        return json.dumps(dict(spec), sort_keys=True, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise JobStoreError(f"The job spec must be plain JSON values (numbers, strings, "
-                            f"lists, dicts, None); {e}. Ship anything else in the "
-                            "payload.") from None
 
 
 def _check_step(step: int) -> None:

@@ -34,7 +34,7 @@ from jaxpod.client.jobs import (
     status_from,
 )
 from jaxpod.errors import MessageTooLargeError
-from jaxpod.jobs import Epochs, EpochsFn, InitialState, JobStep
+from jaxpod.jobs import Epochs, EpochsFn, InitialState, JobState, JobStep
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.types import InputContext
 
@@ -123,7 +123,8 @@ def test_a_stateful_job_with_a_dataset_ships_its_wrapped_objects() -> None:
     spec = _spec(steps=np.int64(12), initial_state=state, dataset=[BATCH, BATCH * 2],
                  steps_per_run=4, outputs={"loss": "mean"}, checkpoint_every=6, name="lin",
                  max_retries_preemption=3, max_retries_failure=1)
-    assert (spec.name, spec.accelerator_type, spec.num_slices, spec.steps) == ("lin", "", 1, 12)
+    assert (spec.name, spec.accelerator_type, spec.num_slices, spec.steps) == (
+        "lin", None, 1, 12)
     assert (spec.steps_per_run, spec.checkpoint_every) == (4, 6)
     assert (spec.max_retries_preemption, spec.max_retries_failure) == (3, 1)
     assert dict(spec.outputs) == {"loss": "MEAN"}
@@ -151,7 +152,7 @@ def test_a_job_with_init_fn_and_dataset_fn_ships_them() -> None:
     spec = _spec(init_fn=lambda: np.zeros(2, np.float32),
                  dataset_fn=lambda ctx: [BATCH + ctx.input_pipeline_id],
                  accelerator_type="v4-16", num_slices=2)
-    assert (spec.accelerator_type, spec.num_slices, spec.checkpoint_every) == ("v4-16", 2, 0)
+    assert (spec.accelerator_type, spec.num_slices, spec.checkpoint_every) == ("v4-16", 2, None)
     assert spec.dataset == b""
     np.testing.assert_array_equal(cloudpickle.loads(spec.init_fn)(), np.zeros(2))
     dataset_fn = cloudpickle.loads(spec.dataset_fn)
@@ -188,14 +189,15 @@ def test_submit_signature_matches_the_shared_keywords_and_defaults() -> None:
 
 
 # ----------------------------------------------------------- status messages
-def test_status_from_maps_the_wire_sentinels_to_none() -> None:
-    message = pb.JobStatus(job_id="j1", name="lin", state="PENDING", steps=10,
-                           queue_position=-1, created_at=5.0, accelerator_type="v4-8")
+def test_status_from_maps_absent_fields_to_none() -> None:
+    message = pb.JobStatus(id="j1", name="lin", state="PENDING", steps=10, created_at=5.0,
+                           accelerator_type="v4-8")
     status = status_from(message)
     assert (status.queue_position, status.error, status.started_at, status.finished_at,
-            status.goodput) == (None, None, None, None, None)
+            status.goodput, status.steps_per_s) == (None, None, None, None, None, None)
     assert (status.created_at, status.accelerator_type, status.done) == (5.0, "v4-8", False)
-    message = pb.JobStatus(job_id="j1", name="lin", state="FAILED", step=3, steps=10,
+    assert status.state is JobState.PENDING and status.state == "PENDING"
+    message = pb.JobStatus(id="j1", name="lin", state="FAILED", step=3, steps=10,
                            attempts=2, queue_position=0, error="ValueError: boom",
                            metrics={"loss": 0.5}, created_at=1.0, started_at=2.0,
                            finished_at=3.0)
@@ -211,8 +213,8 @@ def test_status_from_carries_goodput_and_jaxpod_job_shows_it(
 
     goodput = {"queued": 1.0, "productive": 6.0, "compiling": 2.0, "lost_work": 0.0,
                "other": 1.0, "wall_s": 10.0, "productive_share": 0.6}
-    message = pb.JobStatus(job_id="j1", name="lin", state="SUCCEEDED", step=3, steps=3,
-                           queue_position=-1, created_at=1.0, goodput=goodput)
+    message = pb.JobStatus(id="j1", name="lin", state="SUCCEEDED", step=3, steps=3,
+                           created_at=1.0, goodput=goodput)
     status = status_from(message)
     assert status.goodput == goodput
     _print_status(status, as_json=False)
@@ -225,7 +227,7 @@ def test_status_from_carries_goodput_and_jaxpod_job_shows_it(
         ["other", "1.000", "s", "10.0%"], ["queued", "1.000", "s", "10.0%"]]
     _print_status(status, as_json=True)
     assert json.loads(capsys.readouterr().out)["goodput"] == goodput
-    _print_status(status_from(pb.JobStatus(job_id="j2", queue_position=-1)), as_json=False)
+    _print_status(status_from(pb.JobStatus(id="j2", state="PENDING")), as_json=False)
     assert "goodput" not in capsys.readouterr().out
 
 
@@ -294,12 +296,13 @@ _LOAD = """
 import sys
 from jaxpod.client.jobs import SUBMIT_DEFAULTS, build_spec
 from jaxpod.client.jobs_cli import load_job_file
+from jaxpod.proto.job_messages import to_message
 
 kwargs = load_job_file(sys.argv[1])
 step_fn = kwargs.pop("step_fn")
 print(step_fn.__module__)
 spec = build_spec(step_fn, **{**SUBMIT_DEFAULTS, **kwargs})
-open(sys.argv[2], "wb").write(spec.SerializeToString())
+open(sys.argv[2], "wb").write(to_message(spec).SerializeToString())
 """
 
 

@@ -110,13 +110,13 @@ def test_state_classes_carry_their_names_and_data() -> None:
 # --------------------------------------------------------------------------- jobs
 
 def test_create_and_get_round_trip(store: JobStore) -> None:
-    spec = {"steps": 10, "outputs": {"loss": "MEAN"}, "steps_per_run": 5, "name": None}
-    job = store.create_job(steps=10, payload=b"\x00pickled", spec=spec,
-                           accelerator_type="v4-16", job_id="j1")
+    job = store.create_job(steps=10, payload=b"\x00pickled", accelerator_type="v4-16",
+                           job_id="j1")
     assert job == store.get("j1")
     assert (job.id, job.name, job.accelerator_type, job.steps) == ("j1", "j1", "v4-16", 10)
-    assert job.spec == spec
     assert (job.state, job.step, job.error, job.attempts) == (S.PENDING, 0, None, 0)
+    assert (job.queue_position, job.metrics, job.goodput, job.steps_per_s) == (
+        None, {}, None, None)
     assert (job.created_at, job.started_at, job.finished_at) == (1000.0, None, None)
     assert store.load_payload("j1") == b"\x00pickled"
     named = store.create_job(steps=1, payload=b"", name="nightly")
@@ -135,8 +135,8 @@ def test_large_payload_lives_in_a_file_under_the_job_dir(store: JobStore) -> Non
 
 
 def test_bad_job_input_is_refused_and_writes_nothing(store: JobStore) -> None:
-    with pytest.raises(JobStoreError, match="plain JSON values"):
-        store.create_job(steps=1, payload=b"", spec={"fn": object()}, job_id="x")
+    with pytest.raises(JobStoreError, match="payload must be bytes; got dict"):
+        store.create_job(steps=1, payload={"fn": object()}, job_id="x")  # type: ignore[arg-type]
     with pytest.raises(JobStoreError, match="steps must be an int >= 1; got 0"):
         store.create_job(steps=0, payload=b"", job_id="x")
     assert store.list() == []
@@ -186,8 +186,8 @@ def test_failure_and_cancellation_keep_their_error_and_reason(store: JobStore) -
     assert failed.error == "ValueError: bad batch\nTraceback ..."
     assert store.history("f")[-1].reason == failed.error
     cancelled = store.transition("c", Cancelled("cancelled by the user"))
-    assert (cancelled.state, cancelled.error, cancelled.finished_at) == (
-        S.CANCELLED, None, 1005.0)
+    assert (cancelled.state, cancelled.error, cancelled.finished_at) == (  # who cancelled
+        S.CANCELLED, "cancelled by the user", 1005.0)
     assert store.history("c")[-1] == Transition(S.PENDING, S.CANCELLED, 1005.0,
                                                 "cancelled by the user")
 
@@ -412,7 +412,8 @@ _CHILD = textwrap.dedent("""
     from jaxpod.service.jobs.store import JobStore
     with JobStore(Path(sys.argv[1])) as store:
         job = store.get("j")
-        seen = {"state": job.state.value, "step": job.step, "spec": job.spec,
+        seen = {"state": job.state.value, "step": job.step,
+                "spec": store.load_payload("j").decode(),
                 "metrics": store.metrics("j"),
                 "history": [t.to_state.value for t in store.history("j")],
                 "result": store.load_result("j").outputs}
@@ -422,7 +423,7 @@ _CHILD = textwrap.dedent("""
 
 
 def test_another_process_reads_what_this_one_committed(store: JobStore) -> None:
-    store.create_job(steps=4, payload=b"p", spec={"steps_per_run": 2}, job_id="j")
+    store.create_job(steps=4, payload=b"the spec", job_id="j")
     _run_to(store, "j", Allocating(1), Running(1, 0))
     store.add_metrics("j", 4, {"loss": 0.5})
     store.save_result("j", {"w": np.ones(2)}, {"loss": 0.5})
@@ -431,7 +432,7 @@ def test_another_process_reads_what_this_one_committed(store: JobStore) -> None:
                            capture_output=True, text=True, timeout=120, check=False)
     assert child.returncode == 0, child.stderr
     seen = json.loads(child.stdout.strip().splitlines()[-1])
-    assert seen == {"state": "RUNNING", "step": 4, "spec": {"steps_per_run": 2},
+    assert seen == {"state": "RUNNING", "step": 4, "spec": "the spec",
                     "metrics": {"loss": [[4, 0.5]]},
                     "history": ["PENDING", "ALLOCATING", "RUNNING"],
                     "result": {"loss": 0.5}}
@@ -509,9 +510,10 @@ def test_a_version_1_database_is_migrated_with_its_jobs(tmp_path: Path) -> None:
     columns = {r[1] for r in conn.execute("PRAGMA table_info(jobs)")}
     assert "started_at" not in columns
     conn.close()
+    # The spec is kept once, in the payload: v5 drops the JSON copy.
     with JobStore(tmp_path) as store:
         old = store.get("old")
-        assert (old.state, old.step, old.spec) == (S.SUCCEEDED, 3, {"steps": 3})
+        assert (old.state, old.step, store.load_payload("old")) == (S.SUCCEEDED, 3, b"\x00")
         assert (old.created_at, old.started_at, old.finished_at) == (10.0, 12.0, 15.0)
         assert [t.to_state for t in store.history("old")][-1] is S.SUCCEEDED
         new = store.create_job(steps=1, payload=b"", job_id="new")
@@ -520,6 +522,7 @@ def test_a_version_1_database_is_migrated_with_its_jobs(tmp_path: Path) -> None:
     with sqlite3.connect(tmp_path / "jobs.sqlite") as check:
         assert check.execute("SELECT version FROM schema_version").fetchone()[0] == (
             SCHEMA_VERSION)
+        assert "spec" not in {r[1] for r in check.execute("PRAGMA table_info(jobs)")}
 
 
 def test_a_version_2_database_is_migrated_with_its_rows(tmp_path: Path) -> None:

@@ -1,0 +1,328 @@
+"""The job controller: one job's life from its first allocation to a final state, as an
+explicit state machine (the shape of Ray Train v2's ``TrainController``).
+
+:meth:`JobController.run` starts the job's first attempt (``ALLOCATING``), then calls
+:meth:`~JobController._step` until the job is over: each step takes the current state
+(:mod:`~jaxpod.service.jobs.states`, each carrying its data) and returns the next one,
+and :meth:`~JobController._set_state` hands every change to the callbacks, which keep
+the store, the goodput clock and the job's watchers up to date: nothing else writes a
+state. What follows a failed attempt is the :class:`~jaxpod.service.jobs.policies.
+FailurePolicy`'s decision. Every wait has a named time-out: a job that cannot get a
+slice within ``JAXPOD_JOB_ALLOCATION_TIMEOUT_S`` goes to ``RETRYING`` saying so.
+
+One controller runs in one thread; :class:`StopSignal` asks it to stop between loops
+(a cancel, or the service stopping: then the job checkpoints and is left ``RUNNING``
+for the next coordinator, with no state change).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from jaxpod.errors import AllocationTimeoutError
+from jaxpod.jobs import JobSpec
+from jaxpod.proto import coordinator_pb2 as pb
+from jaxpod.service.jobs import goodput
+from jaxpod.service.jobs.checkpoints import JobCheckpoints
+from jaxpod.service.jobs.goodput import GoodputClock
+from jaxpod.service.jobs.policies import Failure, FailureKind, FailurePolicy, GiveUp
+from jaxpod.service.jobs.runner import (
+    SLICE_FAILURES,
+    JobRun,
+    Preempted,
+    RunContext,
+    Stopped,
+)
+from jaxpod.service.jobs.states import (
+    Allocating,
+    Cancelled,
+    Failed,
+    JobStateData,
+    Retrying,
+    Running,
+    Succeeded,
+)
+from jaxpod.service.jobs.store import JobStore
+from jaxpod.timeouts import Deadline, Timeout
+
+logger = logging.getLogger(__name__)
+
+#: How long one try to acquire a slice waits before the job looks whether it was
+#: cancelled (another holder may have taken the slice that looked free).
+JOB_ACQUIRE_TRY = Timeout("JAXPOD_JOB_ACQUIRE_TRY_S", 10.0)
+#: How long a job tries to acquire a slice before it goes to RETRYING saying so.
+JOB_ALLOCATION_TIMEOUT = Timeout("JAXPOD_JOB_ALLOCATION_TIMEOUT_S", 600.0)
+#: What ends an attempt as a preemption: a notice, a lost host or a broken slice.
+PREEMPTIONS: tuple[type[BaseException], ...] = (Preempted, *SLICE_FAILURES)
+#: The reason recorded for a job stopped by the service's shutdown.
+SHUTDOWN = "the service stopped"
+
+
+class StopSignal:
+    """Asks a controller to stop between loops, saying why (the first reason wins)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason = ""
+
+    def request(self, reason: str) -> None:
+        if not self._event.is_set():
+            self.reason = reason
+            self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        """Waits up to ``timeout``; whether a stop was asked for."""
+        return self._event.wait(timeout)
+
+    @property
+    def shutting_down(self) -> bool:
+        """The service is stopping: the job checkpoints and stays in flight."""
+        return self.reason == SHUTDOWN
+
+
+@dataclass(frozen=True)
+class AttemptEnd:
+    """An attempt that ended with a state change: why, and the step it reached."""
+
+    number: int
+    cause: str
+    step_reached: int
+
+
+@dataclass(frozen=True)
+class StateChange:
+    """One change of a job's state. ``new`` is ``None`` when the job is left in flight
+    (the service stops); ``ended`` is the attempt that ended with it, if one did."""
+
+    job_id: str
+    old: JobStateData | None
+    new: JobStateData | None
+    reason: str | None = None
+    ended: AttemptEnd | None = None
+
+
+class StateCallback(Protocol):
+    """Told of every state change, in order, on the controller's thread."""
+
+    def after_state_change(self, change: StateChange) -> None: ...
+
+
+class JobSlices(Protocol):
+    """Where jobs get slices: the coordinator's slice provider."""
+
+    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str) -> Any: ...
+
+    def has_free(self, accelerator_type: str, num_slices: int) -> bool: ...
+
+    def cluster(self) -> list[pb.ClusterSlice]: ...
+
+
+@dataclass(frozen=True)
+class ControllerParts:
+    """What a controller works with, besides its job.
+
+    Attributes:
+      store: the job store (attempt numbers, progress, metrics, logs, results).
+      slices: where its slices come from.
+      checkpoints: the job's checkpoints.
+      clock: the job's goodput clock.
+      on_progress: called after each loop the runner recorded.
+      on_release: called after the job gave its slice back.
+    """
+
+    store: JobStore
+    slices: JobSlices
+    checkpoints: JobCheckpoints
+    clock: GoodputClock
+    on_progress: Callable[[], None]
+    on_release: Callable[[], None]
+
+
+class JobController:
+    """Runs job ``job_id`` (see the module).
+
+    Args:
+      job_id: the job.
+      spec: what was submitted.
+      parts: what it works with.
+      failure_policy: decides what follows a failed attempt.
+      callbacks: told of every state change, in this order.
+      stop: asks it to stop.
+    """
+
+    def __init__(self, job_id: str, spec: JobSpec, parts: ControllerParts,
+                 failure_policy: FailurePolicy, callbacks: Sequence[StateCallback],
+                 stop: StopSignal) -> None:
+        self.job_id = job_id
+        self.spec = spec
+        self._parts = parts
+        self._policy = failure_policy
+        self._callbacks = tuple(callbacks)
+        self.stop = stop
+        self.state: JobStateData | None = None
+        #: The attempt running on a slice now (``None`` between attempts).
+        self.run_now: JobRun | None = None
+        #: The names of the slices it holds now.
+        self.slice_names: tuple[str, ...] = ()
+
+    def close(self) -> None:
+        """Waits for the job's checkpoint in flight and stops its writer thread."""
+        try:
+            self._parts.checkpoints.close()
+        except Exception as e:
+            logger.warning("job %s: its last checkpoint did not commit: %s", self.job_id, e)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        """Runs the job until it is over, or left in flight by the service stopping."""
+        state: JobStateData | None = Allocating(self._parts.store.record_attempt(self.job_id))
+        self._set_state(state)
+        try:
+            while state is not None and not state.state.is_terminal:
+                state = self._step(state)
+        except Exception:
+            logger.exception("job %s: its controller failed", self.job_id)
+            self._set_state(Failed("the jaxpod service failed running the job:\n"
+                                   + traceback.format_exc()))
+
+    def _step(self, state: JobStateData) -> JobStateData | None:
+        """One step of the state machine: the state after ``state`` (set already)."""
+        if isinstance(state, Allocating):
+            return self._allocate(state)
+        if isinstance(state, Running):
+            return self._run(state)
+        if isinstance(state, Retrying):
+            return self._back_off(state)
+        raise AssertionError(f"no step from {state}")
+
+    def _set_state(self, new: JobStateData | None, reason: str | None = None,
+                   ended: AttemptEnd | None = None) -> JobStateData | None:
+        change = StateChange(self.job_id, self.state, new, reason, ended)
+        self.state = new
+        for callback in self._callbacks:
+            callback.after_state_change(change)
+        return new
+
+    # ------------------------------------------------------------------ states
+    def _allocate(self, state: Allocating) -> JobStateData | None:
+        """A slice within ``JOB_ALLOCATION_TIMEOUT``, then ``RUNNING`` from the latest
+        checkpoint; each try waits ``JOB_ACQUIRE_TRY`` (a session may take the slice
+        that looked free), and a stop is seen between tries."""
+        spec = self.spec
+        request = pb.AcquireSliceRequest(
+            accelerator_type=spec.accelerator_type or "", num_slices=spec.num_slices,
+            steps_per_run=spec.steps_per_run, timeout_s=JOB_ACQUIRE_TRY.seconds())
+        deadline = Deadline(JOB_ALLOCATION_TIMEOUT.seconds())
+        step = self._parts.store.get(self.job_id).step
+        while not self.stop.is_set():
+            try:
+                held = self._parts.slices.acquire(request, f"job-{self.job_id}-{state.attempt}")
+            except AllocationTimeoutError as e:
+                if deadline.expired():
+                    return self._after_failure(state.attempt, step, Failure(
+                        FailureKind.NO_SLICE, f"no {spec.accelerator_type} slice within "
+                        f"{JOB_ALLOCATION_TIMEOUT.seconds():g}s "
+                        f"({JOB_ALLOCATION_TIMEOUT.env_var}): {e}"))
+                logger.info("job %s: no free %s slice yet; waiting", self.job_id,
+                            spec.accelerator_type)
+                continue
+            except SLICE_FAILURES as e:  # its workers did not start: try another slice
+                return self._after_failure(state.attempt, step, Failure(
+                    FailureKind.PREEMPTION, describe_error(e)), e)
+            resume = self._parts.checkpoints.latest()
+            start = resume.step if resume else 0
+            return self._set_state(
+                Running(state.attempt, start, held=held, resume=resume),
+                f"resuming from the checkpoint at step {start}" if resume else None)
+        return self._stopped(state.attempt, step)
+
+    def _run(self, state: Running) -> JobStateData | None:
+        """The attempt's steps on its slice; the slice is given back however it ends."""
+        held, store = state.held, self._parts.store
+        reached = max((a.step_reached or 0 for a in store.attempts(self.job_id)), default=0)
+        run = JobRun(self.job_id, self.spec, held.engine, RunContext(
+            store=store, checkpoints=self._parts.checkpoints, resume=state.resume,
+            stop=self.stop, clock=self._parts.clock, on_progress=self._parts.on_progress,
+            redo_until=reached))
+        self.slice_names, self.run_now = tuple(held.description["slice_names"]), run
+        try:
+            try:
+                finished = run.run()
+            except Stopped:
+                return self._stopped(state.attempt, run.step)
+            except PREEMPTIONS as e:
+                return self._after_failure(state.attempt, run.step, Failure(
+                    FailureKind.PREEMPTION, describe_error(e)), e)
+            except Exception as e:
+                return self._after_failure(state.attempt, run.step, Failure(
+                    FailureKind.ERROR, describe_error(e)), e)
+            return self._set_state(Succeeded(finished), ended=AttemptEnd(
+                state.attempt, "succeeded", finished.steps))
+        finally:
+            self.slice_names, self.run_now = (), None
+            try:
+                held.release()
+            except Exception:
+                logger.exception("job %s: releasing its slice failed", self.job_id)
+            self._parts.on_release()
+
+    def _back_off(self, state: Retrying) -> JobStateData | None:
+        if state.backoff_s and self.stop.wait(state.backoff_s):
+            return self._stopped(None, self._parts.store.get(self.job_id).step)
+        if self.stop.is_set():
+            return self._stopped(None, self._parts.store.get(self.job_id).step)
+        return self._set_state(Allocating(self._parts.store.record_attempt(self.job_id)))
+
+    # ------------------------------------------------------------------ endings
+    def _after_failure(self, attempt: int, step: int, failure: Failure,
+                       error: BaseException | None = None) -> JobStateData | None:
+        """Ends the attempt, saying how far it got and what the next one redoes (and
+        ``error``'s type, or the notice), then retries or fails as the policy decides."""
+        checkpoints = self._parts.checkpoints
+        self._parts.clock.switch(goodput.RECOVERING)  # giving up the slice included
+        try:
+            checkpoints.wait()  # a save in flight may still commit
+        except Exception as e:
+            logger.warning("job %s: its last checkpoint did not commit: %s", self.job_id, e)
+        saved = checkpoints.steps()
+        resume_at = saved[-1] if saved else 0
+        what = (f"preemption notice ({error.notice})" if isinstance(error, Preempted)
+                else type(error).__name__ if error is not None else failure.error)
+        cause = (f"{failure.kind.value}: {what}; {max(0, step - resume_at)} step(s) lost, "
+                 f"the next attempt starts at step {resume_at}")
+        logger.warning("job %s attempt %d %s", self.job_id, attempt, cause)
+        ended = AttemptEnd(attempt, cause, step)
+        if self.stop.is_set():
+            return self._stopped(attempt, step, ended)
+        decision = self._policy.decide(failure)
+        if isinstance(decision, GiveUp):
+            return self._set_state(Failed(decision.error), ended=ended)
+        return self._set_state(Retrying(attempt, cause, decision.backoff_s), ended=ended)
+
+    def _stopped(self, attempt: int | None, step: int,
+                 ended: AttemptEnd | None = None) -> JobStateData | None:
+        """Cancelled, or left in flight when the service stops (no state change)."""
+        reason = self.stop.reason or "cancelled"
+        if ended is None and attempt is not None:
+            ended = AttemptEnd(attempt, reason, step)
+        if self.stop.shutting_down:
+            return self._set_state(None, ended=ended)
+        return self._set_state(Cancelled(reason), ended=ended)
+
+
+def describe_error(error: BaseException) -> str:
+    """What users see of a job's exception: its type, message and the notes the
+    replica group attached (the remote traceback and which hosts failed)."""
+    kind = type(error)
+    name = kind.__qualname__ if kind.__module__ in ("builtins", "__main__") \
+        else f"{kind.__module__}.{kind.__qualname__}"
+    notes = "\n".join(getattr(error, "__notes__", ()))
+    return f"{name}: {error}" + (f"\n{notes}" if notes else "")

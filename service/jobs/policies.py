@@ -1,0 +1,132 @@
+"""What decides for the job controller and the job manager, each behind a ``Protocol``
+(as Ray Train injects its failure and scaling policies), so another policy replaces one
+without touching the code that asks it.
+
+* :class:`FailurePolicy`: whether an attempt that ended badly is retried, and after how
+  long. :class:`RetryBudgets` is the default: a preempted slice or lost host counts
+  against ``max_retries_preemption`` (waiting longer each time), an exception in the
+  job's code against ``max_retries_failure``, a slice not found in time against
+  nothing.
+* :class:`QueuePolicy`: which queued job may take a free slice next, and each job's
+  place. :class:`FifoQueues` is the default: one first-in first-out queue per
+  accelerator type.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+from jaxpod.timeouts import Timeout
+
+#: The first wait before a preempted job's next attempt; it doubles with every
+#: preemption, up to JOB_RETRY_BACKOFF_MAX.
+JOB_RETRY_BACKOFF = Timeout("JAXPOD_JOB_RETRY_BACKOFF_S", 0.5)
+JOB_RETRY_BACKOFF_MAX = Timeout("JAXPOD_JOB_RETRY_BACKOFF_MAX_S", 60.0)
+
+
+class FailureKind(enum.Enum):
+    """Why an attempt ended without finishing the job."""
+
+    #: The slice failed: a lost host or worker, a group out of step, a preemption notice.
+    PREEMPTION = "preempted"
+    #: The job's code raised.
+    ERROR = "failed"
+    #: No slice of its type could be acquired within the allocation time-out.
+    NO_SLICE = "no slice"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An attempt that ended badly: why, and what users see of it."""
+
+    kind: FailureKind
+    error: str
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Try again, after ``backoff_s``."""
+
+    backoff_s: float
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """The job fails, with ``error``."""
+
+    error: str
+
+
+class FailurePolicy(Protocol):
+    """Decides what follows an attempt that ended badly (one policy object per job)."""
+
+    def decide(self, failure: Failure) -> Retry | GiveUp: ...
+
+
+class RetryBudgets:
+    """Retries within a job's budgets (see the module)."""
+
+    def __init__(self, max_preemptions: int, max_failures: int) -> None:
+        self._budgets = {FailureKind.PREEMPTION: ("max_retries_preemption", max_preemptions),
+                         FailureKind.ERROR: ("max_retries_failure", max_failures)}
+        self._used: collections.Counter[FailureKind] = collections.Counter()
+
+    def decide(self, failure: Failure) -> Retry | GiveUp:
+        used = self._used[failure.kind] = self._used[failure.kind] + 1
+        if failure.kind is FailureKind.NO_SLICE:
+            return Retry(JOB_RETRY_BACKOFF.seconds())
+        name, budget = self._budgets[failure.kind]
+        if used > budget:
+            if failure.kind is FailureKind.ERROR:
+                return GiveUp(failure.error)
+            return GiveUp(f"{failure.kind.value} {used} times, more than {name}={budget}; "
+                          f"the last time: {failure.error}")
+        if failure.kind is FailureKind.PREEMPTION:
+            return Retry(min(JOB_RETRY_BACKOFF.seconds() * 2 ** (used - 1),
+                             JOB_RETRY_BACKOFF_MAX.seconds()))
+        return Retry(0.0)
+
+
+class QueuePolicy(Protocol):
+    """The jobs waiting for slices, and which may start next."""
+
+    def push(self, job_id: str, accelerator_type: str) -> None:
+        """Queues a job (a new one, or one recovered on start, in creation order)."""
+
+    def remove(self, job_id: str) -> bool:
+        """Takes a job out (it starts, or it was cancelled); whether it was queued."""
+
+    def candidates(self, busy_types: set[str]) -> list[tuple[str, str]]:
+        """``(accelerator_type, job_id)`` of the jobs that may take a free slice now, in
+        the order to try them; none of the types in ``busy_types`` (a job of that type
+        is acquiring one)."""
+
+    def positions(self) -> dict[str, int]:
+        """Every queued job's position (0 is next), at one moment."""
+
+
+class FifoQueues:
+    """One first-in first-out queue per accelerator type. Not thread-safe: the job
+    manager calls it under its lock."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, collections.deque[str]] = {}
+
+    def push(self, job_id: str, accelerator_type: str) -> None:
+        self._queues.setdefault(accelerator_type, collections.deque()).append(job_id)
+
+    def remove(self, job_id: str) -> bool:
+        for queue in self._queues.values():
+            if job_id in queue:
+                queue.remove(job_id)
+                return True
+        return False
+
+    def candidates(self, busy_types: set[str]) -> list[tuple[str, str]]:
+        return [(t, q[0]) for t, q in self._queues.items() if q and t not in busy_types]
+
+    def positions(self) -> dict[str, int]:
+        return {job_id: i for queue in self._queues.values() for i, job_id in enumerate(queue)}

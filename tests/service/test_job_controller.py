@@ -1,0 +1,106 @@
+"""The job controller's policies and its allocation time-out, on a real job store.
+
+The failure policy and the queue policy are plain objects. The controller's allocation
+time-out needs a slice provider that says a slice is free but never gives one (a real
+cluster does so only in a race with a session); a stand-in of that one interface plays
+it, and the controller's real state machine, callbacks and store do the rest.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jaxpod.errors import AllocationTimeoutError
+from jaxpod.jobs import JobSpec, JobState
+from jaxpod.service.jobs import policies
+from jaxpod.service.jobs.manager import JobManager
+from jaxpod.service.jobs.policies import (
+    FailureKind,
+    FifoQueues,
+    GiveUp,
+    Retry,
+    RetryBudgets,
+)
+from jaxpod.service.jobs.store import JobStore
+from jaxpod.timeouts import wait_for
+
+
+def test_retry_budgets_count_each_kind_against_its_own_budget(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JAXPOD_JOB_RETRY_BACKOFF_S", "0.5")
+    monkeypatch.setenv("JAXPOD_JOB_RETRY_BACKOFF_MAX_S", "1.5")
+    budgets = RetryBudgets(max_preemptions=3, max_failures=1)
+    preempted = policies.Failure(FailureKind.PREEMPTION, "WorkerLostError: host 1")
+    failed = policies.Failure(FailureKind.ERROR, "ValueError: bad batch")
+    no_slice = policies.Failure(FailureKind.NO_SLICE, "no v4-8 slice within 1s")
+    # Preemptions back off, doubling up to the limit; failures retry at once.
+    assert [budgets.decide(preempted) for _ in range(3)] == [Retry(0.5), Retry(1.0),
+                                                               Retry(1.5)]
+    assert budgets.decide(failed) == Retry(0.0)
+    # A slice not found in time never uses a budget up.
+    assert all(budgets.decide(no_slice) == Retry(0.5) for _ in range(10))
+    assert budgets.decide(preempted) == GiveUp(
+        "preempted 4 times, more than max_retries_preemption=3; the last time: "
+        "WorkerLostError: host 1")
+    assert budgets.decide(failed) == GiveUp("ValueError: bad batch")
+
+
+def test_fifo_queues_keep_order_per_type_and_skip_busy_types() -> None:
+    queues = FifoQueues()
+    for job_id, kind in (("a", "v4-8"), ("b", "v4-16"), ("c", "v4-8"), ("d", "v4-16")):
+        queues.push(job_id, kind)
+    assert queues.positions() == {"a": 0, "c": 1, "b": 0, "d": 1}
+    assert queues.candidates(set()) == [("v4-8", "a"), ("v4-16", "b")]
+    assert queues.candidates({"v4-8"}) == [("v4-16", "b")]
+    assert queues.remove("a") and not queues.remove("a")
+    assert queues.candidates(set()) == [("v4-8", "c"), ("v4-16", "b")]
+    assert queues.positions()["c"] == 0
+
+
+class _NeverFree:
+    """A slice provider that says a v4-8 is free but never gives one."""
+
+    def has_free(self, accelerator_type: str, num_slices: int) -> bool:
+        return True
+
+    def acquire(self, request: Any, slice_id: str) -> Any:
+        raise AllocationTimeoutError("no v4-8 slice was free (another holder took it)")
+
+    def cluster(self) -> list[Any]:
+        return []
+
+
+def test_a_job_that_gets_no_slice_in_time_says_so_and_tries_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JAXPOD_JOB_ALLOCATION_TIMEOUT_S", "0.3")
+    monkeypatch.setenv("JAXPOD_JOB_ACQUIRE_TRY_S", "0.01")
+    monkeypatch.setenv("JAXPOD_JOB_RETRY_BACKOFF_S", "0.05")
+    slices = _NeverFree()
+    with JobStore(tmp_path) as store:
+        manager = JobManager(store, slices)
+        manager.start()
+        try:
+            job = manager.submit(JobSpec(steps=1, step_fn=b"never unpickled",
+                                         accelerator_type="v4-8", max_retries_preemption=0,
+                                         max_retries_failure=0))
+            # Past its budgets (0 and 0) many times over: waiting for a slice is no failure.
+            assert wait_for(lambda: len(store.attempts(job.id)) >= 3, 30), store.attempts(job.id)
+            history = store.history(job.id)
+            retries = [t for t in history if t.to_state is JobState.RETRYING]
+            assert retries and retries[0].from_state is JobState.ALLOCATING
+            assert "no v4-8 slice within 0.3s (JAXPOD_JOB_ALLOCATION_TIMEOUT_S)" in \
+                retries[0].reason
+            assert "another holder took it" in retries[0].reason
+            first = store.attempts(job.id)[0]
+            assert first.cause is not None and first.cause.startswith("no slice:")
+            assert manager.status(job.id).state in (JobState.ALLOCATING, JobState.RETRYING)
+            cancelled = manager.cancel(job.id)
+            assert wait_for(lambda: manager.status(job.id).state is JobState.CANCELLED, 30), \
+                cancelled
+        finally:
+            manager.close()
+        goodput = store.goodput(job.id)
+        assert goodput["allocating"] > 0 and goodput["recovering"] > 0
