@@ -213,6 +213,7 @@ class JobManager:
         self._active: dict[str, JobController] = {}
         self._threads: dict[str, threading.Thread] = {}
         self._allocating: set[str] = set()  # accelerator types with a job acquiring
+        self._kicked = False
         self._closed = False
         self._dispatcher = threading.Thread(target=self._dispatch, name="jaxpod-jobs",
                                              daemon=True)
@@ -246,7 +247,7 @@ class JobManager:
             for controller in self._active.values():
                 controller.stop.request(SHUTDOWN)
             threads = list(self._threads.items())
-            self._lock.notify_all()
+            self._kick()
         limit = JOB_STOP_TIMEOUT.resolve(timeout)
         for job_id, thread in threads:
             thread.join(limit)
@@ -258,7 +259,14 @@ class JobManager:
     def wake(self) -> None:
         """A slice may have become free (a release): the dispatcher looks again."""
         with self._lock:
-            self._lock.notify_all()
+            self._kick()
+
+    def _kick(self) -> None:
+        """Under the lock: something the dispatcher looks at changed. The flag keeps a
+        change made while it is not waiting (it is checking for free slices) from being
+        missed until its next recheck."""
+        self._kicked = True
+        self._lock.notify_all()
 
     # ------------------------------------------------------------------ requests
     def submit(self, spec: JobSpec) -> JobStatus:
@@ -270,7 +278,7 @@ class JobManager:
         with self._lock:
             self.goodput.start(status.id)
             self._enqueue(status, spec)
-            self._lock.notify_all()
+            self._kick()
         self.events.changed(status.id)
         logger.info("job %s (%s) queued for %s", status.id, status.name,
                     spec.accelerator_type)
@@ -357,6 +365,7 @@ class JobManager:
             with self._lock:
                 if self._closed:
                     return
+                self._kicked = False
                 candidates = self._queue.candidates(self._allocating)
             started = False
             for accelerator_type, job_id in candidates:
@@ -371,7 +380,7 @@ class JobManager:
                 if free:
                     started |= self._start(accelerator_type, job_id)
             with self._lock:
-                if not self._closed and not started:
+                if not (self._closed or started or self._kicked):
                     self._lock.wait(DISPATCH_RECHECK.seconds())
 
     def _start(self, accelerator_type: str, job_id: str) -> bool:
@@ -420,7 +429,7 @@ class JobManager:
                 self._allocating.add(kind)
             elif isinstance(change.old, Allocating):
                 self._allocating.discard(kind)
-            self._lock.notify_all()
+            self._kick()
 
     def _run(self, controller: JobController) -> None:
         try:
@@ -430,7 +439,7 @@ class JobManager:
             with self._lock:
                 self._active.pop(controller.job_id, None)
                 self._threads.pop(controller.job_id, None)
-                self._lock.notify_all()
+                self._kick()
 
     def _progressed(self, job_id: str) -> None:
         """A loop was recorded: watchers wake; goodput is saved now and then."""
