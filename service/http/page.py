@@ -1,21 +1,23 @@
 """The HTML side: the status page at ``/``, the sign-in form and the page's files.
 
-The page is rendered here, whole, so its tables read without JavaScript; the small
-script in ``static/dashboard.js`` then keeps it live (job states polled, the shown job
-followed over its event stream, its charts redrawn). No build step, nothing fetched
-from elsewhere: the script and style ship in the package.
+``/`` sends the page's frame with its first data embedded as JSON (the API's own
+models: cluster, job list, the shown job's detail); the script in
+``static/dashboard.js`` draws everything from data, that first time and on every
+update (job list and cluster polled, the shown job followed over its event stream).
+So the page is drawn in one place only. No build step, nothing fetched from elsewhere:
+the script and style ship in the package.
 """
 
 from __future__ import annotations
 
 import html
-import time
 from importlib import resources
 from typing import Annotated, Any
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from jaxpod.errors import JobNotFoundError
@@ -23,7 +25,6 @@ from jaxpod.service.http import auth, models
 from jaxpod.service.http.routes import CHART_POINTS, BackendDep, backend
 
 router = APIRouter(include_in_schema=False)
-DASH = "\u2013"  # what an empty figure shows
 
 #: The page's files, by name (nothing else under static/ is served).
 STATIC_TYPES = {"dashboard.js": "text/javascript; charset=utf-8",
@@ -93,6 +94,16 @@ async def logout(request: Request) -> Response:
 
 
 # ---------------------------------------------------------------------- the page
+class PageData(BaseModel):
+    """What the page's script draws first: the answers it would fetch (so the page shows
+    at once), and the job asked for (``shown``; ``detail`` is null if there is none)."""
+
+    cluster: models.Cluster
+    jobs: models.JobList
+    detail: models.JobDetail | None
+    shown: str | None
+
+
 @router.get("/", response_class=HTMLResponse)
 async def index(backend: BackendDep,
                 job: Annotated[str | None, Query(max_length=200)] = None) -> HTMLResponse:
@@ -105,7 +116,8 @@ async def index(backend: BackendDep,
             detail = await run_in_threadpool(backend.job_detail, shown, CHART_POINTS)
         except JobNotFoundError:
             detail = None
-    return HTMLResponse(render(cluster, jobs, detail, shown), headers=_HEADERS)
+    data = PageData(cluster=cluster, jobs=jobs, detail=detail, shown=shown)
+    return HTMLResponse(shell(data), headers=_HEADERS)
 
 
 def _pick(jobs: list[models.JobSummary]) -> str | None:
@@ -115,135 +127,37 @@ def _pick(jobs: list[models.JobSummary]) -> str | None:
     return chosen[0].id if chosen else None
 
 
-def render(cluster: models.Cluster, jobs: models.JobList, detail: models.JobDetail | None,
-           shown: str | None) -> str:
-    missing = (f"<p class=bad>No job {_e(shown)}.</p>" if shown and detail is None else "")
+def embedded_json(model: BaseModel) -> str:
+    """``model`` as JSON that is safe inside a ``<script>`` element: with every ``<``,
+    ``>`` and ``&`` escaped (still the same JSON), no ``</script>`` or ``<!--`` in a
+    value can end the element or change how the HTML parser reads it."""
+    text = model.model_dump_json()  # as the API answers: NaN becomes null
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def shell(data: PageData) -> str:
+    """The page: its frame, the data to draw, and the script that draws it."""
+    job = data.detail.id if data.detail else ""
     return f"""<!doctype html><html lang=en><head><meta charset=utf-8>
 <meta name=viewport content="width=device-width, initial-scale=1">
 <title>jaxpod</title><link rel=stylesheet href="/static/dashboard.css"></head>
-<body data-job="{_e(detail.id if detail else '')}">
+<body data-job="{_e(job)}">
 <header><h1>jaxpod</h1>
-<span>cluster <b id=cluster-state class="st-{_e(cluster.state)}">{_e(cluster.state)}</b></span>
-<span><b id=free-slices>{cluster.free_slices}</b> free, <b id=busy-slices>{cluster.busy_slices}</b>
- busy slices</span>
-<span><b id=num-sessions>{cluster.num_sessions}</b> sessions</span>
-<span class=muted>v{_e(cluster.server_version)} · <span id=updated>rendered
- {time.strftime('%H:%M:%S')}</span></span>
+<span>cluster <b id=cluster-state></b></span>
+<span><b id=free-slices></b> free, <b id=busy-slices></b> busy slices</span>
+<span><b id=num-sessions></b> sessions</span>
+<span class=muted><span id=version></span> · <span id=updated></span></span>
 <form method=post action="/logout"><button type=submit>Sign out</button></form></header>
 <main>
-<section><h2>Slices and hosts</h2><div id=slices class=slices>{_slices(cluster)}</div></section>
-<section><h2>Jobs</h2>{_jobs(jobs)}</section>
-<section id=job-detail><h2>Job</h2>{missing}{_detail(detail) if detail else
-    '<p class=muted>No job yet.</p>'}</section>
-</main><script src="/static/dashboard.js" defer></script></body></html>"""
-
-
-def _slices(cluster: models.Cluster) -> str:
-    if not cluster.slices:
-        return f"<p class=muted>No slices ({_e(cluster.state)}).</p>"
-    out = []
-    for s in cluster.slices:
-        hosts = "".join(
-            f"<div class=host title=\"host {h.worker_id} {_e(h.address)}\"><span>host "
-            f"{h.worker_id}</span><span class=chips>"
-            + "<i class=chip></i>" * h.chips + f"</span><small>{_e(h.address)}</small></div>"
-            for h in s.hosts)
-        problems = "".join(f"<p class=bad>{_e(p)}</p>" for p in s.problems)
-        out.append(
-            f"<div class=\"slice st-{_e(s.state)}\" data-slice=\"{_e(s.name)}\">"
-            f"<div class=slice-head><b>{_e(s.name)}</b> <span>{_e(s.accelerator_type)} · "
-            f"{_e(s.topology)} · {s.num_hosts}/{s.expected_hosts} hosts · {s.chips} chips"
-            f"</span> <span class=state>{_e(s.state)}</span> <span class=holder>"
-            f"{_e(s.holder or '')}</span></div><div class=hosts>{hosts}</div>{problems}</div>")
-    return "".join(out)
-
-
-def _num(value: float | None, digits: int = 2) -> str:
-    return DASH if value is None else f"{value:.{digits}f}"
-
-
-def _percent(share: float | None) -> str:
-    return _num(None if share is None else 100 * share, 0)
-
-
-def _when(at: float | None) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(at)) if at else DASH
-
-
-def _jobs(jobs: models.JobList) -> str:
-    rows = "".join(
-        f"<tr data-job-id=\"{_e(j.id)}\"><td><a href=\"/?job={_e(j.id)}\">{_e(j.id)}</a></td>"
-        f"<td>{_e(j.name)}</td><td>{_e(j.accelerator_type)}</td>"
-        f"<td class=\"state st-{_e(j.state)}\">{_e(j.state)}</td>"
-        f"<td class=progress><progress max=\"{j.steps}\" value=\"{j.step}\"></progress> "
-        f"<span class=step>{j.step}</span>/{j.steps}</td>"
-        f"<td class=rate>{_num(j.steps_per_s, 1)}</td>"
-        f"<td class=share>{_percent(j.productive_share)}</td>"
-        f"<td>{j.attempts}</td><td>{_when(j.created_at)}</td></tr>"
-        for j in reversed(jobs.jobs))
-    empty = "<tr><td colspan=9 class=muted>No jobs.</td></tr>" if not jobs.jobs else ""
-    return (f"<table id=jobs><thead><tr><th>id</th><th>name</th><th>type</th><th>state</th>"
-            f"<th>progress</th><th title=\"steps per productive second (goodput)\">steps/s</th>"
-            f"<th>goodput %</th><th>attempts</th>"
-            f"<th>created</th></tr></thead><tbody>{rows}{empty}</tbody></table>")
-
-
-def _detail(job: models.JobDetail) -> str:
-    metric = "loss" if "loss" in job.series else next(iter(job.series), "loss")
-    points = [(s, v) for s, v in job.series.get(metric, []) if v is not None]
-    goodput = "".join(f"<tr><th>{_e(k)}</th><td>{_num(v, 3)}</td></tr>"
-                      for k, v in job.goodput.items())
-    history = "".join(f"<tr><td>{_when(t.at)}</td><td>{_e(t.from_state or '')}</td>"
-                      f"<td>{_e(t.to_state)}</td><td>{_e(t.reason)}</td></tr>"
-                      for t in job.history)
-    attempts = "".join(f"<tr><td>{a.number}</td><td>{_when(a.started_at)}</td>"
-                       f"<td>{_when(a.ended_at)}</td>"
-                       f"<td>{DASH if a.step_reached is None else a.step_reached}</td>"
-                       f"<td>{_e(a.cause or '')}</td></tr>" for a in job.attempt_records)
-    hosts = "".join(f"<tr><td>{h.host}</td><td>{_num(h.input_wait_s, 3)}</td>"
-                    f"<td>{h.input_queue_depth}</td></tr>" for h in job.hosts)
-    error = f"<pre class=bad>{_e(job.error)}</pre>" if job.error else ""
-    return f"""<p><b>{_e(job.name)}</b> ({_e(job.id)}) <span id=detail-state
- class="state st-{_e(job.state)}">{_e(job.state)}</span> step <span
- id=detail-step>{job.step}</span>/{job.steps}</p>{error}
-<div class=charts>
-<figure><figcaption>{_e(metric)} by step</figcaption>
-{_chart("chart-loss", points, metric)}</figure>
-<figure><figcaption>steps/s (live)</figcaption>{_chart("chart-rate", [], "steps/s")}</figure>
-</div>
-<div class=tables>
-<table id=goodput><caption>goodput (s)</caption><tbody>{goodput or
-    '<tr><td class=muted>none yet</td></tr>'}</tbody></table>
-<table id=history><caption>history</caption><thead><tr><th>at</th><th>from</th><th>to</th>
-<th>reason</th></tr></thead><tbody>{history}</tbody></table>
-<table id=attempts><caption>attempts</caption><thead><tr><th>#</th><th>started</th><th>ended</th>
-<th>step</th><th>cause</th></tr></thead><tbody>{attempts}</tbody></table>
-<table id=hosts><caption>input per host (running attempt)</caption><thead><tr><th>host</th>
-<th title="seconds its steps waited for input not ready yet">input wait (s)</th>
-<th title="chunks of steps ready in its infeed">queue depth</th></tr></thead>
-<tbody>{hosts}</tbody></table></div>"""
-
-
-#: Chart size in SVG units (the script draws in the same box).
-W, H, PAD = 480, 180, 28
-
-
-def _chart(element_id: str, points: list[tuple[int, float]], metric: str) -> str:
-    """An SVG line chart of ``points`` (drawn again by the script as points arrive)."""
-    line = ""
-    if points:
-        xs = [p[0] for p in points]
-        ys = [p[1] for p in points]
-        x0, x1 = min(xs), max(xs) or 1
-        y0, y1 = min(ys), max(ys)
-        def sx(x: float) -> float:
-            return PAD + (x - x0) / ((x1 - x0) or 1) * (W - 2 * PAD)
-        def sy(y: float) -> float:
-            return H - PAD - (y - y0) / ((y1 - y0) or 1) * (H - 2 * PAD)
-        line = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in points)
-        line = (f"<polyline points=\"{line}\"/><text x=4 y=14>{y1:.4g}</text>"
-                f"<text x=4 y={H - PAD + 4}>{y0:.4g}</text>"
-                f"<text x={W - PAD} y={H - 6} text-anchor=end>{x1}</text>")
-    return (f"<svg id={element_id} class=chart viewBox=\"0 0 {W} {H}\" role=img "
-            f"aria-label=\"{_e(metric)}\" data-metric=\"{_e(metric)}\" "
-            f"data-points=\"{len(points)}\">{line}</svg>")
+<noscript><p class=bad>This page is drawn by its script: allow JavaScript, or read
+ <a href="/api/v1/cluster">/api/v1/cluster</a> and <a href="/api/v1/jobs">/api/v1/jobs</a>.
+</p></noscript>
+<section><h2>Slices and hosts</h2><div id=slices class=slices></div></section>
+<section><h2>Jobs</h2><table id=jobs><thead><tr><th>id</th><th>name</th><th>type</th>
+<th>state</th><th>progress</th><th title="steps per wall-clock second">steps/s</th>
+<th>goodput %</th><th>attempts</th>
+<th>created</th></tr></thead><tbody></tbody></table></section>
+<section id=job-detail><h2>Job</h2></section>
+</main>
+<script type="application/json" id=initial>{embedded_json(data)}</script>
+<script src="/static/dashboard.js" defer></script></body></html>"""

@@ -1,20 +1,39 @@
-// jaxpod dashboard: keeps the server-rendered page live. Plain JS, no dependencies.
-// The job table is polled; the shown job is followed over its server-sent events
-// (its status and new metric points), and its charts are redrawn as points arrive.
+// jaxpod dashboard: draws the whole status page from data. Plain JS, no dependencies.
+// The first data comes embedded in the page (#initial: the API's own answers); the same
+// functions then draw every update: the job list and the cluster are polled, the shown
+// job is followed over its server-sent events (status, new metric points, hosts' input).
 "use strict";
 (function () {
-  const W = 480, H = 180, PAD = 28;
+  const W = 480, H = 180, PAD = 28;  // chart size in SVG units
   const JOBS_EVERY_MS = 1000, CLUSTER_EVERY_MS = 3000, RATE_POINTS = 120;
   const CHART_POINTS = 2000;  // a series longer than twice this keeps every other point
+  const DASH = "–";           // what an empty figure shows
+  const SVG = "http://www.w3.org/2000/svg";
+  const initial = JSON.parse(document.getElementById("initial").textContent);
   const shown = document.body.dataset.job || "";
   const asked = new URLSearchParams(window.location.search).has("job");
-  const series = {};          // metric name -> [[step, value]]
-  const rate = [];            // [[seconds since follow, steps/s]]
+  const series = Object.create(null);  // metric name -> [[step, value]]
+  const rate = [];            // [[seconds since the page loaded, steps/s]]
   let last = null;            // the previous status event: {t, step}
+  let slicesDrawn = null;     // the slices last drawn (JSON): redrawn only on a change
   const t0 = performance.now();
 
+  // An element with attributes (null ones left out) and children (strings become text,
+  // never HTML).
+  function h(tag, attrs, ...children) {
+    const el = document.createElement(tag);
+    for (const [name, value] of Object.entries(attrs || {})) {
+      if (value !== null && value !== undefined) el.setAttribute(name, value);
+    }
+    el.append(...children.filter(c => c !== null && c !== undefined).map(
+      c => c instanceof Node ? c : String(c)));
+    return el;
+  }
+
   function text(el, value) { if (el && el.textContent !== String(value)) el.textContent = value; }
-  function fmt(v, d) { return v === null || v === undefined ? "–" : Number(v).toFixed(d); }
+  function fmt(v, d) { return v === null || v === undefined ? DASH : Number(v).toFixed(d); }
+  function when(at) { return at ? new Date(at * 1000).toLocaleTimeString() : DASH; }
+  function byId(id) { return document.getElementById(id); }
 
   async function getJSON(url) {
     const r = await fetch(url, {credentials: "same-origin", headers: {Accept: "application/json"}});
@@ -23,183 +42,252 @@
     return r.json();
   }
 
-  function stateCell(td, state) {
-    text(td, state);
-    td.className = "state st-" + state;
+  function stateCell(el, state) {
+    if (!el) return;
+    text(el, state);
+    el.className = "state st-" + state;
   }
 
-  function updateRow(row, j) {
+  // ------------------------------------------------------------------ cluster
+  function drawCluster(c) {
+    const state = byId("cluster-state");
+    text(state, c.state);
+    state.className = "st-" + c.state;
+    text(byId("free-slices"), c.free_slices);
+    text(byId("busy-slices"), c.busy_slices);
+    text(byId("num-sessions"), c.num_sessions);
+    text(byId("version"), "v" + c.server_version);
+    const drawn = JSON.stringify([c.state, c.slices]);
+    if (drawn === slicesDrawn) return;
+    slicesDrawn = drawn;
+    byId("slices").replaceChildren(...(c.slices.length ? c.slices.map(sliceBox)
+      : [h("p", {class: "muted"}, "No slices (" + c.state + ").")]));
+  }
+
+  function sliceBox(s) {
+    const hosts = s.hosts.map(host => h("div",
+      {class: "host", title: "host " + host.worker_id + " " + host.address},
+      h("span", null, "host " + host.worker_id),
+      h("span", {class: "chips"}, ...Array.from({length: host.chips}, () => h("i", {class: "chip"}))),
+      h("small", null, host.address)));
+    return h("div", {class: "slice st-" + s.state, "data-slice": s.name},
+      h("div", {class: "slice-head"}, h("b", null, s.name), " ",
+        h("span", null, [s.accelerator_type, s.topology, s.num_hosts + "/" + s.expected_hosts +
+                         " hosts", s.chips + " chips"].join(" · ")), " ",
+        h("span", {class: "state"}, s.state), " ", h("span", {class: "holder"}, s.holder || "")),
+      h("div", {class: "hosts"}, ...hosts),
+      ...s.problems.map(p => h("p", {class: "bad"}, p)));
+  }
+
+  // ------------------------------------------------------------------ jobs
+  function drawJobs(list) {
+    const body = document.querySelector("#jobs tbody");
+    for (const j of list.jobs) {  // creation order: each new row goes on top
+      let row = body.querySelector('tr[data-job-id="' + CSS.escape(j.id) + '"]');
+      if (!row) {
+        row = jobRow(j);
+        body.insertBefore(row, body.firstChild);
+      }
+      updateRow(row, j);
+    }
+    const empty = body.querySelector("tr.empty");
+    if (list.jobs.length && empty) empty.remove();
+    if (!body.rows.length) {
+      body.append(h("tr", {class: "empty"}, h("td", {colspan: 9, class: "muted"}, "No jobs.")));
+    }
+    text(byId("updated"), "updated " + new Date().toLocaleTimeString());
+  }
+
+  function jobRow(j) {
+    return h("tr", {"data-job-id": j.id},
+      h("td", null, h("a", {href: "/?job=" + encodeURIComponent(j.id)}, j.id)),
+      h("td", null, j.name), h("td", null, j.accelerator_type), h("td", {class: "state"}),
+      h("td", {class: "progress"}, h("progress"), " ", h("span", {class: "step"}), "/" + j.steps),
+      h("td", {class: "rate"}), h("td", {class: "share"}), h("td", {class: "attempts"}),
+      h("td", null, when(j.created_at)));
+  }
+
+  function updateRow(row, j) {  // j: a JobSummary (the list's, or a status event's)
     stateCell(row.querySelector(".state"), j.state);
     const bar = row.querySelector("progress");
-    if (bar) { bar.max = j.steps; bar.value = j.step; }
+    bar.max = j.steps;
+    bar.value = j.step;
     text(row.querySelector(".step"), j.step);
     text(row.querySelector(".rate"), fmt(j.steps_per_s, 1));
     text(row.querySelector(".share"),
-         j.productive_share === null ? "–" : fmt(100 * j.productive_share, 0));
-  }
-
-  function newRow(j) {
-    const row = document.createElement("tr");
-    row.dataset.jobId = j.id;
-    const cells = [["a", j.id], ["", j.name], ["", j.accelerator_type], ["state", j.state],
-                   ["progress", ""], ["rate", ""], ["share", ""], ["", j.attempts],
-                   ["", new Date(j.created_at * 1000).toLocaleTimeString()]];
-    for (const [kind, value] of cells) {
-      const td = document.createElement("td");
-      if (kind === "a") {
-        const a = document.createElement("a");
-        a.href = "/?job=" + encodeURIComponent(j.id);
-        a.textContent = value;
-        td.appendChild(a);
-      } else if (kind === "progress") {
-        td.className = "progress";
-        td.appendChild(document.createElement("progress"));
-        const s = document.createElement("span");
-        s.className = "step";
-        td.appendChild(s);
-        td.appendChild(document.createTextNode("/" + j.steps));
-      } else {
-        if (kind) td.className = kind;
-        td.textContent = value;
-      }
-      row.appendChild(td);
-    }
-    updateRow(row, j);
-    return row;
+         j.productive_share === null ? DASH : fmt(100 * j.productive_share, 0));
+    text(row.querySelector(".attempts"), j.attempts);
   }
 
   async function refreshJobs() {
     try {
       const list = await getJSON("/api/v1/jobs?limit=200");
-      const body = document.querySelector("#jobs tbody");
-      for (const j of list.jobs) {
-        let row = body.querySelector('tr[data-job-id="' + CSS.escape(j.id) + '"]');
-        if (!row) {
-          const empty = body.querySelector("td.muted");
-          if (empty) empty.parentElement.remove();
-          row = newRow(j);
-          body.insertBefore(row, body.firstChild);
-        } else {
-          updateRow(row, j);
-        }
-      }
+      drawJobs(list);
       // A first job while none was shown (and none asked for): show it.
       if (!shown && !asked && list.jobs.length) window.location.reload();
-      text(document.getElementById("updated"), "updated " + new Date().toLocaleTimeString());
     } catch (e) { /* the next poll tries again */ }
   }
 
   async function refreshCluster() {
     try {
-      const c = await getJSON("/api/v1/cluster");
-      text(document.getElementById("cluster-state"), c.state);
-      text(document.getElementById("free-slices"), c.free_slices);
-      text(document.getElementById("busy-slices"), c.busy_slices);
-      text(document.getElementById("num-sessions"), c.num_sessions);
-      for (const s of c.slices) {
-        const el = document.querySelector('[data-slice="' + CSS.escape(s.name) + '"]');
-        if (!el) continue;
-        el.className = "slice st-" + s.state;
-        text(el.querySelector(".state"), s.state);
-        text(el.querySelector(".holder"), s.holder || "");
-      }
+      drawCluster(await getJSON("/api/v1/cluster"));
     } catch (e) { /* the next poll tries again */ }
+  }
+
+  // ------------------------------------------------------------------ the shown job
+  function drawDetail(d, wanted) {
+    const section = byId("job-detail");
+    if (!d) {
+      section.replaceChildren(h("h2", null, "Job"), wanted
+        ? h("p", {class: "bad"}, "No job " + wanted + ".") : h("p", {class: "muted"}, "No job yet."));
+      return;
+    }
+    section.replaceChildren(h("h2", null, "Job"),
+      h("p", null, h("b", null, d.name), " (" + d.id + ") ", h("span", {id: "detail-state"}),
+        " step ", h("span", {id: "detail-step"}), "/" + d.steps),
+      h("pre", {id: "detail-error", class: "bad", hidden: ""}),
+      h("div", {class: "charts"},
+        h("figure", null, h("figcaption", {id: "loss-caption"}), chart("chart-loss", "loss")),
+        h("figure", null, h("figcaption", null, "steps/s (live)"), chart("chart-rate", "steps/s"))),
+      h("div", {class: "tables"},
+        table("goodput", "goodput (s)", []),
+        table("history", "history", ["at", "from", "to", "reason"]),
+        table("attempts", "attempts", ["#", "started", "ended", "step", "cause"]),
+        table("hosts", "input per host (running attempt)", [
+          "host", ["input wait (s)", "seconds its steps waited for input not ready yet"],
+          ["queue depth", "chunks of steps ready in its infeed"]])));
+    showStatus(d);
+    fillDetail(d);
+    addPoints(d.series);
+  }
+
+  function chart(id, metric) {
+    const svg = document.createElementNS(SVG, "svg");
+    for (const [name, value] of [["id", id], ["class", "chart"], ["viewBox", `0 0 ${W} ${H}`],
+                                 ["role", "img"], ["aria-label", metric],
+                                 ["data-metric", metric], ["data-points", "0"]]) {
+      svg.setAttribute(name, value);
+    }
+    return svg;
+  }
+
+  function table(id, caption, heads) {  // heads: names, or [name, what it means]
+    const cells = heads.map(c => Array.isArray(c) ? h("th", {title: c[1]}, c[0]) : h("th", null, c));
+    return h("table", {id: id}, h("caption", null, caption),
+             cells.length ? h("thead", null, h("tr", null, ...cells)) : null, h("tbody"));
   }
 
   function draw(svg, points) {
     if (!svg) return;
     svg.dataset.points = String(points.length);
-    while (svg.firstChild) svg.removeChild(svg.firstChild);
+    svg.replaceChildren();
     if (!points.length) return;
     const xs = points.map(p => p[0]), ys = points.map(p => p[1]);
     const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
     const sx = x => PAD + (x - x0) / ((x1 - x0) || 1) * (W - 2 * PAD);
     const sy = y => H - PAD - (y - y0) / ((y1 - y0) || 1) * (H - 2 * PAD);
-    const ns = "http://www.w3.org/2000/svg";
-    const line = document.createElementNS(ns, "polyline");
+    const line = document.createElementNS(SVG, "polyline");
     line.setAttribute("points", points.map(p => sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" "));
     svg.appendChild(line);
     for (const [x, y, label, anchor] of [[4, 14, y1, "start"], [4, H - PAD + 4, y0, "start"],
                                          [W - PAD, H - 6, x1, "end"]]) {
-      const t = document.createElementNS(ns, "text");
+      const t = document.createElementNS(SVG, "text");
       t.setAttribute("x", x); t.setAttribute("y", y); t.setAttribute("text-anchor", anchor);
       t.textContent = Number(label).toPrecision(4).replace(/\.?0+$/, "");
       svg.appendChild(t);
     }
   }
 
-  function when(at) { return at ? new Date(at * 1000).toLocaleTimeString() : "–"; }
+  // The job's status (its detail, or a status event): the heading, its row, its error.
+  function showStatus(j) {
+    stateCell(byId("detail-state"), j.state);
+    text(byId("detail-step"), j.step);
+    const error = byId("detail-error");
+    if (error) {
+      text(error, j.error || "");
+      error.hidden = !j.error;
+    }
+    const row = document.querySelector('#jobs tr[data-job-id="' + CSS.escape(j.id) + '"]');
+    if (row) updateRow(row, j);
+  }
 
-  function fill(tableId, rows) {
+  function fill(tableId, rows, empty) {
     const body = document.querySelector("#" + tableId + " tbody");
     if (!body) return;
-    while (body.firstChild) body.removeChild(body.firstChild);
-    for (const cells of rows) {
-      const tr = document.createElement("tr");
-      cells.forEach((value, i) => {
-        const td = document.createElement(tableId === "goodput" && i === 0 ? "th" : "td");
-        td.textContent = value === null || value === undefined ? "–" : String(value);
-        tr.appendChild(td);
-      });
-      body.appendChild(tr);
-    }
+    body.replaceChildren(...rows.map(cells => h("tr", null, ...cells.map((value, i) =>
+      h(tableId === "goodput" && i === 0 ? "th" : "td", null,
+        value === null || value === undefined ? DASH : value)))));
+    if (!rows.length && empty) body.append(h("tr", null, h("td", {class: "muted"}, empty)));
   }
 
   function fillHosts(hosts) {
-    fill("hosts", hosts.map(h => [h.host, fmt(h.input_wait_s, 3), h.input_queue_depth]));
+    fill("hosts", hosts.map(x => [x.host, fmt(x.input_wait_s, 3), x.input_queue_depth]));
+  }
+
+  function fillDetail(d) {  // goodput, history, attempts, hosts
+    fill("goodput", Object.entries(d.goodput).map(([k, v]) => [k, fmt(v, 3)]), "none yet");
+    fill("history", d.history.map(t => [when(t.at), t.from_state, t.to_state, t.reason]));
+    fill("attempts", d.attempt_records.map(a => [a.number, when(a.started_at),
+                                                  when(a.ended_at), a.step_reached, a.cause]));
+    fillHosts(d.hosts);
+  }
+
+  // New metric points: the detail's series first, then each metrics event's. The stream
+  // starts again from the first step, so a step already kept is skipped.
+  function addPoints(fresh) {
+    for (const [name, points] of Object.entries(fresh)) {
+      let kept = series[name] || (series[name] = []);
+      for (const [step, value] of points) {
+        if (value !== null && (!kept.length || step > kept[kept.length - 1][0])) kept.push([step, value]);
+      }
+      if (kept.length > 2 * CHART_POINTS) {  // thin the old, keep the newest point
+        const newest = kept[kept.length - 1];
+        kept = kept.filter((_, i) => i % 2 === 0);
+        if (kept[kept.length - 1] !== newest) kept.push(newest);
+        series[name] = kept;
+      }
+    }
+    // The loss if the job records one, else its first metric.
+    const metric = "loss" in series ? "loss" : Object.keys(series)[0] || "loss";
+    const svg = byId("chart-loss");
+    if (!svg) return;
+    svg.dataset.metric = metric;
+    svg.setAttribute("aria-label", metric);
+    text(byId("loss-caption"), metric + " by step");
+    draw(svg, series[metric] || []);
   }
 
   async function refreshDetail(id) {  // history, attempts, goodput: on a state change
     try {
-      const d = await getJSON("/api/v1/jobs/" + encodeURIComponent(id) + "?points=1");
-      fill("goodput", Object.entries(d.goodput).map(([k, v]) => [k, fmt(v, 3)]));
-      fillHosts(d.hosts);
-      fill("history", d.history.map(t => [when(t.at), t.from_state, t.to_state, t.reason]));
-      fill("attempts", d.attempt_records.map(a => [a.number, when(a.started_at),
-                                                    when(a.ended_at), a.step_reached, a.cause]));
-    } catch (e) { /* shown as rendered */ }
+      fillDetail(await getJSON("/api/v1/jobs/" + encodeURIComponent(id) + "?points=1"));
+    } catch (e) { /* shown as before */ }
   }
 
-  function follow(id) {
-    let shownState = null;
-    const lossSvg = document.getElementById("chart-loss");
-    const metric = lossSvg ? lossSvg.dataset.metric : "loss";
+  function follow(id, state) {
+    let shownState = state;
     const source = new EventSource("/api/v1/jobs/" + encodeURIComponent(id) + "/events");
     source.addEventListener("status", ev => {
       const j = JSON.parse(ev.data);
-      stateCell(document.getElementById("detail-state"), j.state);
-      if (shownState !== null && shownState !== j.state) refreshDetail(id);
+      showStatus(j);
+      if (shownState !== j.state) refreshDetail(id);
       shownState = j.state;
-      text(document.getElementById("detail-step"), j.step);
-      const row = document.querySelector('#jobs tr[data-job-id="' + CSS.escape(j.id) + '"]');
-      if (row) updateRow(row, j);
       const t = (performance.now() - t0) / 1000;
       if (last && j.step > last.step && t > last.t) {
         rate.push([t, (j.step - last.step) / (t - last.t)]);
         if (rate.length > RATE_POINTS) rate.shift();
-        draw(document.getElementById("chart-rate"), rate);
+        draw(byId("chart-rate"), rate);
       }
       last = {t: t, step: j.step};
     });
-    source.addEventListener("metrics", ev => {
-      const fresh = JSON.parse(ev.data).series;
-      for (const [name, points] of Object.entries(fresh)) {
-        const kept = series[name] || (series[name] = []);
-        for (const [step, value] of points) if (value !== null) kept.push([step, value]);
-        if (kept.length > 2 * CHART_POINTS) {  // thin the old, keep the newest point
-          const newest = kept[kept.length - 1];
-          const every = kept.filter((_, i) => i % 2 === 0);
-          if (every[every.length - 1] !== newest) every.push(newest);
-          series[name] = every;
-        }
-      }
-      draw(lossSvg, series[metric] || []);
-    });
+    source.addEventListener("metrics", ev => addPoints(JSON.parse(ev.data).series));
     source.addEventListener("hosts", ev => fillHosts(JSON.parse(ev.data).hosts));
     source.addEventListener("end", () => { source.close(); refreshDetail(id); });
   }
 
+  drawCluster(initial.cluster);
+  drawJobs(initial.jobs);
+  drawDetail(initial.detail, initial.shown);
   setInterval(refreshJobs, JOBS_EVERY_MS);
   setInterval(refreshCluster, CLUSTER_EVERY_MS);
-  if (shown) follow(shown);
+  if (initial.detail) follow(initial.detail.id, initial.detail.state);
 })();
