@@ -1,8 +1,11 @@
 """Serving the app with uvicorn on the running event loop (beside gRPC).
 
 The socket is bound here first, so the port is known (``--http-port 0``) before the
-server starts. ``jaxpod serve`` owns the process's signals: uvicorn's own handlers are
-left out, and the service stops this server itself (:meth:`HttpServer.stop`).
+server starts. The server runs through uvicorn's documented API: ``Server.serve`` as a
+task, waited on until ``Server.started`` is set, stopped by ``should_exit``. ``jaxpod
+serve`` owns the process's signals: uvicorn's own handlers are left out (its
+``capture_signals`` hook), and the service stops this server itself
+(:meth:`HttpServer.stop`).
 """
 
 from __future__ import annotations
@@ -16,11 +19,18 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI
 
+from jaxpod.timeouts import Deadline, Timeout
+
 #: How long open connections (event streams) get to finish when the service stops.
 GRACEFUL_S = 2
+#: How long the server may take to start listening (its app's lifespan startup).
+START = Timeout("JAXPOD_HTTP_START_TIMEOUT_S", 30.0)
+#: How often the start is checked (a task that ends wakes the check at once).
+START_POLL_S = 0.01
 
 
 class _Server(uvicorn.Server):
+    # The hook uvicorn's serve() installs its SIGINT/SIGTERM handlers through.
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield  # `jaxpod serve` handles SIGTERM/SIGINT and stops this server
@@ -72,7 +82,12 @@ def bind(host: str, port: int) -> socket.socket:
 
 async def start_http(app: FastAPI, host: str, port: int) -> HttpServer:
     """Binds ``host:port`` and serves ``app`` there as a task of the running loop; returns
-    once it accepts connections (its lifespan has started)."""
+    once it accepts connections (its lifespan has started).
+
+    Raises:
+      OSError: the address cannot be bound, or the server failed to start (its lifespan
+        failed, or it did not start within ``JAXPOD_HTTP_START_TIMEOUT_S``).
+    """
     sock = bind(host, port)
     # log_config=None: the service's logging stays as `jaxpod serve` set it (uvicorn's
     # own records go to it, warnings and worse only).
@@ -80,20 +95,44 @@ async def start_http(app: FastAPI, host: str, port: int) -> HttpServer:
                             access_log=False, timeout_graceful_shutdown=GRACEFUL_S,
                             server_header=False)
     server = _Server(config)
-    # What uvicorn's Server.serve does, in two halves: start (returns once it listens),
-    # then the serving loop and its shutdown as a task.
-    config.load()
-    server.lifespan = config.lifespan_class(config)
-    await server.startup(sockets=[sock])
-    if server.should_exit or not server.started:
-        sock.close()
-        raise OSError(f"jaxpod serve: the HTTP server on {host}:{port} failed to start "
-                      "(see the log above)")
 
-    async def run() -> None:
-        await server.main_loop()
-        await server.shutdown(sockets=[sock])
+    async def serve() -> None:
+        try:
+            await server.serve(sockets=[sock])
+        except SystemExit as e:
+            # uvicorn exits the process when the app fails to start; here that ends
+            # this task only (a SystemExit would escape the event loop).
+            raise OSError(f"jaxpod serve: the HTTP server on {host}:{port} failed to "
+                          f"start (exit status {e.code}; see the log above)") from None
+        finally:
+            sock.close()  # uvicorn closes it on shutdown, not when startup fails
 
+    task = asyncio.create_task(serve(), name="jaxpod-http")
+    try:
+        await _started(server, task, f"{host}:{port}")
+    except BaseException:
+        task.cancel()  # it may still be starting (or this wait was cancelled)
+        raise
     where = sock.getsockname()
-    return HttpServer(host=where[0], port=where[1], server=server,
-                      task=asyncio.create_task(run(), name="jaxpod-http"))
+    return HttpServer(host=where[0], port=where[1], server=server, task=task)
+
+
+async def _started(server: uvicorn.Server, task: asyncio.Task[None], where: str) -> None:
+    """Returns once ``server`` accepts connections.
+
+    Raises:
+      OSError: ``task`` (the server's ``serve``) ended first, or ``START`` passed.
+    """
+    deadline = Deadline(START.seconds())
+    while not server.started:  # uvicorn tells its start by this flag only
+        if task.done():
+            failed = None if task.cancelled() else task.exception()
+            if isinstance(failed, OSError):
+                raise failed
+            cause = f" ({failed!r})" if failed else ""
+            raise OSError(f"jaxpod serve: the HTTP server on {where} stopped before it "
+                          f"started{cause}; see the log above") from failed
+        if deadline.expired():
+            raise OSError(f"jaxpod serve: the HTTP server on {where} did not start within "
+                          f"{deadline.total_s:g} s; set {START.env_var} to wait longer")
+        await asyncio.wait({task}, timeout=min(START_POLL_S, deadline.remaining()))
