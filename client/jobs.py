@@ -323,11 +323,15 @@ class Job:
             last = self.status()
         return last
 
-    def result(self, timeout: float | None = None) -> JobResult:
+    def result(self, timeout: float | None = None, *, state: bool = True) -> JobResult:
         """Waits for the job (no progress bar) and returns its result.
 
         Args:
           timeout: seconds to wait at most for the job to finish (``None``: no limit).
+          state: fetch the final state (read from the job's last checkpoint, streamed
+            leaf by leaf). ``False`` leaves ``JobResult.state`` ``None``: for a state
+            too big for this process, open the checkpoint with orbax instead
+            (``job.checkpoints()[-1].path``).
 
         Raises:
           jaxpod.JobFailedError: the job ended ``FAILED`` (``error`` says why).
@@ -342,8 +346,9 @@ class Job:
             raise errors.JobCancelledError(self.id, status.error or "cancelled",
                                            saved[-1] if saved else None)
         self._client.check_open("result()")
-        tree = self._client.stream(self._client.stub.GetJobResult, pb.JobRequest(job_id=self.id),
-                                   tensors.read_result, what=f"result() of job {self.id}")
+        request = pb.JobRequest(job_id=self.id, without_state=not state)
+        tree = self._client.stream(self._client.stub.GetJobResult, request, tensors.read_result,
+                                   what=f"result() of job {self.id}")
         notes: list[str] = []
         tree = trees.thaw(tree, unknown_as_dicts=True, notes=notes)
         reply = self._call("GetJobMetrics", pb.JobRequest(job_id=self.id), "result()")

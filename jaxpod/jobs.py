@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -325,23 +325,158 @@ class InitialState:
 
 @dataclass(frozen=True)
 class Epochs:
-    """A re-iterable dataset read over and over: a job's input never runs out."""
+    """A re-iterable dataset read over and over: a job's input never runs out.
+
+    Its iterators say where they are (:meth:`_EpochIterator.position`), so a checkpoint
+    can save a host's input position and a resumed attempt start there without reading
+    what came before (``start``): a random-access dataset (``__len__`` and
+    ``__getitem__``: a list or array of batches, a ``grain.MapDataset``, a grain data
+    source) by element index; one whose iterators have ``get_state``/``set_state`` (a
+    grain ``IterDataset``) by that state; any other by replaying what was read.
+
+    Attributes:
+      dataset: the user's dataset.
+      start: where its first iterator starts (``None``: at the beginning):
+        ``{"at": position, "batch": rows}``, a position an iterator gave (with
+        ``"rows"``: rows of that element already taken) and the rows per step of the
+        run that saved it (``"replica_batch"``: per replica, for a per-host pipeline).
+    """
 
     dataset: Any
+    start: Mapping[str, Any] | None = None
 
-    def __iter__(self) -> Iterator[Any]:
-        epoch = 0
-        while True:
-            empty = True
-            for item in self.dataset:
-                empty = False
-                yield item
-            if empty:
-                raise ValueError(
-                    f"The job's dataset ({type(self.dataset).__name__}) yielded no batches"
-                    + (" when read again: it is not re-iterable" if epoch else "")
-                    + ". Pass a list of batches, or an object whose __iter__ starts over.")
-            epoch += 1
+    def __iter__(self) -> _EpochIterator:
+        at = dict((self.start or {}).get("at") or {})
+        kind = (_IndexEpochs if _random_access(self.dataset) else
+                _StateEpochs if _stateful(self.dataset) else _CountEpochs)
+        iterator = kind(self.dataset, at)
+        iterator.skip_rows = int(at.get("rows", 0))
+        iterator.global_batch = (self.start or {}).get("batch")
+        iterator.replica_batch = (self.start or {}).get("replica_batch")
+        return iterator
+
+    def resumed(self, start: Mapping[str, Any] | None) -> Epochs:
+        return dataclasses.replace(self, start=start)
+
+
+def _random_access(dataset: Any) -> bool:
+    return (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
+            and not isinstance(dataset, Mapping | str | bytes))
+
+
+def _stateful(dataset: Any) -> bool:
+    if not hasattr(dataset, "__iter__"):
+        return False
+    try:  # grain's IterDataset makes its iterator without reading anything
+        probe = iter(dataset)
+    except TypeError:
+        return False
+    return hasattr(probe, "get_state") and hasattr(probe, "set_state")
+
+
+class _EpochIterator(Iterator[Any]):
+    """An endless iterator over epochs of a dataset that says where it is.
+
+    Attributes:
+      skip_rows: rows of the first element (or, past its end, of the next ones)
+        already taken (a rebatching reader drops them first).
+      global_batch: the rows per step the original run took (a rebatching reader
+        that starts within a batch must not take the rows left for that).
+      replica_batch: the rows per replica of a per-host pipeline's original run.
+    """
+
+    skip_rows = 0
+    global_batch: int | None = None
+    replica_batch: int | None = None
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def position(self) -> dict[str, Any]:
+        """Where the next element comes from (JSON-serializable)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _empty(dataset: Any, again: bool) -> ValueError:
+        return ValueError(
+            f"The job's dataset ({type(dataset).__name__}) yielded no batches"
+            + (" when read again: it is not re-iterable" if again else "")
+            + ". Pass a list of batches, or an object whose __iter__ starts over.")
+
+
+class _IndexEpochs(_EpochIterator):
+    """A random-access dataset by element index (epochs counted in the index)."""
+
+    def __init__(self, dataset: Any, at: Mapping[str, Any]) -> None:
+        self._dataset = dataset
+        self._size = len(dataset)
+        if not self._size:
+            raise self._empty(dataset, False)
+        self._next = int(at.get("index", 0))
+
+    def __next__(self) -> Any:
+        element = self._dataset[self._next % self._size]
+        self._next += 1
+        return element
+
+    def position(self) -> dict[str, Any]:
+        return {"index": self._next}
+
+
+class _StateEpochs(_EpochIterator):
+    """A dataset whose iterators save and restore their state (grain's)."""
+
+    def __init__(self, dataset: Any, at: Mapping[str, Any]) -> None:
+        self._dataset = dataset
+        self._epoch = int(at.get("epoch", 0))
+        self._iterator = iter(dataset)
+        if "state" in at:
+            self._iterator.set_state(at["state"])
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            self._epoch += 1
+            self._iterator = iter(self._dataset)
+            try:
+                return next(self._iterator)
+            except StopIteration:
+                raise self._empty(self._dataset, True) from None
+
+    def position(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "state": self._iterator.get_state()}
+
+
+class _CountEpochs(_EpochIterator):
+    """Any other re-iterable dataset: a resumed one reads and drops what was read."""
+
+    def __init__(self, dataset: Any, at: Mapping[str, Any]) -> None:
+        self._dataset = dataset
+        self._count = 0
+        self._epoch_count = 0
+        self._iterator = iter(dataset)
+        skip = int(at.get("count", 0))
+        for _ in range(skip):
+            next(self)
+        if skip:  # the job's log says so (the workers' output is the job's log)
+            print(f"jaxpod: the job's input cannot seek ({type(dataset).__name__}: no "
+                  f"__len__/__getitem__ or get_state/set_state); {skip} element(s) read "
+                  "again and skipped to resume at its checkpoint.", flush=True)
+
+    def __next__(self) -> Any:
+        for _ in range(2):
+            for element in self._iterator:
+                self._count += 1
+                self._epoch_count += 1
+                return element
+            if not self._epoch_count:
+                raise self._empty(self._dataset, self._count > 0)
+            self._iterator, self._epoch_count = iter(self._dataset), 0
+        raise self._empty(self._dataset, True)
+
+    def position(self) -> dict[str, Any]:
+        return {"count": self._count}
 
 
 @dataclass(frozen=True)
@@ -361,12 +496,45 @@ class NoInput:
 
 @dataclass(frozen=True)
 class EpochsFn:
-    """A ``dataset_fn`` whose per-host datasets start over when they run out."""
+    """A ``dataset_fn`` whose per-host datasets start over when they run out; a resumed
+    attempt's host starts where ``starts`` (one per host, in host order) says."""
 
     dataset_fn: Callable[..., Any]
+    starts: tuple[Any, ...] = ()
 
     def __call__(self, context: Any) -> Epochs:
-        return Epochs(self.dataset_fn(context))
+        host = context.input_pipeline_id
+        return Epochs(self.dataset_fn(context),
+                      self.starts[host] if host < len(self.starts) else None)
+
+    def resumed(self, starts: Sequence[Any]) -> EpochsFn:
+        return dataclasses.replace(self, starts=tuple(starts))
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A job's input as the client shipped it (its pickle of an :class:`Epochs` or an
+    :class:`EpochsFn`, which only the workers load), started where a checkpoint left
+    each host (``starts``, in host order; see :attr:`Epochs.start`)."""
+
+    payload: bytes
+    versions: Mapping[str, str]
+    starts: tuple[Any, ...]
+
+    def _loaded(self) -> Any:
+        from jaxpod.shipping import ShippedFunction, load
+
+        return load(ShippedFunction(self.payload, dict(self.versions)))
+
+    def __iter__(self) -> Iterator[Any]:  # an Epochs: every host reads all of it
+        import jax
+
+        host = jax.process_index()
+        return iter(self._loaded().resumed(self.starts[host] if host < len(self.starts)
+                                           else None))
+
+    def __call__(self, context: Any) -> Epochs:  # an EpochsFn: one pipeline per host
+        return self._loaded().resumed(self.starts)(context)
 
 
 def is_reiterable(dataset: Any) -> bool:
@@ -376,95 +544,3 @@ def is_reiterable(dataset: Any) -> bool:
         return iter(dataset) is not dataset
     except TypeError:
         return False
-
-
-# ------------------------------------------------------------------ resuming
-# A resumed attempt rebuilds its input from the client's pickle (which only the workers
-# unpickle: these wrappers carry it as bytes) and skips what the checkpointed steps
-# consumed, so it feeds exactly the batches the uninterrupted run would have.
-
-@dataclass(frozen=True)
-class ResumedInput:
-    """A job's ``dataset`` (the client's pickle of its :class:`Epochs`) from step
-    ``step`` on: the stream of rows without the first ``step`` global batches, cut into
-    global batches of the first batch's size (as the engine cuts the stream)."""
-
-    payload: bytes
-    versions: Mapping[str, str]
-    step: int
-
-    def __iter__(self) -> Iterator[Any]:
-        import itertools
-
-        from jaxpod.shipping import ShippedFunction, load
-
-        stream = iter(load(ShippedFunction(self.payload, dict(self.versions))))
-        first = next(stream)
-        size = _rows(first)
-        return _rebatched(itertools.chain([first], stream), size, self.step * size)
-
-
-@dataclass(frozen=True)
-class ResumedInputFn:
-    """A job's ``dataset_fn`` (the client's pickle of its :class:`EpochsFn`) from step
-    ``step`` on: each host's pipeline without the elements its replicas took in the
-    first ``step`` steps (one per local replica per step)."""
-
-    payload: bytes
-    versions: Mapping[str, str]
-    step: int
-
-    def __call__(self, context: Any) -> Any:
-        from jaxpod.shipping import ShippedFunction, load
-
-        dataset = load(ShippedFunction(self.payload, dict(self.versions)))(context)
-        local_replicas = context.num_replicas_in_sync // context.num_input_pipelines
-        return _Skipped(dataset, self.step * local_replicas)
-
-
-@dataclass(frozen=True)
-class _Skipped:
-    dataset: Any
-    count: int
-
-    def __iter__(self) -> Iterator[Any]:
-        import itertools
-
-        return itertools.islice(iter(self.dataset), self.count, None)
-
-
-def _rows(batch: Any) -> int:
-    import jax
-
-    leaves = jax.tree.leaves(batch)
-    if not leaves:
-        raise ValueError("A job's dataset batch has no arrays; batches are (nests of) arrays "
-                         "with rows on their first axis.")
-    return int(leaves[0].shape[0])
-
-
-def _rebatched(batches: Iterator[Any], size: int, skip: int) -> Iterator[Any]:
-    """``batches``' rows, ``skip`` of them dropped, regrouped into batches of ``size``."""
-    import jax
-    import numpy as np
-
-    def cut(tree: Any, start: int, stop: int) -> Any:
-        return jax.tree.map(lambda a: a[start:stop], tree)
-
-    held: list[Any] = []
-    rows = 0
-    for batch in batches:
-        n = _rows(batch)
-        if skip >= n:
-            skip -= n
-            continue
-        if skip:
-            batch, n, skip = cut(batch, skip, n), n - skip, 0
-        held.append(batch)
-        rows += n
-        while rows >= size:
-            joined = held[0] if len(held) == 1 else jax.tree.map(
-                lambda *parts: np.concatenate(parts), *held)
-            yield cut(joined, 0, size)
-            rows -= size
-            held = [cut(joined, size, size + rows)] if rows else []

@@ -504,12 +504,14 @@ class JobSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_slices: _Optional[int] = ..., steps: _Optional[int] = ..., steps_per_run: _Optional[int] = ..., step_fn: _Optional[bytes] = ..., init_fn: _Optional[bytes] = ..., dataset: _Optional[bytes] = ..., dataset_fn: _Optional[bytes] = ..., outputs: _Optional[_Mapping[str, str]] = ..., checkpoint_every: _Optional[int] = ..., max_retries_preemption: _Optional[int] = ..., max_retries_failure: _Optional[int] = ..., runtime_versions: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class JobRequest(_message.Message):
-    __slots__ = ("job_id", "detail")
+    __slots__ = ("job_id", "detail", "without_state")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    WITHOUT_STATE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     detail: bool
-    def __init__(self, job_id: _Optional[str] = ..., detail: _Optional[bool] = ...) -> None: ...
+    without_state: bool
+    def __init__(self, job_id: _Optional[str] = ..., detail: _Optional[bool] = ..., without_state: _Optional[bool] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
     __slots__ = ("state", "limit", "offset")

@@ -333,10 +333,33 @@ class GroupEngine:
         ``jax.debug.print`` text comes once the computation printing it has run."""
         return self._call(ops.TakeOutput())
 
-    def host_reports(self) -> list[ops.HostNews]:
+    def host_reports(self, checkpoints: str | None = None) -> list[ops.HostNews]:
         """Each host's news for a job's runner, in host order, in one round trip: the
-        lines printed since the last take, its input figures and its preemption notice."""
-        return self._call(ops.HostReport())
+        lines printed since the last take, its input figures, its preemption notice and
+        the newest committed step of the checkpoints under ``checkpoints``."""
+        return self._call(ops.HostReport(checkpoints))
+
+    # -------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, directory: str, step: int, keep: int, state: Any,
+                        iterator: GroupIterator | None) -> None:
+        """Starts the hosts writing ``state`` as checkpoint ``step`` under
+        ``directory`` with their input positions in ``iterator``; returns once the
+        bytes are off the devices (they reach storage in the background)."""
+        self._call(ops.SaveCheckpoint(directory, step, keep, self._to_handles(state),
+                                      iterator.id if iterator is not None else None))
+
+    def wait_checkpoints(self, directory: str) -> int | None:
+        """Waits until the hosts committed their writes under ``directory``; the newest
+        committed step."""
+        return self._call(ops.WaitCheckpoints(directory))[0]
+
+    def restore_checkpoint(self, directory: str, step: int, keep: int, skeleton: Any
+                           ) -> tuple[Any, list[Any]]:
+        """Checkpoint ``step``'s state onto the devices (``skeleton``: its frozen
+        structure, each leaf its index) and each host's input position at the step
+        (``keep``: the checkpoints the attempt's saves keep)."""
+        answers = self._call(ops.RestoreCheckpoint(directory, step, keep, skeleton))
+        return self._wrap(answers[0][0]), [position for _, position in answers]
 
     def preemption_notices(self, timeout: float | None = None) -> list[ops.Notice | None]:
         """Each host's notice of a coming preemption (``None`` where none came), in

@@ -18,6 +18,10 @@ TOKEN_ENV = "JAXPOD_TOKEN"
 STATE_DIR_ENV = "JAXPOD_STATE_DIR"
 
 
+#: Where job checkpoints go when --checkpoint-dir is not given.
+CHECKPOINT_DIR_ENV = "JAXPOD_CHECKPOINT_DIR"
+
+
 def default_state_dir() -> str:
     """``$JAXPOD_STATE_DIR``, else ``~/.local/state/jaxpod`` (``$XDG_STATE_HOME`` if set)."""
     explicit = os.environ.get(STATE_DIR_ENV)
@@ -92,6 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", default=None, metavar="DIR",
                         help="where jobs are kept (jobs.sqlite) (default "
                              f"${STATE_DIR_ENV}, else ~/.local/state/jaxpod)")
+    parser.add_argument("--checkpoint-dir", default=None, metavar="URL",
+                        help="where the hosts write job checkpoints, one folder per job: a "
+                             "path or URL every host reaches (gs://bucket/path on GKE) "
+                             f"(default ${CHECKPOINT_DIR_ENV}, else STATE_DIR/checkpoints)")
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, metavar="PORT",
                         help="the HTTP API, /metrics and status page, on the gRPC host "
                              f"(default {DEFAULT_HTTP_PORT}; 0 picks a free one; -1: none)")
@@ -106,6 +114,9 @@ def run_serve(args: argparse.Namespace) -> int:
     tuned = tune_malloc()  # first: before gRPC and Ray start their threads
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    # orbax logs every read at INFO, and warns that a state item read alone has no
+    # step metadata beside it: noise in a service log.
+    logging.getLogger("absl").setLevel(logging.ERROR)
     address = args.address or DEFAULT_ADDRESS
     if args.port is not None:
         address = f"{address.rsplit(':', 1)[0]}:{args.port}"
@@ -148,10 +159,18 @@ def run_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     state_dir = Path(args.state_dir or default_state_dir()).expanduser()
+    checkpoint_dir = args.checkpoint_dir or os.environ.get(CHECKPOINT_DIR_ENV) or None
+    if args.platform == "tpu" and (checkpoint_dir is None or "://" not in checkpoint_dir):
+        logging.getLogger(__name__).warning(
+            "jobs' checkpoints go to %s: every TPU host must reach that path (a shared "
+            "filesystem), or a job resumes from nothing after a lost host. Give "
+            "--checkpoint-dir gs://BUCKET/PATH (or $%s).",
+            checkpoint_dir or state_dir / "checkpoints", CHECKPOINT_DIR_ENV)
     try:
         asyncio.run(serve(address, make_slices, token, args.lease, listening,
                           args.stop_on_stdin_eof, state_dir=state_dir,
-                          http_port=None if args.http_port < 0 else args.http_port))
+                          http_port=None if args.http_port < 0 else args.http_port,
+                          checkpoint_dir=checkpoint_dir))
     finally:
         import ray
 

@@ -185,7 +185,7 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
                 token: str | None = None, lease_s: float | None = None,
                 on_listening: Callable[..., None] | None = None,
                 stop_on_stdin_eof: bool = False, state_dir: Path | None = None,
-                http_port: int | None = None) -> None:
+                http_port: int | None = None, checkpoint_dir: str | None = None) -> None:
     """Runs the coordinator until SIGTERM or SIGINT, then stops gracefully.
 
     Args:
@@ -201,11 +201,13 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
       state_dir: where the job store lives (``None``: the service takes no jobs).
       http_port: serve the HTTP API, metrics and page on this port of the gRPC host
         (0 picks a free one; ``None``: no HTTP), guarded by the same token.
+      checkpoint_dir: where the hosts write job checkpoints (``None``:
+        ``<state_dir>/checkpoints``).
     """
     sessions = SessionManager(lease_s)
     provider = _DeferredSlices()
     store = JobStore(state_dir) if state_dir is not None else None
-    jobs = JobManager(store, provider) if store is not None else None
+    jobs = JobManager(store, provider, checkpoint_dir) if store is not None else None
     service = CoordinatorService(provider, sessions, jobs=jobs)
     grpc_serving = False
     backend = None

@@ -748,7 +748,9 @@ class Engine:
             return [value]
         data = np.frombuffer(json.dumps(value).encode(), np.uint8)
         sizes = self.allgather_host(np.array([data.size], np.int32))
-        padded = np.zeros(int(sizes.max()), np.uint8)  # hosts' texts differ in length
+        # Hosts' texts differ in length; padded to a power of two, so the gather's
+        # program is compiled again only when the longest text doubles.
+        padded = np.zeros(1 << max(6, int(sizes.max() - 1).bit_length()), np.uint8)
         padded[:data.size] = data
         texts = np.asarray(multihost_utils.process_allgather(padded, tiled=False))
         return [json.loads(texts[h, :n].tobytes()) for h, n in enumerate(sizes)]
@@ -821,6 +823,7 @@ class LocalIterator(DistributedIterator):
         #: Why this iterator cannot go on (its dataset raised here or on another host):
         #: every later ``next`` raises it again, on every host, without a collective.
         self._failure: BaseException | None = None
+        self._next_start: Any = None  # where the step after the last one taken starts
 
     def __iter__(self) -> LocalIterator:
         return self
@@ -829,6 +832,17 @@ class LocalIterator(DistributedIterator):
     def prefetched(self) -> int:
         """Chunks of steps its infeed has ready."""
         return self._infeed.depth
+
+    @property
+    def position(self) -> dict[str, Any] | None:
+        """Where this host's input is, for a checkpoint (see
+        :attr:`jaxpod.jobs.Epochs.start`): the position the step after the last one
+        taken starts at (the infeed reads ahead, so the dataset's own position is further
+        on) and the batch size the feed keeps. ``None`` before the first step, or when the dataset
+        does not tell (:class:`jaxpod.jobs.Epochs` does)."""
+        if self._next_start is None:
+            return None
+        return {"at": self._next_start, **self._infeed.feed.batch_of_record()}
 
     def __next__(self) -> Any:
         batch = self.next_steps(1)
@@ -879,6 +893,9 @@ class LocalIterator(DistributedIterator):
             cut = eng._cached(("first_steps", n), lambda: jax.jit(
                 lambda x: x[:, :n], out_shardings=eng._replica_sharding))
             placed = [cut(a) for a in placed]
+        taken = chunk.positions[:n]
+        if taken and taken[-1] is not None:
+            self._next_start = taken[-1]
         return _StepBatch(infeed.spec.treedef, placed[:-1], placed[-1], n, infeed.rows,
                           counts[:, :n])
 

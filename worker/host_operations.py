@@ -27,6 +27,7 @@ from jaxpod.shipping import ShippedFunction, load
 from jaxpod.values import PerReplica, is_per_replica
 from jaxpod.worker import preemption
 from jaxpod.worker.busy_clock import BusyClock
+from jaxpod.worker.checkpoints import HostCheckpoints
 from jaxpod.worker.device_assignment import DeviceAssignment
 from jaxpod.worker.engine import Engine
 from jaxpod.worker.functions import FunctionRegistry
@@ -47,6 +48,7 @@ class HostOperations(ops.Host):
         self.engine = engine
         self.store = ValueStore()
         self.functions = FunctionRegistry()
+        self.checkpoints = HostCheckpoints()
         self.iterators: dict[int, Any] = {}
         self.datasets: dict[int, Any] = {}
         self._next_id = 1
@@ -92,11 +94,13 @@ class HostOperations(ops.Host):
                 self._operations += 1
 
     def close(self) -> None:
-        """Stops every iterator's infeed, drops the datasets, and stops capturing output
-        (putting the process's streams back), discarding what was captured."""
+        """Stops every iterator's infeed, drops the datasets, stops capturing output
+        (putting the process's streams back), discarding what was captured, and closes
+        the checkpoint managers once their writes are committed."""
         self.iterators.clear()
         self.datasets.clear()
         self._output.discard()
+        self.checkpoints.close()
 
     # ------------------------------------------------------------------ helpers
     def _drop(self, dropped: Dropped) -> None:
@@ -274,8 +278,26 @@ class HostOperations(ops.Host):
     def host_report(self, op: ops.HostReport) -> ops.HostNews:
         return ops.HostNews(
             lines=self._output.take(), input_wait_s=self.engine.input_wait.seconds(),
-            input_queue_depth=self._prefetched(),
-            notice=preemption.notice())
+            input_queue_depth=self._prefetched(), notice=preemption.notice(),
+            checkpoint=(self.checkpoints.committed(op.checkpoints)
+                        if op.checkpoints is not None else None))
+
+    def save_checkpoint(self, op: ops.SaveCheckpoint) -> None:
+        state = self._resolve(op.state)
+        position = (self._iterator(op.iterator_id).position if op.iterator_id is not None
+                    else None)
+        positions = self.engine.allgather_json(position)
+        self.checkpoints.save(op.directory, op.step, op.keep, state, self.engine.mesh,
+                              positions)
+
+    def wait_checkpoints(self, op: ops.WaitCheckpoints) -> int | None:
+        return self.checkpoints.wait(op.directory)
+
+    def restore_checkpoint(self, op: ops.RestoreCheckpoint) -> tuple[ops.ValueInfos, Any]:
+        state, position = self.checkpoints.restore(
+            op.directory, op.step, op.keep, op.skeleton, self.engine.mesh,
+            self.engine.host_index)
+        return self._keep_values(state), position
 
 
 def _unshipped(value: Any) -> Any:

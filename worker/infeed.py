@@ -51,12 +51,15 @@ class Chunk:
       placed: per leaf, the same data as global arrays on the devices, then the
         counts; empty for chunks only kept on the host.
       last: this host's input ended within (or right after) this chunk.
+      positions: the input position each step started at (``None`` where the
+        dataset does not tell).
     """
 
     host: list[np.ndarray]
     counts: np.ndarray
     placed: list[jax.Array]
     last: bool
+    positions: tuple[Any, ...] = ()
 
     @property
     def num_steps(self) -> int:
@@ -119,6 +122,10 @@ class Infeed:
         self._thread.start()
         _live.add(self)
         _close_all_first_at_exit()
+
+    @property
+    def feed(self) -> input_lib.HostFeed:
+        return self._feed
 
     @property
     def spec(self) -> input_lib.ElementSpec:
@@ -190,15 +197,18 @@ class Infeed:
             if builder.num_added == k:
                 break
             step = self._feed.next_step()
-        return self.place(builder.leaves, builder.counts, builder.num_added < k)
+        return self.place(builder.leaves, builder.counts, builder.num_added < k,
+                          tuple(builder.positions))
 
     def empty_chunk(self, num_steps: int) -> Chunk:
         """Steps with no rows, for a host whose input ended before the others'."""
         builder = input_lib.ChunkBuilder(self.spec, self.rows, self._replicas, num_steps)
-        return self.place(builder.leaves, builder.counts, True)
+        return self.place(builder.leaves, builder.counts, True, (None,) * num_steps)
 
-    def place(self, host: list[np.ndarray], counts: np.ndarray, last: bool) -> Chunk:
-        return Chunk(host, counts, [self._place(a) for a in [*host, counts]], last)
+    def place(self, host: list[np.ndarray], counts: np.ndarray, last: bool,
+              positions: tuple[Any, ...]) -> Chunk:
+        return Chunk(host, counts, [self._place(a) for a in [*host, counts]], last,
+                     positions)
 
     def rechunk(self, first: Chunk, num_steps: int) -> tuple[Chunk, Chunk | None]:
         """``num_steps`` steps starting with ``first``'s, pulling more chunks as needed.
@@ -207,7 +217,8 @@ class Infeed:
           The placed chunk, and the steps left over (host only), if any.
         """
         if first.num_steps >= num_steps:  # enough already: slices are views, no copy
-            return self._split(first.host, first.counts, first.last, num_steps)
+            return self._split(first.host, first.counts, first.last, first.positions,
+                               num_steps)
         parts = [first]
         while sum(p.num_steps for p in parts) < num_steps and not parts[-1].last:
             more = self.get()
@@ -217,6 +228,7 @@ class Infeed:
         host = [np.concatenate(leaf, axis=1) for leaf in zip(*(p.host for p in parts),
                                                                strict=True)]
         counts = np.concatenate([p.counts for p in parts], axis=1)
+        positions = tuple(at for p in parts for at in p.positions)
         last = parts[-1].last
         total = counts.shape[1]
         if total < num_steps:  # input ended: pad with empty steps
@@ -225,14 +237,17 @@ class Infeed:
             host = [np.concatenate(pair, axis=1) for pair in zip(host, empty.leaves,
                                                                  strict=True)]
             counts = np.concatenate([counts, empty.counts], axis=1)
-        return self._split(host, counts, last, num_steps)
+            positions += (None,) * (num_steps - total)
+        return self._split(host, counts, last, positions, num_steps)
 
-    def _split(self, host: list[np.ndarray], counts: np.ndarray, last: bool, num_steps: int
-               ) -> tuple[Chunk, Chunk | None]:
+    def _split(self, host: list[np.ndarray], counts: np.ndarray, last: bool,
+               positions: tuple[Any, ...], num_steps: int) -> tuple[Chunk, Chunk | None]:
         if counts.shape[1] == num_steps:
-            return self.place(host, counts, last), None
-        left = Chunk([h[:, num_steps:] for h in host], counts[:, num_steps:], [], last)
-        return self.place([h[:, :num_steps] for h in host], counts[:, :num_steps], False), left
+            return self.place(host, counts, last, positions), None
+        left = Chunk([h[:, num_steps:] for h in host], counts[:, num_steps:], [], last,
+                     positions[num_steps:])
+        return self.place([h[:, :num_steps] for h in host], counts[:, :num_steps], False,
+                          positions[:num_steps]), left
 
 
 

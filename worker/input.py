@@ -12,6 +12,12 @@ minibatch is padded to the largest size and the number of real rows travels with
 
 ``distribute_datasets_from_function`` instead calls the user's ``dataset_fn`` once per
 host; every local replica dequeues one element (already per-replica batched) per step.
+
+When the dataset's iterator says where it is (a job's input,
+:class:`jaxpod.jobs.Epochs`), every step carries the input position the next step starts
+at, so a checkpoint can save it without the feed reading on; such an iterator may also
+ask to start some rows into its first element (a resumed attempt), which the feeds drop
+before their first step.
 """
 
 from __future__ import annotations
@@ -175,10 +181,13 @@ class Step:
       leaves: per leaf, ``(local_replicas, rows, *row_shape)``; rows past ``counts``
         are zeros.
       counts: real rows of each local replica, shape ``(local_replicas,)``.
+      position: the input position the next step starts at (JSON), when the
+        dataset's iterator tells it.
     """
 
     leaves: list[np.ndarray]
     counts: np.ndarray
+    position: Any = None
 
 
 def empty_step(spec: ElementSpec, rows: int, num_replicas: int) -> Step:
@@ -201,6 +210,16 @@ class HostFeed(Protocol):
     def next_step(self) -> Step | None:
         """The local replicas' padded rows for the next step, or ``None`` at the end."""
 
+    def batch_of_record(self) -> dict[str, int]:
+        """The batch size a feed resumed from a step's position must keep (the rows
+        left in its first element are not that size), as the position's keys."""
+
+
+def position_of(elements: Iterator[Any]) -> Any:
+    """Where ``elements`` will read next, if its iterator says (else ``None``)."""
+    position = getattr(elements, "position", None)
+    return position() if callable(position) else None
+
 
 class RowStream:
     """The rows of a stream of batched elements, taken ``n`` at a time."""
@@ -210,8 +229,22 @@ class RowStream:
         self._where = where
         self._current: list[np.ndarray] | None = None
         self._offset = 0
+        self._current_at: Any = None  # where the current element was read from
         self.spec: ElementSpec | None = None
         self.exhausted = False
+
+    def position_after(self, n: int) -> Any:
+        """Where the row ``n`` rows past the next one is, without reading on: an
+        element's position with the rows of it to skip (``None`` when the elements'
+        iterator does not say)."""
+        if self._current is not None:
+            left = self._current[0].shape[0] - self._offset
+            if n < left:
+                return None if self._current_at is None else {**self._current_at,
+                                                              "rows": self._offset + n}
+            n -= left
+        at = position_of(self._elements)
+        return None if at is None else {**at, "rows": n}
 
     def peek_rows(self) -> int | None:
         """Rows in the first element (its batch size), or ``None`` if there is none."""
@@ -237,7 +270,11 @@ class RowStream:
         return done
 
     def _advance(self) -> bool:
-        for element in self._elements:
+        while True:
+            self._current_at = position_of(self._elements)
+            element = next(self._elements, _END)
+            if element is _END:
+                break
             arrays, self.spec = flatten_element(element, self._where, self.spec)
             if arrays[0].shape[0]:
                 self._current, self._offset = arrays, 0
@@ -299,9 +336,11 @@ class RebatchFeed:
 
     def __init__(self, dataset: Iterable[Any], options: InputOptions,
                  replicas: HostReplicas) -> None:
-        self._stream = RowStream(iter(dataset), self._WHERE)
+        elements = iter(dataset)
+        self._stream = RowStream(elements, self._WHERE)
+        resumed = getattr(elements, "global_batch", None)  # the original run's
         first = self._stream.peek_rows()
-        global_batch = options.global_batch_size or first
+        global_batch = options.global_batch_size or resumed or first
         if global_batch is None:
             raise ValueError(
                 f"{self._WHERE}: the dataset is empty, so its global batch size cannot be "
@@ -311,13 +350,17 @@ class RebatchFeed:
         self._split = replicas.split(global_batch, options.auto_shard_policy)
         self._count = replicas.count
         # Other hosts' rows after ours, dropped only when the next step starts: the
-        # previous step may still alias the current element (see next_step).
-        self._rows_to_skip = 0
+        # previous step may still alias the current element (see next_step). A resumed
+        # input first drops the rows of its first element the checkpointed steps took.
+        self._rows_to_skip = int(getattr(elements, "skip_rows", 0))
         self.global_batch_size = global_batch
 
     @property
     def rows_per_replica(self) -> int:
         return self._split.rows_per_replica
+
+    def batch_of_record(self) -> dict[str, int]:
+        return {"batch": self.global_batch_size}
 
     @property
     def spec(self) -> ElementSpec:
@@ -337,11 +380,12 @@ class RebatchFeed:
             # infeed copied this step (a dataset may refill one buffer in place).
             block = self._stream.take_aligned(self._count, split.rows_per_replica)
             if block is not None:
-                return Step(block, np.full(self._count, split.rows_per_replica, np.int32))
+                return Step(block, np.full(self._count, split.rows_per_replica, np.int32),
+                            self._stream.position_after(self._rows_to_skip))
         step = empty_step(self.spec, split.rows_per_replica, self._count)
         for r, size in enumerate(split.sizes):
             step.counts[r] = self._stream.take_into(step.leaves, r, size)
-        return step
+        return Step(step.leaves, step.counts, self._stream.position_after(self._rows_to_skip))
 
 
 class FunctionFeed:
@@ -355,10 +399,14 @@ class FunctionFeed:
         self._spec: ElementSpec | None = None
         self._rows: int | None = None
         self._pending: list[np.ndarray] | None = None
+        self._pending_at: Any = None  # where the pending element was read from
         self._exhausted = False
+        # A resumed input keeps the original run's per-replica batch.
+        self._rows = getattr(self._elements, "replica_batch", None)
         self._pending = self._pull()
 
     def _pull(self) -> list[np.ndarray] | None:
+        self._pending_at = position_of(self._elements)
         element = next(self._elements, _END)
         if element is _END:
             self._exhausted = True
@@ -381,6 +429,9 @@ class FunctionFeed:
             raise ValueError(f"{self._WHERE}: dataset_fn returned an empty dataset on this host.")
         return self._rows
 
+    def batch_of_record(self) -> dict[str, int]:
+        return {"replica_batch": self.rows_per_replica}
+
     @property
     def spec(self) -> ElementSpec:
         if self._spec is None:
@@ -398,7 +449,7 @@ class FunctionFeed:
             for buf, leaf in zip(step.leaves, self._pending, strict=True):
                 buf[r, :k] = leaf
             self._pending = self._pull()  # only after copying: the buffer may be reused
-        return step
+        return Step(step.leaves, step.counts, self._pending_at)  # the next step: pending
 
 
 _END = object()
@@ -415,6 +466,7 @@ class ChunkBuilder:
         self.leaves = [np.zeros((num_replicas, num_steps, rows, *s), d)
                        for s, d in zip(spec.row_shapes, spec.dtypes, strict=True)]
         self.counts = np.zeros((num_replicas, num_steps), np.int32)
+        self.positions: list[Any] = []
         self.num_added = 0
 
     def add(self, step: Step) -> None:
@@ -422,4 +474,5 @@ class ChunkBuilder:
         for buf, leaf in zip(self.leaves, step.leaves, strict=True):
             buf[:, i] = leaf
         self.counts[:, i] = step.counts
+        self.positions.append(step.position)
         self.num_added += 1

@@ -118,3 +118,18 @@ def _legacy(entries: dict[str, np.ndarray]) -> dict[str, Any]:
         return items if kind == "list" else tuple(items)
 
     return {name: node(n) for name, n in structure.items()}
+
+
+def skeleton_of(tree: Any, is_leaf: Callable[[Any], bool]) -> bytes:
+    """``tree``'s structure, each leaf that ``is_leaf`` accepts (a value still on a
+    slice) replaced by its index in flatten order: what a restore fills in."""
+    import jax
+
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_leaf)
+    numbered = jax.tree.unflatten(treedef, list(range(len(leaves))))
+    return tensors.encode(numbered, path="the job's state").SerializeToString()
+
+
+def skeleton_from(raw: bytes) -> Any:
+    """The numbered structure :func:`skeleton_of` kept (frozen nodes stay frozen)."""
+    return tensors.decode(pb.Tree.FromString(raw))

@@ -173,13 +173,6 @@ class JobController:
         #: The names of the slices it holds now.
         self.slice_names: tuple[str, ...] = ()
 
-    def close(self) -> None:
-        """Waits for the job's checkpoint in flight and stops its writer thread."""
-        try:
-            self._parts.checkpoints.close()
-        except Exception as e:
-            logger.warning("job %s: its last checkpoint did not commit: %s", self.job_id, e)
-
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         """Runs the job until it is over, or left in flight by the service stopping."""
@@ -237,11 +230,11 @@ class JobController:
             except SLICE_FAILURES as e:  # its workers did not start: try another slice
                 return self._after_failure(state.attempt, step, Failure(
                     FailureKind.PREEMPTION, describe_error(e)), e)
-            resume = self._parts.checkpoints.latest()
-            start = resume.step if resume else 0
+            resume = self._parts.checkpoints.latest_step()
             return self._set_state(
-                Running(state.attempt, start, held=held, resume=resume),
-                f"resuming from the checkpoint at step {start}" if resume else None)
+                Running(state.attempt, resume or 0, held=held, resume=resume),
+                f"resuming from the checkpoint at step {resume}" if resume is not None
+                else None)
         return self._stopped(state.attempt, step)
 
     def _run(self, state: Running) -> JobStateData | None:
@@ -288,12 +281,9 @@ class JobController:
         ``error``'s type, or the notice), then retries or fails as the policy decides."""
         checkpoints = self._parts.checkpoints
         self._parts.clock.switch(goodput.RECOVERING)  # giving up the slice included
-        try:
-            checkpoints.wait()  # a save in flight may still commit
-        except Exception as e:
-            logger.warning("job %s: its last checkpoint did not commit: %s", self.job_id, e)
-        saved = checkpoints.steps()
-        resume_at = saved[-1] if saved else 0
+        kept = checkpoints.kept()  # the storage knows what the hosts finished
+        self._parts.store.set_checkpoints(self.job_id, kept)
+        resume_at = max(kept, default=0)
         what = (f"preemption notice ({error.notice})" if isinstance(error, Preempted)
                 else type(error).__name__ if error is not None else failure.error)
         cause = (f"{failure.kind.value}: {what}; {max(0, step - resume_at)} step(s) lost, "

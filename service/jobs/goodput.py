@@ -31,6 +31,8 @@ QUEUED = "queued"
 ALLOCATING = "allocating"
 #: On the slice, before the first step: defining functions, building state and input.
 SETUP = "setup"
+#: A resumed attempt restoring its state and input positions from its checkpoint.
+RESTORING = "restoring"
 #: The extra time of a loop that traced and compiled, beyond its steady-state time.
 COMPILING = "compiling"
 #: Steps run for the first time: the goodput proper.
@@ -43,9 +45,9 @@ INPUT_WAIT = "input_wait"
 METRICS = "metrics"
 #: Reading the hosts' logs, input figures and preemption notices between loops.
 MONITORING = "monitoring"
-#: Time steps waited on a checkpoint save.
+#: Time steps waited on a checkpoint save (its bytes leaving the devices).
 CHECKPOINTING = "checkpointing"
-#: Fetching and storing the final state and outputs.
+#: Writing the final state's checkpoint until it is committed, storing the outputs.
 RESULT = "result"
 #: Steps run again after a preemption because their results were lost.
 LOST_WORK = "lost_work"
@@ -56,9 +58,9 @@ RECOVERING = "recovering"
 OTHER = "other"
 
 #: Every category, in the order a job's life meets them.
-CATEGORIES: tuple[str, ...] = (QUEUED, ALLOCATING, SETUP, COMPILING, PRODUCTIVE, INPUT_WAIT,
-                               METRICS, MONITORING, CHECKPOINTING, RESULT, LOST_WORK,
-                               RECOVERING, OTHER)
+CATEGORIES: tuple[str, ...] = (QUEUED, ALLOCATING, SETUP, RESTORING, COMPILING, PRODUCTIVE,
+                               INPUT_WAIT, METRICS, MONITORING, CHECKPOINTING, RESULT,
+                               LOST_WORK, RECOVERING, OTHER)
 
 #: The keys :func:`summary` adds to the totals (never categories).
 WALL_S = "wall_s"

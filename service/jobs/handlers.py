@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-from jaxpod.jobs import JobSpec, JobState, JobStatus, check_outputs
+from jaxpod.jobs import JobSpec, JobStatus, check_outputs
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto.job_messages import from_message, to_message
 from jaxpod.service.jobs.manager import JobManager
@@ -85,17 +85,8 @@ class JobsServicer:
 
     def GetJobResult(self, request: pb.JobRequest, context: Any) -> AsyncIterator[Any]:
         manager = self._manager()
-
-        def result() -> dict[str, Any]:
-            status = manager.store.get(request.job_id)
-            stored = manager.store.load_result(request.job_id)
-            if status.state is not JobState.SUCCEEDED or stored is None:
-                raise ValueError(
-                    f"Job {status.id} is {status.state.value}: only a SUCCEEDED job has a "
-                    "result. Wait for it (job.wait()), or read job.status().error.")
-            return {"state": stored.state, "outputs": stored.outputs}
-
-        return self._stream(result)
+        return self._stream(lambda: manager.result(request.job_id,
+                                                   with_state=not request.without_state))
 
     async def GetJobMetrics(self, request: pb.JobRequest, context: Any) -> pb.JobMetrics:
         manager = self._manager()

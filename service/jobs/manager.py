@@ -25,11 +25,13 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from jaxpod.jobs import HostInput, JobCheckpoint, JobDetails, JobSpec, JobState, JobStatus
+from jaxpod.jobs import HostInput, JobDetails, JobSpec, JobState, JobStatus
 from jaxpod.proto import job_messages
 from jaxpod.service.jobs import goodput
 from jaxpod.service.jobs.checkpoints import JobCheckpoints
+from jaxpod.service.jobs.codec import skeleton_from
 from jaxpod.service.jobs.controller import (
     SHUTDOWN,
     ControllerParts,
@@ -106,15 +108,15 @@ def _settle(future: asyncio.Future[None]) -> None:
 
 @dataclass(frozen=True)
 class StoreWriter:
-    """Writes every state change to the store: a finished job's result first, then
+    """Writes every state change to the store: a finished job's outputs first, then
     the attempt that ended, then the state (so a SUCCEEDED job always has a result)."""
 
     store: JobStore
 
     def after_state_change(self, change: StateChange) -> None:
         new, store = change.new, self.store
-        if isinstance(new, Succeeded):
-            store.save_result(change.job_id, new.result.state, new.result.outputs)
+        if isinstance(new, Succeeded):  # its state is its last checkpoint
+            store.save_result(change.job_id, new.result.outputs)
         if change.ended is not None:
             ended = change.ended
             store.end_attempt(change.job_id, ended.number, cause=ended.cause,
@@ -198,13 +200,16 @@ class JobManager:
     Args:
       store: the state dir's job store.
       slices: the slice provider shared with sessions.
+      checkpoint_dir: where the hosts write checkpoints, one folder per job (a path
+        or URL every host reaches; default ``<state dir>/checkpoints``).
       queue: the queue policy (default: first in, first out per accelerator type).
     """
 
-    def __init__(self, store: JobStore, slices: JobSlices,
+    def __init__(self, store: JobStore, slices: JobSlices, checkpoint_dir: str | None = None,
                  queue: QueuePolicy | None = None) -> None:
         self.store = store
         self.slices = slices
+        self.checkpoint_dir = checkpoint_dir or str(store.state_dir / "checkpoints")
         self.events = JobEvents()
         self.goodput = GoodputKeeper(store)
         self._queue = queue if queue is not None else FifoQueues()
@@ -223,11 +228,13 @@ class JobManager:
         """Recovers the state dir's jobs (unfinished ones queue again) and starts
         dispatching."""
         recovery = self.store.recover()
+        for status in recovery.requeue:  # steps committed after the last one recorded
+            self.store.set_checkpoints(status.id, self.checkpoints(status.id).kept())
         for status in recovery.resumed:
-            latest = self._checkpoints(status.id).steps()
+            latest = self.checkpoints(status.id).latest_step()
             logger.warning("job %s was in flight when the last coordinator stopped: %s",
-                           status.id, f"resuming from its checkpoint at step {latest[-1]}"
-                           if latest else "no checkpoint: starting it over")
+                           status.id, f"resuming from its checkpoint at step {latest}"
+                           if latest is not None else "no checkpoint: starting it over")
         with self._lock:
             for status in recovery.requeue:
                 self.goodput.start(status.id, self.store.goodput(status.id), status.created_at)
@@ -323,9 +330,7 @@ class JobManager:
         status = self.status(job_id)
         return JobDetails(
             status, tuple(self.store.history(job_id)), tuple(self.store.attempts(job_id)),
-            self.host_inputs(job_id),
-            tuple(JobCheckpoint(step, str(path), saved_at)
-                  for step, path, saved_at in self._checkpoints(job_id).listed()))
+            self.host_inputs(job_id), tuple(self.store.checkpoints(job_id)))
 
     def host_inputs(self, job_id: str) -> tuple[HostInput, ...]:
         """Each host's input feed in the job's running attempt, as last read (empty when
@@ -333,6 +338,26 @@ class JobManager:
         controller = self._active.get(job_id)
         run = controller.run_now if controller is not None else None
         return run.hosts if run is not None else ()
+
+    def result(self, job_id: str, with_state: bool = True) -> dict[str, Any]:
+        """A SUCCEEDED job's result to stream: its outputs and (``with_state``) its final
+        state, read from its last checkpoint leaf by leaf as the stream goes.
+
+        Raises:
+          ValueError: the job did not succeed (it has no result).
+        """
+        status = self.store.get(job_id)
+        stored = self.store.load_result(job_id)
+        if status.state is not JobState.SUCCEEDED or stored is None:
+            raise ValueError(
+                f"Job {status.id} is {status.state.value}: only a SUCCEEDED job has a "
+                "result. Wait for it (job.wait()), or read job.status().error.")
+        state = stored.legacy_state if with_state else None
+        skeleton = self.store.state_skeleton(job_id)
+        saved = self.store.checkpoints(job_id)
+        if with_state and skeleton is not None and saved:
+            state = self.checkpoints(job_id).state(saved[-1].step, skeleton_from(skeleton))
+        return {"state": state, "outputs": stored.outputs}
 
     def holders(self) -> dict[str, str]:
         """Slice name -> the job holding it."""
@@ -403,12 +428,13 @@ class JobManager:
             return list(self._queue.positions())
 
     # ------------------------------------------------------------------ running
-    def _checkpoints(self, job_id: str) -> JobCheckpoints:
-        return JobCheckpoints(self.store.job_dir(job_id) / "checkpoints")
+    def checkpoints(self, job_id: str) -> JobCheckpoints:
+        """The job's checkpoint directory."""
+        return JobCheckpoints(self.checkpoint_dir, job_id)
 
     def _controller(self, job_id: str, spec: JobSpec) -> JobController:
         parts = ControllerParts(
-            store=self.store, slices=self.slices, checkpoints=self._checkpoints(job_id),
+            store=self.store, slices=self.slices, checkpoints=self.checkpoints(job_id),
             clock=self.goodput.clock(job_id), on_release=self.wake,
             on_progress=lambda: self._progressed(job_id))
         return JobController(
@@ -435,7 +461,6 @@ class JobManager:
         try:
             controller.run()
         finally:
-            controller.close()
             with self._lock:
                 self._active.pop(controller.job_id, None)
                 self._threads.pop(controller.job_id, None)

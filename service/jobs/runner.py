@@ -7,12 +7,16 @@ state and the input, then runs ``steps_per_run`` steps per on-device loop and, a
 each loop, reduces the declared outputs into metrics, records progress and collects
 what the job's code printed.
 
-A resumed attempt starts from a checkpoint: its state, and its input rebuilt without
-what the checkpointed steps consumed. Checkpoints are taken at loop boundaries only
-(every ``checkpoint_every`` steps, rounded up to a loop), so a resumed attempt runs the
-same loops as an uninterrupted one and ends with exactly its numbers. Between loops the
-runner sees cancellation, the service stopping (it checkpoints first) and preemption
-notices from the hosts (it checkpoints at once and gives the slice up).
+Checkpoints are written by the hosts (:mod:`jaxpod.worker.checkpoints`, orbax), at loop
+boundaries only (every ``checkpoint_every`` steps, rounded up to a loop): the runner
+asks for one, the next loops run while its bytes go to storage, and the step is
+recorded once the hosts report it committed. The last step's state is checkpointed
+too: it is the job's result. A resumed attempt restores its state from the latest
+committed step straight onto its devices and starts its input where each host was at
+that step, so it runs the same loops as an uninterrupted one and ends with exactly its
+numbers. Between loops the runner sees cancellation, the service stopping (it
+checkpoints first) and preemption notices from the hosts (it checkpoints at once and
+gives the slice up).
 
 Every ``JAXPOD_JOB_HOST_POLL_S`` it also reads each host's input feed (:class:`HostInput`:
 the time its steps waited for input, the chunks it has ready). The slice runs in lockstep,
@@ -31,7 +35,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxpod.errors import (
@@ -42,19 +45,12 @@ from jaxpod.errors import (
     WorkerLostError,
     WorkerStartError,
 )
-from jaxpod.jobs import (
-    HostInput,
-    InitialState,
-    JobSpec,
-    NoInput,
-    ResumedInput,
-    ResumedInputFn,
-)
+from jaxpod.jobs import HostInput, JobSpec, NoInput, Resumed
 from jaxpod.operations import HostNews
 from jaxpod.service.group_engine import DefinedFunction, GroupEngine, GroupValue
 from jaxpod.service.jobs import goodput
-from jaxpod.service.jobs.checkpoints import Checkpoint, JobCheckpoints
-from jaxpod.service.jobs.codec import JobStoreError, check_storable
+from jaxpod.service.jobs.checkpoints import JobCheckpoints
+from jaxpod.service.jobs.codec import JobStoreError, check_storable, skeleton_from, skeleton_of
 from jaxpod.service.jobs.goodput import GoodputClock
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.shipping import ShippedFunction, ship_object
@@ -102,10 +98,9 @@ class Preempted(Exception):
 
 @dataclass(frozen=True)
 class Finished:
-    """What a completed attempt leaves: the final state (numpy, replica 0's copy) and
-    the last reduced outputs."""
+    """What a completed attempt leaves: the last reduced outputs (its final state is
+    the last checkpoint, on the hosts' storage)."""
 
-    state: Any
     outputs: dict[str, Any]
     steps: int
 
@@ -115,9 +110,9 @@ class RunContext:
     """What an attempt works with besides its slice.
 
     Attributes:
-      store: where progress, metrics and logs go.
-      checkpoints: the job's checkpoints (written here; ``resume`` came from there).
-      resume: the checkpoint to start from (``None``: from the beginning).
+      store: where progress, metrics, logs and committed checkpoints go.
+      checkpoints: the job's checkpoint directory.
+      resume: the committed checkpoint step to start from (``None``: the beginning).
       stop: asks the attempt to stop between loops, saying why (when the service is
         stopping, it checkpoints first).
       clock: the job's goodput clock (the runner switches it between setup, steps,
@@ -129,7 +124,7 @@ class RunContext:
 
     store: JobStore
     checkpoints: JobCheckpoints
-    resume: Checkpoint | None
+    resume: int | None
     stop: Any  # a controller.StopSignal (is_set, reason, shutting_down)
     clock: GoodputClock
     on_progress: Callable[[], None]
@@ -153,10 +148,15 @@ class JobRun:
         self._loops = _LoopTimes(context.redo_until)
         self._next_host_poll = 0.0
         self._versions = dict(spec.runtime_versions or {})
-        self.start_step = self.resume.step if self.resume is not None else 0
+        self.start_step = self.resume if self.resume is not None else 0
         #: Steps done so far (what a lost attempt reached).
         self.step = self.start_step
-        self._checkpointed = self.start_step
+        #: The steps checkpoints were asked for, oldest first (a resumed attempt's
+        #: start with those its hosts keep).
+        self._saved = [c.step for c in self.store.checkpoints(job_id)]
+        self._checkpointed = self.start_step  # the last step a checkpoint was asked for
+        self._committed = self.start_step  # the last step recorded as committed
+        self._iterator: Any = None
         #: Each host's input feed as last read (empty before the first read).
         self.hosts: tuple[HostInput, ...] = ()
         self.rate = StepRate(self.start_step, RATE_WINDOW.seconds())
@@ -170,9 +170,9 @@ class JobRun:
         engine.capture_output(True)
         try:
             step = self._shipped(spec.step_fn)
-            state = self._initial_state()
+            state, starts = self._initial_state()
             self._check_storable(state, "as init_fn made it")
-            iterator = self._input().iterate(spec.steps_per_run)
+            self._iterator = iterator = self._input(starts).iterate(spec.steps_per_run)
             outputs: dict[str, Any] = {}
             while self.step < spec.steps:
                 self._check_stop(state)
@@ -199,10 +199,13 @@ class JobRun:
             clock.switch(goodput.MONITORING)
             self._poll_hosts()
             clock.switch(goodput.RESULT)
-            final = self._final_state(state)
-            with clock.during(goodput.CHECKPOINTING):
-                self.checkpoints.wait()  # a save in flight must not outlive the attempt
-            return Finished(final, outputs, self.step)
+            if spec.init_fn:  # the final state is the job's result: on storage, not here
+                self._checkpoint(state, wait=True, during=goodput.RESULT)
+            return Finished(outputs, self.step)
+        except BaseException as e:
+            if not isinstance(e, SLICE_FAILURES):  # else the hosts cannot commit it
+                self._settle_checkpoints()
+            raise
         finally:
             self._poll_hosts()  # what the job printed last
             with contextlib.suppress(Exception):  # the slice may be gone: nothing to stop
@@ -226,18 +229,43 @@ class JobRun:
         return every > 0 and self.step < self.spec.steps and \
             self.step - self._checkpointed >= every
 
-    def _checkpoint(self, state: Any, wait: bool) -> None:
-        """Saves the state at this loop boundary: fetched now (the next loop changes
-        it), written on the checkpoint thread unless ``wait``."""
-        if self.step == self._checkpointed and self.checkpoints.steps():
-            return  # this step is saved already
-        with self._clock.during(goodput.CHECKPOINTING):  # the steps wait for this part
-            fetched = self._final_state(state)
+    def _checkpoint(self, state: Any, wait: bool, during: str = goodput.CHECKPOINTING
+                    ) -> None:
+        """Has the hosts write the state and input positions at this loop boundary: the
+        loop waits while the bytes leave the devices (the next loop changes them), then
+        goes on while they reach storage, unless ``wait`` (until they are committed).
+        The time counts as ``during`` (the final state's checkpoint is the result)."""
+        with self._clock.during(during):
+            if self.step != self._checkpointed:
+                self.engine.save_checkpoint(self.checkpoints.directory, self.step,
+                                            self.checkpoints.keep, state, self._iterator)
+                self._checkpointed = self.step
+                self._saved.append(self.step)
             if wait:
-                self.checkpoints.save(self.step, fetched)
-            else:
-                self.checkpoints.save_async(self.step, fetched)
-        self._checkpointed = self.step
+                self._commit(self.engine.wait_checkpoints(self.checkpoints.directory))
+
+    def _commit(self, step: int | None) -> None:
+        """The hosts committed checkpoint ``step``: it is recorded (and resumable), with
+        the steps before it they keep (they removed older ones as it committed)."""
+        if step is None or step <= self._committed:
+            return
+        kept = [s for s in self._saved if s <= step][-self.checkpoints.keep:]
+        self._saved = kept + [s for s in self._saved if s > step]
+        self.store.set_checkpoints(self.job_id, {s: self.checkpoints.state_path(s)
+                                                 for s in kept})
+        self._committed = step
+        self._changed()
+
+    def _settle_checkpoints(self) -> None:
+        """An attempt that stops with its slice whole waits for the checkpoint still
+        being written and records it (the hosts drop the oldest as it commits). After
+        a lost slice the controller reads what the hosts committed from storage."""
+        if self._checkpointed > self._committed:
+            try:
+                self._commit(self.engine.wait_checkpoints(self.checkpoints.directory))
+            except Exception as e:
+                logger.warning("job %s: waiting for its last checkpoint failed: %s",
+                               self.job_id, e)
 
     def _check_stop(self, state: Any) -> None:
         if not self._stop.is_set():
@@ -270,28 +298,42 @@ class JobRun:
             defined[0] = self.engine.define(shipped)
             return call(defined[0])
 
-    def _initial_state(self) -> Any:
-        if not self.spec.init_fn:
-            return ()
-        if self.resume is not None:  # every replica starts from the checkpoint's state
-            payload = ship_object(InitialState(self.resume.state), "the checkpointed state",
-                                  "").payload
-        else:
-            payload = self.spec.init_fn
-        return self._defined_call(self._shipped(payload), self.engine.run)
+    def _initial_state(self) -> tuple[Any, list[Any] | None]:
+        """The state (``()`` for a job without one) and, for a resumed attempt, each
+        host's input position at its checkpoint. A resumed state is restored from the
+        checkpoint straight onto the devices; a new one is ``init_fn``'s (and its
+        structure is recorded, for the attempts that restore it)."""
+        spec, store = self.spec, self.store
+        if self.resume is not None:
+            raw = store.state_skeleton(self.job_id) if spec.init_fn else None
+            skeleton = skeleton_from(raw) if raw is not None else ()
+            with self._clock.during(goodput.RESTORING):
+                return self.engine.restore_checkpoint(
+                    self.checkpoints.directory, self.resume, self.checkpoints.keep, skeleton)
+        if not spec.init_fn:
+            return (), None
+        state = self._defined_call(self._shipped(spec.init_fn), self.engine.run)
+        store.set_state_skeleton(self.job_id, skeleton_of(
+            state, lambda x: isinstance(x, GroupValue)))
+        return state, None
 
-    def _input(self) -> Any:
-        """The job's input, without what the checkpointed steps consumed."""
-        spec, engine, start = self.spec, self.engine, self.start_step
-        if spec.dataset:
-            dataset: Any = (ShippedFunction(spec.dataset, self._versions) if not start
-                            else ResumedInput(spec.dataset, self._versions, start))
-            return engine.experimental_distribute_dataset(dataset)
-        if spec.dataset_fn:
-            payload = spec.dataset_fn if not start else ship_object(
-                ResumedInputFn(spec.dataset_fn, self._versions, start), "the job's input", "",
-            ).payload
-            return self._defined_call(self._shipped(payload),
+    def _input(self, starts: list[Any] | None) -> Any:
+        """The job's input; a resumed attempt's starts where each host's was at its
+        checkpoint (:class:`~jaxpod.jobs.Epochs`: by index or iterator state where the
+        input can seek, else by reading it again)."""
+        spec, engine = self.spec, self.engine
+        if spec.dataset and starts:
+            # Every host reads the whole stream; the last takes each step's last rows,
+            # so its position names the element the next step starts in exactly.
+            starts = [starts[-1]] * len(starts)
+        if spec.dataset or spec.dataset_fn:
+            payload = spec.dataset or spec.dataset_fn
+            source: Any = (ShippedFunction(payload, self._versions) if starts is None else
+                           ship_object(Resumed(payload, self._versions, tuple(starts)),
+                                       "the job's input", ""))
+            if spec.dataset:
+                return engine.experimental_distribute_dataset(source)
+            return self._defined_call((source, [engine.define(source)]),
                                       engine.distribute_datasets_from_function)
         return engine.experimental_distribute_dataset(NoInput(engine.num_replicas_in_sync))
 
@@ -320,18 +362,21 @@ class JobRun:
         self._changed()
 
     def _poll_hosts(self) -> list[HostNews]:
-        """One report from every host: the lines the job printed (to its logs) and its
-        input figures; the slice runs in lockstep, so the new wait of the host that
-        waited longest moves from productive to input wait. Empty when the hosts cannot
-        be read (a report must never fail the job, nor hide its error)."""
+        """One report from every host: the lines the job printed (to its logs), its
+        input figures (the slice runs in lockstep, so the new wait of the host that
+        waited longest moves from productive to input wait) and the newest checkpoint
+        they committed. Empty when the hosts cannot be read (a report must never fail
+        the job, nor hide its error)."""
         try:
-            news = self.engine.host_reports()
+            news = self.engine.host_reports(self.checkpoints.directory)
         except Exception as e:
             logger.debug("job %s: reading its hosts' reports failed: %s", self.job_id, e)
             return []
         for host, report in enumerate(news):
             if report.lines:
                 self.store.append_logs(self.job_id, host, report.lines)
+        if news:
+            self._commit(news[0].checkpoint)  # committed means every host committed
         self.hosts = tuple(HostInput(i, n.input_wait_s, n.input_queue_depth)
                            for i, n in enumerate(news))
         waited = max((h.input_wait_s for h in self.hosts), default=0.0)
@@ -340,13 +385,6 @@ class JobRun:
                                     source=goodput.PRODUCTIVE)
             self._input_waited = waited
         return news
-
-    def _final_state(self, state: Any) -> Any:
-        """The state as numpy: replica 0's copy (jobs train mirrored state)."""
-        if not self.spec.init_fn:
-            return None
-        return _plain(self.engine.replica_value(state, 0))
-
 
 class StepRate:
     """A running attempt's steps per wall-clock second, over its loops of the last
@@ -414,8 +452,3 @@ class _LoopTimes:
             self._settled.add(k)
             parts[goodput.COMPILING] = max(0.0, self._first[k] - seconds)
         return parts
-
-
-def _plain(tree: Any) -> Any:
-    """A nest the job store can keep: dict/list/tuple/None with numpy leaves."""
-    return jax.tree.map(np.asarray, tree)

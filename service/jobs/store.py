@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from jaxpod.errors import JobNotFoundError, VersionMismatchError
-from jaxpod.jobs import Attempt, JobState, JobStatus, Transition
+from jaxpod.jobs import Attempt, JobCheckpoint, JobState, JobStatus, Transition
 from jaxpod.service.jobs.codec import JobStoreError, load_trees, save_trees
 from jaxpod.service.jobs.files import write_file_atomically
 from jaxpod.service.jobs.goodput import PRODUCTIVE_SHARE, WALL_S, summary
@@ -155,6 +155,19 @@ _V4 = [
 # v5: the spec is kept once, in the payload (the JobSpec message), not also as JSON.
 _V5 = ["ALTER TABLE jobs DROP COLUMN spec"]
 
+# v6: checkpoints are written by the hosts (orbax); the store records each committed step
+# and, once per job, the state's frozen structure, which a resumed attempt restores into.
+_V6 = [
+    "ALTER TABLE jobs ADD COLUMN state_skeleton BLOB",
+    """CREATE TABLE checkpoints (
+        job_id TEXT NOT NULL REFERENCES jobs(id),
+        step INTEGER NOT NULL,
+        path TEXT NOT NULL,                     -- the step's state item (a URL or path)
+        saved_at REAL NOT NULL,
+        PRIMARY KEY (job_id, step)
+    )""",
+]
+
 
 def _statements(statements: Sequence[str]) -> Callable[[sqlite3.Connection], None]:
     # One execute() per statement: executescript() would commit the open transaction
@@ -169,7 +182,7 @@ def _statements(statements: Sequence[str]) -> Callable[[sqlite3.Connection], Non
 #: edit a released one (databases in the field were built by it).
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _statements(_V1), _statements(_V2), _statements(_V3), _statements(_V4),
-    _statements(_V5)]
+    _statements(_V5), _statements(_V6)]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -216,11 +229,13 @@ class LogLine:
 
 @dataclass(frozen=True)
 class StoredResult:
-    """A job's final state (a nest of numpy arrays) and last reduced outputs."""
+    """A finished job's last reduced outputs (its final state is its last checkpoint,
+    on the hosts' storage)."""
 
-    state: Any
     outputs: Any
     saved_at: float
+    #: The final state, in a job finished by a jaxpod before its hosts checkpointed.
+    legacy_state: Any = None
 
 
 @dataclass(frozen=True)
@@ -550,16 +565,52 @@ class JobStore:
                                 "ORDER BY category", (job_id,)).fetchall()
         return {name: seconds for name, seconds in rows}
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def set_state_skeleton(self, job_id: str, skeleton: bytes) -> None:
+        """Record the job's state structure (what a resumed attempt restores into)."""
+        with self._write() as conn:
+            self._require(conn, job_id)
+            conn.execute("UPDATE jobs SET state_skeleton = ? WHERE id = ?", (skeleton, job_id))
+
+    def state_skeleton(self, job_id: str) -> bytes | None:
+        with self._read() as conn:
+            self._require(conn, job_id)
+            row = conn.execute("SELECT state_skeleton FROM jobs WHERE id = ?",
+                               (job_id,)).fetchone()
+        return None if row[0] is None else bytes(row[0])
+
+    def set_checkpoints(self, job_id: str, kept: Mapping[int, str]) -> None:
+        """Record the steps the hosts keep committed (step -> the state item's path):
+        the job's rows become exactly these (a row already there keeps its time)."""
+        now = self._clock()
+        with self._write() as conn:
+            self._require(conn, job_id)
+            conn.executemany("INSERT OR IGNORE INTO checkpoints (job_id, step, path, saved_at) "
+                             "VALUES (?, ?, ?, ?)",
+                             [(job_id, step, path, now) for step, path in kept.items()])
+            marks = ", ".join("?" * len(kept))
+            conn.execute(f"DELETE FROM checkpoints WHERE job_id = ? AND step NOT IN ({marks})",
+                         (job_id, *kept))
+
+    def checkpoints(self, job_id: str) -> builtins.list[JobCheckpoint]:
+        """The job's recorded checkpoints, oldest first."""
+        with self._read() as conn:
+            self._require(conn, job_id)
+            rows = conn.execute("SELECT step, path, saved_at FROM checkpoints WHERE "
+                                "job_id = ? ORDER BY step", (job_id,)).fetchall()
+        return [JobCheckpoint(*r) for r in rows]
+
     # ------------------------------------------------------------------ results
 
-    def save_result(self, job_id: str, state: Any, outputs: Any) -> Path:
-        """Store the job's final state and outputs (trees with numpy leaves, as the
-        wire carries them: :mod:`~jaxpod.service.jobs.codec`) as
-        ``jobs/<id>/result.npz``; returns the file's path."""
+    def save_result(self, job_id: str, outputs: Any) -> Path:
+        """Store the job's last reduced outputs (a tree with numpy leaves, as the wire
+        carries it: :mod:`~jaxpod.service.jobs.codec`) as ``jobs/<id>/result.npz``;
+        returns the file's path."""
         rel = Path("jobs") / job_id / "result.npz"
         with self._write() as conn:
             self._require(conn, job_id)
-            save_trees(self.state_dir / rel, {"state": state, "outputs": outputs})
+            save_trees(self.state_dir / rel, {"outputs": outputs})
             conn.execute("INSERT OR REPLACE INTO results (job_id, path, saved_at) "
                          "VALUES (?, ?, ?)", (job_id, rel.as_posix(), self._clock()))
         return self.state_dir / rel
@@ -573,10 +624,11 @@ class JobStore:
         if row is None:
             return None
         trees = load_trees(self.state_dir / row[0])
-        return StoredResult(state=trees["state"], outputs=trees["outputs"], saved_at=row[1])
+        return StoredResult(outputs=trees["outputs"], saved_at=row[1],
+                            legacy_state=trees.get("state"))
 
     def job_dir(self, job_id: str) -> Path:
-        """Where the job's files live (payload, result, checkpoints)."""
+        """Where the job's files live (a large payload, the result)."""
         return self.state_dir / "jobs" / job_id
 
     # ------------------------------------------------------------------ listing, recovery

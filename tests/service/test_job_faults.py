@@ -75,9 +75,43 @@ def raising_step(state: Any, batch: Any) -> Any:
     raise StepError("bad batch")
 
 
-def dataset() -> list[np.ndarray]:
-    rng = np.random.default_rng(7)
-    return [rng.normal(size=n).astype(np.float32) for n in (12, 12, 7)]  # 8 replicas: padding
+#: Rows of the job's input's elements (8 replicas: padded steps); more than a job
+#: takes, so an element's index says where in the input it is (its infeed reads ahead,
+#: into the next epoch).
+ELEMENT_ROWS = (12, 12, 7) * 30
+
+
+class Batches:
+    """A random-access input (``__len__``/``__getitem__``, as a list of batches) that
+    prints each element it reads, with its process, to the job's log."""
+
+    def __init__(self) -> None:
+        rng = np.random.default_rng(7)
+        self.elements = [rng.normal(size=n).astype(np.float32) for n in ELEMENT_ROWS]
+
+    def __len__(self) -> int:
+        return len(self.elements)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        print(f"read element {i} in {os.getpid()}")
+        return self.elements[i]
+
+
+def dataset() -> Batches:
+    return Batches()
+
+
+def reads(job: Any, host: int, pid: int) -> list[int]:
+    """The elements the job's input read on ``host`` in process ``pid``, in order."""
+    return [int(m.group(1)) for m in re.finditer(
+        rf"^\[host {host}\] read element (\d+) in {pid}$", job.logs(), re.MULTILINE)]
+
+
+def element_of_row(row: int) -> int:
+    """numpy: the element of the input (counted over epochs) holding global row ``row``."""
+    ends = np.cumsum(ELEMENT_ROWS)
+    epoch, within = divmod(row, int(ends[-1]))
+    return epoch * len(ELEMENT_ROWS) + int(np.searchsorted(ends, within, side="right"))
 
 
 def submit(client: Any, **overrides: Any) -> Any:
@@ -101,6 +135,13 @@ def running_past(job: Any, step: int) -> bool:
     status = job.status()
     assert not status.done, status
     return status.state == "RUNNING" and status.step >= step
+
+
+def past_a_checkpoint(job: Any) -> bool:
+    """Running, steps past a committed checkpoint (the hosts commit theirs in the
+    background, some loops after the step)."""
+    saved = job.checkpoints()
+    return bool(saved) and running_past(job, saved[-1].step + 2)
 
 
 def assert_goodput_adds_up(status: Any) -> dict[str, float]:
@@ -178,7 +219,7 @@ def uninterrupted(client: Any) -> Any:
 def test_a_killed_host_is_a_preemption_and_the_job_resumes_bit_for_bit(
         client: Any, uninterrupted: Any) -> None:
     job = submit(client)
-    assert wait_for(lambda: running_past(job, CHECKPOINT_EVERY + 4), 300), job.status()
+    assert wait_for(lambda: past_a_checkpoint(job), 300), job.status()
     victim = host_pids(job, 1)[-1]
     os.kill(victim, signal.SIGKILL)
     # Seen at once, though host 0 waits in a collective for the dead host 1 (until the
@@ -198,6 +239,13 @@ def test_a_killed_host_is_a_preemption_and_the_job_resumes_bit_for_bit(
     assert int(lost.group(1)) == first.step_reached - resumed_at
     assert second.cause == "succeeded" and second.step_reached == STEPS
     assert host_pids(job, 1)[-1] != victim  # the second attempt ran on new workers
+    # It sought its input to the checkpoint: each host's first read is the element the
+    # next step starts in (steps take the first element's 12 rows), then on in order.
+    first_element = element_of_row(resumed_at * ELEMENT_ROWS[0])
+    for host in range(2):
+        read = reads(job, host, host_pids(job, host)[-1])
+        assert read == [(first_element + i) % len(ELEMENT_ROWS) for i in range(len(read))]
+        assert read, job.logs()[-3000:]
     figures = assert_goodput_adds_up(final)
     assert figures["lost_work"] > 0 and figures["recovering"] > 0
     assert figures["allocating"] > 0 and figures["productive"] > 0
@@ -242,6 +290,90 @@ def test_more_preemptions_than_the_budget_fail_the_job(client: Any) -> None:
     assert len(job.attempts()) == 2
     with pytest.raises(jaxpod.JobFailedError, match="max_retries_preemption"):
         job.result()
+
+
+# ------------------------------------------------------------------ checkpoints
+GRAIN_ELEMENTS = 400  # per host; more than a job reads
+
+
+def grain_pipeline(context: Any) -> Any:
+    """Each host's own pipeline: a grain ``IterDataset`` (its iterators save and restore
+    their state) that prints each element it reads."""
+    import grain
+
+    def read(i: int) -> np.ndarray:
+        print(f"read element {i} in {os.getpid()}")
+        rng = np.random.default_rng(1000 * context.input_pipeline_id + i)
+        return rng.normal(size=3).astype(np.float32)
+
+    return grain.MapDataset.range(GRAIN_ELEMENTS).map(read).to_iter_dataset(
+        grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
+
+
+def test_a_grain_pipeline_resumes_from_its_saved_state_bit_for_bit(client: Any) -> None:
+    kwargs = dict(dataset=None, dataset_fn=grain_pipeline)
+    uninterrupted = submit(client, **kwargs).result(timeout=300)
+    job = submit(client, **kwargs)
+    assert wait_for(lambda: past_a_checkpoint(job), 300), job.status()
+    os.kill(host_pids(job, 1)[-1], signal.SIGKILL)
+    final = job.wait(timeout=300, progress=False)
+    assert final.state == "SUCCEEDED", final.error
+    assert_same_result(job.result(), uninterrupted)
+    first = job.attempts()[0]
+    lost = re.search(r"the next attempt starts at step (\d+)", first.cause or "")
+    assert lost, first.cause
+    # 4 replicas per host take one element each per step; grain reads ahead on its
+    # thread, never behind: the new workers' first element is the next step's.
+    consumed = int(lost.group(1)) * 4
+    assert consumed > 0
+    for host in range(2):
+        read = reads(job, host, host_pids(job, host)[-1])
+        assert read and min(read) == consumed and consumed in read, (consumed, read)
+
+
+#: The checkpoint step whose commit the first attempt's hosts never make.
+HELD_STEP = 2 * CHECKPOINT_EVERY
+
+
+def holding_init() -> dict[str, Any]:
+    """The job's state, made on hosts that will never finalize checkpoint HELD_STEP
+    (or later): each host's orbax writes its files, then waits forever where it would
+    commit them, as a host does that dies in the middle of a save. A resumed attempt
+    restores its state, so its fresh workers never run this."""
+    import asyncio
+
+    from orbax.checkpoint._src.path import atomicity
+
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def held(self: Any, *args: Any, **kwargs: Any) -> Any:
+        name = self._final_path.name
+        if name.isdigit() and int(name) >= HELD_STEP:
+            await asyncio.to_thread(threading.Event().wait)
+        return await finalize(self, *args, **kwargs)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = held
+    return {"w": jnp.linspace(0, 1, 5, dtype=jnp.float32), "n": jnp.int32(0)}
+
+
+def test_a_host_killed_mid_save_leaves_the_previous_checkpoint(
+        client: Any, uninterrupted: Any, state_dir: Path) -> None:
+    job = submit(client, initial_state=None, init_fn=holding_init)
+    folder = state_dir / "checkpoints" / job.id
+
+    def held() -> bool:  # its files are there, uncommitted, and the job is past them
+        partial = list(folder.glob(f"{HELD_STEP}.orbax-checkpoint-tmp*"))
+        return bool(partial) and running_past(job, HELD_STEP + 2)
+
+    assert wait_for(held, 300), job.status()
+    assert [c.step for c in job.checkpoints()] == [CHECKPOINT_EVERY]
+    os.kill(host_pids(job, 1)[-1], signal.SIGKILL)
+    final = job.wait(timeout=300, progress=False)
+    assert final.state == "SUCCEEDED", final.error
+    assert_same_result(job.result(), uninterrupted)
+    first = job.attempts()[0]
+    assert first.cause is not None and first.cause.startswith("preempted:")
+    assert f"the next attempt starts at step {CHECKPOINT_EVERY}" in first.cause
 
 
 # ------------------------------------------------------------------ pytree states
@@ -330,7 +462,7 @@ def test_a_pytree_state_resumes_bit_for_bit_and_comes_back_as_its_types(
     assert_pytree_state(uninterrupted.state)
     assert uninterrupted.note is None
     job = submit_pytree_job(client)
-    assert wait_for(lambda: running_past(job, CHECKPOINT_EVERY + 4), 300), job.status()
+    assert wait_for(lambda: past_a_checkpoint(job), 300), job.status()
     os.kill(host_pids(job, 1)[-1], signal.SIGKILL)
     final = job.wait(timeout=300, progress=False)
     assert final.state == "SUCCEEDED", final.error
@@ -387,7 +519,7 @@ def test_a_killed_coordinator_restarted_on_its_state_dir_resumes_the_job(
         client: Any, service: Service, cluster: LocalTPUCluster, state_dir: Path,
         uninterrupted: Any, tmp_path: Path) -> None:
     job = submit(client)
-    assert wait_for(lambda: running_past(job, CHECKPOINT_EVERY + 4), 300), job.status()
+    assert wait_for(lambda: past_a_checkpoint(job), 300), job.status()
     first_pids = {host_pids(job, h)[-1] for h in range(2)}
     crash_service(service)  # SIGKILL: no checkpoint on the way out, no release
     again = _start(cluster, state_dir, tmp_path / "restarted.log")

@@ -1,0 +1,111 @@
+"""Checkpoints at model scale: the hosts write them, no state byte passes the coordinator.
+
+A job whose state is 256 MiB runs with several checkpoints on a fresh
+``jaxpod serve --local``: the coordinator's peak resident memory (``VmHWM``) grows by
+less than 64 MiB over it. Its last checkpoint opens with plain orbax in a fresh
+interpreter that never imports jaxpod, and equals numpy's computation of the state.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from serve_process import Service, start_service, stop_service
+
+import jaxpod
+
+pytestmark = pytest.mark.multiprocess
+
+#: The state's leaf: float32, 256 MiB.
+SIZE = 64 * 2**20
+STEPS = 6
+MIB = 2**20
+
+
+def big_init() -> dict[str, Any]:
+    import jax.numpy as jnp
+
+    return {"w": (jnp.arange(SIZE, dtype=jnp.int32) % 1000).astype(jnp.float32) * 1e-3,
+            "n": jnp.int32(0)}
+
+
+def big_step(state: dict[str, Any], batch: Any) -> Any:
+    ctx = jaxpod.get_replica_context()
+    total = ctx.all_reduce("SUM", batch.sum())
+    return {"w": state["w"] * 0.5 + total, "n": state["n"] + 1}, {"total": total}
+
+
+def small_step(state: dict[str, Any], batch: Any) -> Any:
+    return {"w": state["w"] + batch.sum()}, {}
+
+
+#: numpy's final state of the big job, run in the fresh interpreter (``SIZE``, ``STEPS``
+#: and the batch total, 4 rows of ones, filled in).
+EXPECTED = """
+w = (np.arange({size}, dtype=np.int32) % 1000).astype(np.float32) * np.float32(1e-3)
+for _ in range({steps}):
+    w = w * np.float32(0.5) + np.float32(4)
+"""
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    folder = tmp_path_factory.mktemp("job-checkpoints")
+    running = start_service(folder / "serve.log", "v4-8",
+                            args=("--state-dir", str(folder / "state")))
+    try:
+        yield running
+    finally:
+        stop_service(running)
+
+
+def peak_rss(pid: int) -> int:
+    """The process's peak resident memory in bytes (``VmHWM``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for pid {pid}")
+
+
+def test_a_large_state_never_passes_the_coordinator_and_opens_with_plain_orbax(
+        service: Service) -> None:
+    with service.connect() as client:
+        # A small job with checkpoints first: what every job loads once (orbax, the
+        # job machinery) is in the coordinator before its peak is read.
+        warm = client.submit(small_step, steps=4, accelerator_type="v4-8",
+                             initial_state={"w": np.zeros(3, np.float32)},
+                             dataset=[np.ones((4,), np.float32)], checkpoint_every=2)
+        assert warm.wait(timeout=300, progress=False).state == "SUCCEEDED"
+        warm.result()
+        before = peak_rss(service.process.pid)
+        job = client.submit(big_step, steps=STEPS, accelerator_type="v4-8",
+                            init_fn=big_init, dataset=[np.ones((4,), np.float32)],
+                            outputs={"total": "SUM"}, checkpoint_every=2)
+        result = job.result(timeout=600, state=False)
+        grown = peak_rss(service.process.pid) - before
+        assert result.state is None and result.steps == STEPS
+        assert float(result.outputs["total"]) == 4.0 * 4  # 4 replicas' sums of 4 ones
+        saved = job.checkpoints()
+        assert [c.step for c in saved] == [4, 6]  # every 2 steps, the last 2 kept
+    assert grown < 64 * MIB, f"the coordinator's peak RSS grew {grown / MIB:.0f} MiB"
+    reader = "\n".join([
+        "import sys",
+        "import numpy as np",
+        "import orbax.checkpoint as ocp",
+        "state = ocp.StandardCheckpointer().restore(sys.argv[1])",
+        EXPECTED.format(size=SIZE, steps=STEPS),
+        "assert np.asarray(state['w']).dtype == np.float32",
+        "assert np.array_equal(np.asarray(state['w']), w), 'w differs from numpy'",
+        f"assert int(state['n']) == {STEPS}, state['n']",
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'jaxpod']",
+        "print('READ', np.asarray(state['w']).nbytes)"])
+    read = subprocess.run([sys.executable, "-c", reader, saved[-1].path],
+                          capture_output=True, text=True, timeout=300)
+    assert read.returncode == 0, read.stderr[-3000:]
+    assert f"READ {SIZE * 4}" in read.stdout

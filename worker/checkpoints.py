@@ -1,0 +1,336 @@
+"""A job's checkpoints, written and read by the hosts with orbax.
+
+Each host of a slice keeps one orbax ``CheckpointManager`` per job directory
+(``<checkpoint dir>/<job id>``); every host calls it in the same operation, so orbax's
+multi-host protocol runs as it does in any ``jax.distributed`` program: each host writes
+its own shards, asynchronously (the next loops run while bytes go to storage), the
+step's directory is finalized once every host is done, and a crash at any moment leaves
+the previous step the latest one. Nothing passes through the coordinator.
+
+A checkpoint step holds two items:
+
+* ``state``: the job's state as the user's pytree (orbax's standard pytree format),
+  each leaf one replica's copy, of the state's own shape, split over the replicas
+  (:class:`Layout`): per-replica jobs train mirrored state, so each device takes its
+  replica's part of its own copy, with no transfer, and every byte is written once.
+  Typed PRNG keys are saved as their key data. No sharding file is written (it names
+  the slice's devices, and orbax refuses to restore it without a target on any other
+  topology), so ``orbax.checkpoint.StandardCheckpointer().restore(path)`` reads it in
+  any process, as numpy arrays.
+* ``meta`` (JSON, written by host 0): each leaf's shape, dtype, partitioning within a
+  replica and key implementation, and each host's input position at the step.
+
+A resumed attempt restores each leaf straight onto its devices, each device reading
+its replica's part, and gathers the parts over the replicas on device; the state's
+frozen structure (:mod:`jaxpod.trees`), which the coordinator keeps, gives the tree.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpod import trees
+from jaxpod.values import PerReplica, is_per_replica
+
+logger = logging.getLogger(__name__)
+
+#: The item names of a step's directory.
+STATE, META = "state", "meta"
+#: The meta item's format.
+META_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """How one state leaf is kept: one replica's shape and dtype (a key's data's for a
+    typed key), its partitioning over the replica's logical devices (``None`` per axis
+    unless the step shards it) and the key implementation for a typed key (``None``:
+    an array)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    spec: tuple[Any, ...]
+    key_impl: str | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": self.dtype,
+                "spec": [list(s) if isinstance(s, tuple) else s for s in self.spec],
+                "key_impl": self.key_impl}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> LeafSpec:
+        return cls(tuple(raw["shape"]), str(raw["dtype"]),
+                   tuple(tuple(s) if isinstance(s, list) else s for s in raw["spec"]),
+                   raw["key_impl"])
+
+
+class Layout:
+    """Where a checkpoint's leaves live on one slice's mesh (the engine's: the replica
+    axis first, then the axes of a replica's logical devices).
+
+    Stored, a leaf is one replica's copy split over the replicas along its first axis
+    the replicas divide (that a step does not shard already): each device holds and
+    writes only its replica's part, so a save copies ``1/replicas`` of the state on
+    device and every byte is written once. A leaf no axis of which divides (a scalar, a
+    small odd vector) is kept whole on every device (orbax writes one copy).
+
+    Restored on accelerators (``gather``), each device reads only its replica's part
+    and the parts are gathered over the replicas on device: the slice reads the state
+    from storage once and sends each chip ``1/replicas`` of it over the host link,
+    where reading the whole copy onto every chip would read it once per host and send
+    every chip all of it. Simulated chips (CPU devices) share the host's memory, and
+    their cross-process gather runs over TCP: each reads its whole copy instead.
+
+    Args:
+      mesh: the engine's mesh.
+      gather: restore by gathering parts on device (default: unless the devices
+        are CPUs).
+    """
+
+    def __init__(self, mesh: Any, gather: bool | None = None) -> None:
+        self.mesh = mesh
+        self.replica_axis = str(mesh.axis_names[0])
+        self.replicas = int(mesh.shape[self.replica_axis])
+        self.gather = (gather if gather is not None
+                       else mesh.devices.flat[0].platform != "cpu")
+
+    def split_axis(self, leaf: LeafSpec) -> int | None:
+        """The axis ``leaf`` is split along over the replicas (``None``: kept whole)."""
+        for axis, (size, entry) in enumerate(zip(leaf.shape, self.spec(leaf), strict=True)):
+            if entry is None and size >= self.replicas and size % self.replicas == 0:
+                return axis
+        return None
+
+    def spec(self, leaf: LeafSpec) -> tuple[Any, ...]:
+        """``leaf``'s partitioning within a replica, for axes this mesh has."""
+        names = set(self.mesh.axis_names)
+        return tuple(e if e is None or set(e if isinstance(e, tuple) else (e,)) <= names
+                     else None for e in leaf.spec)
+
+    def stored(self, leaf: LeafSpec) -> NamedSharding:
+        """The sharding ``leaf`` is saved from and restored to."""
+        spec = list(self.spec(leaf))
+        axis = self.split_axis(leaf)
+        if axis is not None:
+            spec[axis] = self.replica_axis
+        return NamedSharding(self.mesh, P(*spec))
+
+    def per_replica(self, leaf: LeafSpec) -> NamedSharding:
+        """The sharding of ``leaf``'s data as a per-replica value."""
+        return NamedSharding(self.mesh, P(self.replica_axis, *self.spec(leaf)))
+
+    def restored(self, leaf: LeafSpec) -> NamedSharding:
+        """The sharding orbax restores ``leaf`` to: its parts (``gather``) or a whole
+        copy on every device."""
+        if self.gather:
+            return self.stored(leaf)
+        return NamedSharding(self.mesh, P(*self.spec(leaf)))
+
+    def target(self, leaf: LeafSpec) -> jax.ShapeDtypeStruct:
+        """What orbax restores ``leaf`` as."""
+        return jax.ShapeDtypeStruct(leaf.shape, np.dtype(leaf.dtype),
+                                    sharding=self.restored(leaf))
+
+    def leaf_spec(self, value: PerReplica) -> LeafSpec:
+        """How a per-replica value is kept."""
+        array, key_impl = value.array, None
+        if trees.is_typed_key(array):
+            key_impl = str(jax.random.key_impl(array))
+        data = jax.eval_shape(jax.random.key_data, array) if key_impl else array
+        sharding = array.sharding
+        spec: tuple[Any, ...] = ()
+        if (isinstance(sharding, NamedSharding) and sharding.mesh == self.mesh
+                and tuple(sharding.spec)[:1] == (self.replica_axis,)):
+            spec = tuple(sharding.spec)[1:]
+        spec += (None,) * (data.ndim - 1 - len(spec))
+        return LeafSpec(tuple(data.shape[1:]), str(data.dtype), spec, key_impl)
+
+    def to_storage(self, leaves: tuple[LeafSpec, ...]) -> Any:
+        """One compiled program: per-replica values (typed keys as keys) -> their stored
+        arrays. No communication: each device takes its part of its own copy (jobs
+        train mirrored state: every replica's copy is the same)."""
+        def body(*xs: jax.Array) -> list[jax.Array]:
+            r = jax.lax.axis_index(self.replica_axis)
+            out = []
+            for leaf, x in zip(leaves, xs, strict=True):
+                x = x[0]
+                axis = self.split_axis(leaf)
+                if axis is not None:
+                    part = leaf.shape[axis] // self.replicas
+                    x = jax.lax.dynamic_slice_in_dim(x, r * part, part, axis=axis)
+                out.append(x)
+            return out
+
+        split = jax.shard_map(body, mesh=self.mesh, check_vma=False,
+                              in_specs=tuple(self.per_replica(f).spec for f in leaves),
+                              out_specs=[self.stored(f).spec for f in leaves])
+
+        def program(*values: jax.Array) -> list[jax.Array]:
+            return split(*[jax.random.key_data(v) if leaf.key_impl else v
+                           for leaf, v in zip(leaves, values, strict=True)])
+
+        return jax.jit(program)
+
+    def from_storage(self, leaves: tuple[LeafSpec, ...]) -> Any:
+        """One compiled program: restored arrays -> per-replica values (typed keys
+        wrapped again), each replica's copy gathered over the replicas on device if
+        its parts were restored."""
+        def body(*xs: jax.Array) -> list[jax.Array]:
+            out = []
+            for leaf, x in zip(leaves, xs, strict=True):
+                axis = self.split_axis(leaf)
+                if self.gather and axis is not None:
+                    x = jax.lax.all_gather(x, self.replica_axis, axis=axis, tiled=True)
+                out.append(x[None])
+            return out
+
+        gather = jax.shard_map(body, mesh=self.mesh, check_vma=False,
+                               in_specs=tuple(self.restored(f).spec for f in leaves),
+                               out_specs=[self.per_replica(f).spec for f in leaves])
+
+        def program(*stored: jax.Array) -> list[jax.Array]:
+            return [jax.random.wrap_key_data(v, impl=leaf.key_impl) if leaf.key_impl
+                    else v for leaf, v in zip(leaves, gather(*stored), strict=True)]
+
+        # The restored arrays are given up: a whole copy becomes its replica's value in
+        # place (the added axis is only a new shape), not copied.
+        return jax.jit(program, donate_argnums=tuple(range(len(leaves))))
+
+
+def _state_handler() -> Any:
+    """The state item's orbax handler: the standard pytree format, its arrays written
+    without a sharding file."""
+    import orbax.checkpoint as ocp
+
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (jax.Array, ocp.type_handlers.ArrayHandler(enable_write_sharding_file=False)))
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
+class HostCheckpoints:
+    """This host's checkpoint managers, one per job directory. Every method is called
+    on every host of the slice in the same operation (orbax synchronises them)."""
+
+    def __init__(self) -> None:
+        self._managers: dict[str, Any] = {}
+        self._committed: dict[str, int] = {}  # directory -> newest step known committed
+        self._programs: dict[tuple[Any, ...], Any] = {}  # compiled layout changes
+        self._lock = threading.Lock()
+
+    def _program(self, to_storage: bool, layout: Layout, leaves: tuple[LeafSpec, ...]
+                 ) -> Any:
+        key = (to_storage, layout.mesh, layout.gather, leaves)
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = (layout.to_storage(leaves) if to_storage
+                                             else layout.from_storage(leaves))
+        return program
+
+    def _manager(self, directory: str, keep: int) -> Any:
+        import orbax.checkpoint as ocp
+
+        with self._lock:
+            manager = self._managers.get(directory)
+            if manager is None:
+                manager = self._managers[directory] = ocp.CheckpointManager(
+                    directory, options=ocp.CheckpointManagerOptions(
+                        max_to_keep=keep, enable_async_checkpointing=True, create=True),
+                    item_handlers={STATE: _state_handler(),
+                                   META: ocp.JsonCheckpointHandler()})
+            return manager
+
+    def save(self, directory: str, step: int, keep: int, state: Any, mesh: Any,
+             positions: Sequence[Any]) -> None:
+        """Starts writing ``state`` (the user's tree of per-replica values) as step
+        ``step``; returns once its bytes are off the devices. ``positions``: every
+        host's input position at the step (JSON), in host order."""
+        import orbax.checkpoint as ocp
+
+        values, treedef = jax.tree.flatten(state, is_leaf=is_per_replica)
+        if not all(isinstance(v, PerReplica) for v in values):
+            raise TypeError("A job's state must hold only values on the slice.")
+        layout = Layout(mesh)
+        leaves = tuple(layout.leaf_spec(v) for v in values)
+        meta = {"version": META_VERSION, "leaves": [leaf.as_json() for leaf in leaves],
+                "input": list(positions)}
+        items = {META: ocp.args.JsonSave(meta)}
+        if leaves:  # a job without state keeps only its input positions
+            stored = self._program(True, layout, leaves)(*[v.array for v in values])
+            items[STATE] = ocp.args.PyTreeSave(jax.tree.unflatten(treedef, stored))
+        manager = self._manager(directory, keep)
+        # orbax writes one step at a time: the previous one is committed first (or
+        # its error raised here), and stays the newest committed while this one goes.
+        manager.wait_until_finished()
+        manager.check_for_errors()
+        latest = manager.latest_step()
+        if latest is not None:
+            self._committed[directory] = int(latest)
+        manager.save(step, args=ocp.args.Composite(**items))
+
+    def committed(self, directory: str) -> int | None:
+        """The newest step every host committed (``None``: none yet; a step being
+        written is not). Raises what a failed asynchronous write raised."""
+        manager = self._managers.get(directory)
+        if manager is None:
+            return None
+        manager.check_for_errors()
+        if manager.is_saving_in_progress():
+            return self._committed.get(directory)
+        step = manager.latest_step()
+        return None if step is None else int(step)
+
+    def wait(self, directory: str) -> int | None:
+        """Waits until the writes under way are committed; the newest step."""
+        manager = self._managers.get(directory)
+        if manager is None:
+            return None
+        manager.wait_until_finished()
+        return self.committed(directory)
+
+    def restore(self, directory: str, step: int, keep: int, skeleton: Any, mesh: Any,
+                host: int, gather: bool | None = None) -> tuple[Any, Any]:
+        """Step ``step``'s state onto this slice's devices, as the user's tree of
+        per-replica values (``skeleton``: the state's frozen structure with each
+        leaf's index), and this host's input position at the step (``keep``: as for
+        :meth:`save`, which the attempt calls next; ``gather``: see :class:`Layout`)."""
+        import orbax.checkpoint as ocp
+
+        manager = self._manager(directory, keep)
+        meta = manager.restore(step, args=ocp.args.Composite(
+            **{META: ocp.args.JsonRestore()}))[META]
+        inputs = meta.get("input") or []
+        position = inputs[host] if host < len(inputs) else None
+        specs = [LeafSpec.from_json(raw) for raw in meta["leaves"]]
+        if not specs:  # a job without state
+            return (), position
+        layout = Layout(mesh, gather)
+        abstract = trees.thaw(skeleton, lambda i: layout.target(specs[i]))
+        restore = ocp.args.PyTreeRestore(
+            abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
+        restored = manager.restore(step, args=ocp.args.Composite(**{STATE: restore}))[STATE]
+        stored, treedef = jax.tree.flatten(restored)
+        leaves = tuple(specs[i] for i in jax.tree.leaves(skeleton))
+        values = self._program(False, layout, leaves)(*stored)
+        return jax.tree.unflatten(treedef, [PerReplica(v) for v in values]), position
+
+    def close(self) -> None:
+        """Waits for every write under way, then closes the managers."""
+        with self._lock:
+            managers, self._managers = list(self._managers.values()), {}
+            self._committed.clear()
+            self._programs.clear()
+        for manager in managers:
+            try:
+                manager.wait_until_finished()
+                manager.close()
+            except Exception as e:  # the next holder must not inherit it
+                logger.warning("closing a checkpoint manager failed: %s", e)
