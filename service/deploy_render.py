@@ -34,7 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from jaxpod.service.resolvers.base import DEFAULT_COORDINATOR_PORT, DEFAULT_MEGASCALE_PORT
-from jaxpod.service.serve_cli import DEFAULT_HTTP_PORT, STATE_DIR_ENV, TOKEN_ENV
+from jaxpod.service.serve_cli import (
+    CHECKPOINT_DIR_ENV,
+    DEFAULT_HTTP_PORT,
+    STATE_DIR_ENV,
+    TOKEN_ENV,
+)
 from jaxpod.service.topology import SliceShape, slice_shape
 from jaxpod.worker.host_worker import COORDINATOR_PORT_ENV
 from jaxpod.worker.preemption import PREEMPTION_GRACE
@@ -60,6 +65,10 @@ RAY_VERSION = "2.60.0"
 TOKEN_SECRET = "jaxpod-token"
 TOKEN_SECRET_KEY = "token"
 STATE_DIR = "/var/lib/jaxpod"
+#: Where the TPU hosts write jobs' checkpoints (orbax, straight to the bucket; nothing is
+#: mounted for it): the ConfigMap's, set with ``jaxpod deploy render --checkpoint-dir``.
+#: The Ray pods' service account needs write access to it (Workload Identity).
+CHECKPOINT_DIR = "gs://jaxpod-checkpoints/jobs"
 #: KubeRay's GCS port on the head (``<cluster>-head-svc``).
 RAY_HEAD_PORT = 6379
 GRPC_PORT = 50051
@@ -238,14 +247,27 @@ def _worker_group(shape: SliceShape, slices: int, coordinator_port: int) -> dict
 
 
 # ------------------------------------------------------------------------------- base
-def render_base() -> dict[str, str]:
-    """The files of ``deploy/gke/base``: ``{file name: text}``."""
-    command = "jaxpod deploy render --base"
+def check_checkpoint_dir(url: str) -> str:
+    """``url`` if every pod can reach it (a ``gs://`` bucket); else a clear error."""
+    if not url.startswith("gs://") or len(url) <= len("gs://"):
+        raise ValueError(
+            f"--checkpoint-dir {url!r}: on GKE the TPU hosts write checkpoints and the "
+            "coordinator lists them from other machines, so it must be a bucket every "
+            "pod reaches, e.g. gs://my-bucket/jaxpod (the Ray pods' service account "
+            "needs write access to it).")
+    return url
+
+
+def render_base(checkpoint_dir: str = CHECKPOINT_DIR) -> dict[str, str]:
+    """The files of ``deploy/gke/base``: ``{file name: text}`` (``checkpoint_dir``: the
+    ``gs://`` URL the hosts write checkpoints to)."""
+    command = "jaxpod deploy render --base" + (
+        f" --checkpoint-dir {checkpoint_dir}" if checkpoint_dir != CHECKPOINT_DIR else "")
     files = {
         "namespace.yaml": [{"apiVersion": "v1", "kind": "Namespace", "metadata": _meta(NAMESPACE)}],
         "serviceaccounts.yaml": _service_accounts(),
         "rbac.yaml": _rbac(),
-        "config.yaml": [_config_map(), _state_volume()],
+        "config.yaml": [_config_map(check_checkpoint_dir(checkpoint_dir)), _state_volume()],
         "coordinator.yaml": [_coordinator()],
         "services.yaml": _services(),
         "raycluster.yaml": [_ray_cluster()],
@@ -300,7 +322,7 @@ def _rbac() -> list[dict[str, Any]]:
     return [role, binding]
 
 
-def _config_map() -> dict[str, Any]:
+def _config_map(checkpoint_dir: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -309,6 +331,8 @@ def _config_map() -> dict[str, Any]:
             # KubeRay's head Service; a short name resolves in the pod's own namespace.
             "RAY_ADDRESS": f"{RAY_CLUSTER}-head-svc:{RAY_HEAD_PORT}",
             STATE_DIR_ENV: STATE_DIR,
+            # Every TPU host writes its shards here; the coordinator lists the steps.
+            CHECKPOINT_DIR_ENV: checkpoint_dir,
         },
     }
 
@@ -435,9 +459,9 @@ def _ray_cluster() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------ tree and CLI
-def render_tree() -> dict[str, str]:
+def render_tree(checkpoint_dir: str = CHECKPOINT_DIR) -> dict[str, str]:
     """Everything under ``deploy/gke``: ``{relative path: text}``."""
-    tree = {f"base/{name}": text for name, text in render_base().items()}
+    tree = {f"base/{name}": text for name, text in render_base(checkpoint_dir).items()}
     for name, (accelerator_type, slices) in OVERLAYS.items():
         for file, text in render_overlay(accelerator_type, slices).items():
             tree[f"overlays/{name}/{file}"] = text
@@ -469,6 +493,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coordinator-port", type=int, default=COORDINATOR_PORT,
                         help="the jax.distributed coordinator port to pin and declare "
                              f"(default {COORDINATOR_PORT})")
+    parser.add_argument("--checkpoint-dir", default=CHECKPOINT_DIR, metavar="URL",
+                        help="the gs:// bucket (and path) the TPU hosts write jobs' "
+                             f"checkpoints to, in the base's ConfigMap (default "
+                             f"{CHECKPOINT_DIR}: replace it with yours)")
     parser.add_argument("--out", required=True, type=Path, metavar="DIR",
                         help="directory to write into")
 
@@ -479,10 +507,13 @@ def run_render(args: argparse.Namespace) -> int:
                                     or args.coordinator_port != COORDINATOR_PORT):
         raise ValueError("--slices and --coordinator-port shape one overlay: use them "
                          "with --accelerator-type, not --base or --all.")
+    if args.accelerator_type and args.checkpoint_dir != CHECKPOINT_DIR:
+        raise ValueError("--checkpoint-dir goes in the base's ConfigMap: use it with "
+                         "--base or --all.")
     if args.all:
-        files = render_tree()
+        files = render_tree(args.checkpoint_dir)
     elif args.base:
-        files = render_base()
+        files = render_base(args.checkpoint_dir)
     else:
         files = render_overlay(args.accelerator_type, args.slices,
                                coordinator_port=args.coordinator_port)

@@ -26,8 +26,9 @@ rather than run something else):
   coordinator's gRPC and HTTP ports) become free ones. The ``jax.distributed``
   coordinator port is **not** substituted: it is what the play checks.
 * Each KubeRay pod's own ``/tmp/ray`` (Ray's ``--temp-dir``; by default a node takes
-  the head's, and on one machine their Unix sockets would collide), the state volume
-  and each pod's ``/tmp`` become temporary folders.
+  the head's, and on one machine their Unix sockets would collide), the state volume,
+  the checkpoint bucket (``gs://``, which every pod reaches) and each pod's ``/tmp``
+  become temporary folders.
 * Chips become CPU devices (``JAX_PLATFORMS=cpu``, ``--platform=cpu``), and a TPU
   host's ``num-cpus`` (KubeRay derives 8 from the CPU limit) becomes 1 on this 2-core
   machine. The TPU pods start one after another (a raylet has 30 s to register, which

@@ -31,7 +31,8 @@ def test_multi_stage_non_root_image_of_this_package() -> None:
     stages = _stages()
     assert len(stages) >= 2, "build and runtime stages"
     build, final = stages[0], stages[-1]
-    assert any('".[tpu,service]"' in line for line in build if line.startswith("RUN"))
+    # gcs: the hosts and the coordinator reach a gs:// checkpoint dir.
+    assert any('".[tpu,service,gcs]"' in line for line in build if line.startswith("RUN"))
     assert any(line.startswith("COPY --from=") for line in final)
     # Only the final stage's user matters: a numeric, non-root uid (runAsNonRoot needs
     # a number to check) that equals the pods' runAsUser.

@@ -164,6 +164,10 @@ class Play:
         state.mkdir()
         env["JAXPOD_STATE_DIR"] = replace_once(env["JAXPOD_STATE_DIR"], mounts["state"],
                                                str(state))
+        # The bucket every TPU pod writes checkpoints to: a folder every process here sees.
+        checkpoints = self.workdir / "checkpoints"
+        env["JAXPOD_CHECKPOINT_DIR"] = replace_once(
+            env["JAXPOD_CHECKPOINT_DIR"], dr.CHECKPOINT_DIR, str(checkpoints))
         grpc_port, self.http_port = free_port(), free_port()
         script = expand(c["args"][0], env)
         script = replace_once(script, f"--address=0.0.0.0:{dr.GRPC_PORT}",

@@ -58,3 +58,24 @@ def test_coordinator_port_is_configurable() -> None:
     text = files["raycluster-tpu.yaml"]
     assert "containerPort: 8476" in text and "value: '8476'" in text
     assert "--coordinator-port 8476" in text.splitlines()[0]
+
+
+def test_checkpoint_bucket_is_set_in_the_config(tmp_path: Path) -> None:
+    """The base's ConfigMap names the bucket the TPU hosts write checkpoints to (the
+    coordinator reads it as JAXPOD_CHECKPOINT_DIR); a path only one machine sees is
+    refused, saying why."""
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxpod.cli", "deploy", "render", "--base",
+         "--checkpoint-dir", "gs://team-bucket/jaxpod", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, check=True)
+    assert str(tmp_path / "config.yaml") in done.stdout.split()
+    config = (tmp_path / "config.yaml").read_text()
+    assert "JAXPOD_CHECKPOINT_DIR: gs://team-bucket/jaxpod" in config
+    assert "--checkpoint-dir gs://team-bucket/jaxpod" in config.splitlines()[0]
+    committed = (GKE / "base" / "config.yaml").read_text()
+    assert f"JAXPOD_CHECKPOINT_DIR: {dr.CHECKPOINT_DIR}" in committed
+    refused = subprocess.run(
+        [sys.executable, "-m", "jaxpod.cli", "deploy", "render", "--base",
+         "--checkpoint-dir", "/var/lib/jaxpod/checkpoints", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "must be a bucket every pod reaches" in refused.stderr
