@@ -1,7 +1,8 @@
 """The status page in a real browser: headless Chromium (Debian's ``chromium``, driven
 by Playwright with ``executable_path``) signs in, loads ``/`` while a job runs on the
-simulated cluster, and sees the job's row go from RUNNING to SUCCEEDED and its loss
-chart gain points, without a reload. A screenshot is left in ``tests/artifacts/``."""
+simulated cluster, and sees the job's row go from RUNNING to SUCCEEDED, its loss chart
+gain points and its last checkpoint shown, without a reload. A screenshot is left in
+``tests/artifacts/``."""
 
 from __future__ import annotations
 
@@ -66,6 +67,11 @@ def test_the_page_follows_a_running_job_to_the_end(service: Service, client: Any
             "the job finished before the page showed it running; make it longer")
         expect(state).to_have_text("SUCCEEDED", timeout=120_000)
         expect(page.locator("#detail-state")).to_have_text("SUCCEEDED", timeout=30_000)
+        last_checkpoint = job.checkpoints()[-1]  # the final state's
+        assert last_checkpoint.step == STEPS
+        expect(page.locator("#detail-checkpoint")).to_contain_text(
+            f"last checkpoint: step {STEPS}, ", timeout=30_000)
+        expect(page.locator("#detail-checkpoint")).to_contain_text(last_checkpoint.path)
         expect(chart).to_have_attribute("data-points", str(STEPS // STEPS_PER_RUN),
                                         timeout=30_000)
         assert first < STEPS // STEPS_PER_RUN, "the chart gained no point while watched"

@@ -5,7 +5,8 @@
 "use strict";
 (function () {
   const W = 480, H = 180, PAD = 28;  // chart size in SVG units
-  const JOBS_EVERY_MS = 1000, CLUSTER_EVERY_MS = 3000, RATE_POINTS = 120;
+  const JOBS_EVERY_MS = 1000, CLUSTER_EVERY_MS = 3000, DETAIL_EVERY_MS = 5000;
+  const RATE_POINTS = 120;
   const CHART_POINTS = 2000;  // a series longer than twice this keeps every other point
   const DASH = "–";           // what an empty figure shows
   const SVG = "http://www.w3.org/2000/svg";
@@ -17,6 +18,7 @@
   let last = null;            // the previous status event: {t, step}
   let slicesDrawn = null;     // the slices last drawn (JSON): redrawn only on a change
   const t0 = performance.now();
+  let detailAt = t0;          // when the followed job's detail was last fetched
 
   // An element with attributes (null ones left out) and children (strings become text,
   // never HTML).
@@ -146,6 +148,7 @@
       h("p", null, h("b", null, d.name), " (" + d.id + ") ", h("span", {id: "detail-state"}),
         " step ", h("span", {id: "detail-step"}), "/" + d.steps),
       h("pre", {id: "detail-error", class: "bad", hidden: ""}),
+      h("p", {id: "detail-checkpoint", class: "muted"}),
       h("div", {class: "charts"},
         h("figure", null, h("figcaption", {id: "loss-caption"}), chart("chart-loss", "loss")),
         h("figure", null, h("figcaption", null, "steps/s (live)"), chart("chart-rate", "steps/s"))),
@@ -224,7 +227,11 @@
     fill("hosts", hosts.map(x => [x.host, fmt(x.input_wait_s, 3), x.input_queue_depth]));
   }
 
-  function fillDetail(d) {  // goodput, history, attempts, hosts
+  function fillDetail(d) {  // last checkpoint, goodput, history, attempts, hosts
+    const saved = d.checkpoints[d.checkpoints.length - 1];
+    text(byId("detail-checkpoint"), saved
+      ? "last checkpoint: step " + saved.step + ", " + when(saved.saved_at) + ", " + saved.path
+      : "no checkpoint yet");
     fill("goodput", Object.entries(d.goodput).map(([k, v]) => [k, fmt(v, 3)]), "none yet");
     fill("history", d.history.map(t => [when(t.at), t.from_state, t.to_state, t.reason]));
     fill("attempts", d.attempt_records.map(a => [a.number, when(a.started_at),
@@ -257,7 +264,10 @@
     draw(svg, series[metric] || []);
   }
 
-  async function refreshDetail(id) {  // history, attempts, goodput: on a state change
+  // History, attempts, goodput, last checkpoint: on a state change, and every
+  // DETAIL_EVERY_MS while the job reports progress.
+  async function refreshDetail(id) {
+    detailAt = performance.now();
     try {
       fillDetail(await getJSON("/api/v1/jobs/" + encodeURIComponent(id) + "?points=1"));
     } catch (e) { /* shown as before */ }
@@ -269,7 +279,9 @@
     source.addEventListener("status", ev => {
       const j = JSON.parse(ev.data);
       showStatus(j);
-      if (shownState !== j.state) refreshDetail(id);
+      if (shownState !== j.state || performance.now() - detailAt > DETAIL_EVERY_MS) {
+        refreshDetail(id);
+      }
       shownState = j.state;
       const t = (performance.now() - t0) / 1000;
       if (last && j.step > last.step && t > last.t) {
