@@ -126,3 +126,25 @@ def stop_process(proc: Any, timeout_s: float) -> None:
     for stream in (proc.stdin, proc.stdout):
         if stream is not None:
             stream.close()
+
+
+def follow_job(job: Any, on_status: Callable[[Any], None], timeout_s: float
+               ) -> list[tuple[float, Any]]:
+    """``(client wall time, status)`` per change of ``job`` until it ends, calling
+    ``on_status`` on each; the job is cancelled after ``timeout_s`` and must succeed."""
+    import threading
+
+    timer = threading.Timer(timeout_s, job.cancel)
+    timer.daemon = True
+    timer.start()
+    seen: list[tuple[float, Any]] = []
+    try:
+        for status in job.watch():
+            seen.append((time.time(), status))
+            on_status(status)
+    finally:
+        timer.cancel()
+    final = seen[-1][1]
+    if final.state != "SUCCEEDED":
+        raise RuntimeError(f"job {job.id} ended {final.state}: {final.error}")
+    return seen

@@ -4,8 +4,8 @@ The job figures run on one simulated local TPU cluster (``LocalTPUCluster``: one
 2 hosts x 4 chips, JAX on CPU) that this script starts and stops itself, served by a
 real ``jaxpod serve`` process joined to it through ``RAY_ADDRESS`` (its own token and
 temporary ``JAXPOD_STATE_DIR``, default retry back-off: the service as users run it);
-this process is the client. The checkpoint figure needs no cluster: it calls the
-service's ``JobCheckpoints`` directly.
+this process is the client. What a checkpoint costs against plain orbax is
+``benchmarks/checkpoint.py``'s.
 
 The job everybody runs: 60 steps of a deterministic update of a 1 MiB float32 state
 (``w <- 0.97 w + 0.05 sin(sum(batch) + w)``, the sum all-reduced over the 8 replicas of
@@ -40,22 +40,9 @@ Figures (medians where repeated):
    and for as many jobs whose host 1 worker was instead sent SIGTERM (the preemption
    notice: the job checkpoints at once and gives the slice up) at the same point (seen
    past step 30). Target: 0 with a notice.
-3. ``checkpoint_save_vs_np_save`` (target <= 1.5): ``JobCheckpoints.save(step,
-   state)`` on a nest of float32 arrays (``{"params": {w0, w1}, "opt": {m, v},
-   "step"}``, four equal arrays) of 64 MiB and 256 MiB (16 MiB and 64 MiB with
-   ``--quick``), against writing the same arrays with ``np.save`` (one ``.npy`` file
-   each) to the same file system, each file then fsynced (``np.save + fsync``). A
-   checkpoint is durable when ``save`` returns (every file and folder fsynced, the
-   commit marker last), so the fair baseline is the one that also reaches the disk;
-   plain ``np.save`` (left in the page cache) is reported beside it
-   (``..._vs_np_save_no_fsync``). Each candidate writes fresh files; between timed
-   calls ``os.sync()`` runs untimed, so no candidate pays for another's write-back.
-   Median of 5 repeats (3 with ``--quick``), the candidates in alternation; the figure
-   is the largest ratio over the sizes (each size is also reported).
-   ``job_checkpointing_s_per_checkpoint`` is the end-to-end cost inside a job: the
-   warm uninterrupted job's goodput ``checkpointing`` seconds (the steps waiting while
-   the state is fetched from the slice; the write itself runs in the background) per
-   checkpoint it took.
+3. ``job_checkpointing_s_per_checkpoint``: the warm uninterrupted job's goodput
+   ``checkpointing`` seconds (the steps waiting while the hosts copy the state off the
+   devices; orbax writes it in the background) per periodic checkpoint it took.
 4. ``goodput_productive_share_uninterrupted`` (the job on a warm slice;
    ``..._uninterrupted_cold`` the first job, on the fresh cluster: it starts the
    workers), ``goodput_productive_share_preempted`` (median over the killed jobs) and
@@ -65,7 +52,7 @@ Figures (medians where repeated):
 
 The last line of output is the JSON report.
 
-Usage: ``python benchmarks/recovery.py [--quick] [--parts checkpoint,jobs]``
+Usage: ``python benchmarks/recovery.py [--quick]``
 """
 
 from __future__ import annotations
@@ -73,26 +60,20 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import parse_parts, report, target
+from _common import follow_job, report
 from jobs import rounded, running_service
 
 ACCELERATOR = "v4-16"
-PARTS = ("checkpoint", "jobs")
 
 STEPS = 60
 STEPS_PER_RUN = 2
@@ -105,7 +86,6 @@ STATE_FLOATS = 1 << 18  # 1 MiB of float32
 JOB_TIMEOUT_S = 300.0
 PARTS_OF_RECOVERY = ("detection_s", "backoff_s", "allocation_s", "setup_and_first_loop_s")
 
-SAVE_RATIO_TARGET = 1.5
 MIB = 1 << 20
 
 
@@ -187,30 +167,11 @@ def check_same(job: Any, got: dict[str, np.ndarray], expected: dict[str, np.ndar
                                "uninterrupted run's: the resume was not exact")
 
 
-def watched(job: Any, on_status: Any) -> list[tuple[float, Any]]:
-    """Follows ``job`` to its end: ``(client wall time, status)`` per change; calls
-    ``on_status(status)`` on each. Cancels the job if it takes over ``JOB_TIMEOUT_S``."""
-    timer = threading.Timer(JOB_TIMEOUT_S, job.cancel)
-    timer.daemon = True
-    timer.start()
-    seen: list[tuple[float, Any]] = []
-    try:
-        for status in job.watch():
-            seen.append((time.time(), status))
-            on_status(status)
-    finally:
-        timer.cancel()
-    final = seen[-1][1]
-    if final.state != "SUCCEEDED":
-        raise RuntimeError(f"job {job.id} ended {final.state}: {final.error}")
-    return seen
-
-
 # ------------------------------------------------------------------ the job runs
 def uninterrupted(client: Any, name: str) -> tuple[dict[str, np.ndarray], Any, float]:
     start = time.perf_counter()
     job = submit(client, name)
-    final = watched(job, lambda status: None)[-1][1]
+    final = follow_job(job, lambda status: None, JOB_TIMEOUT_S)[-1][1]
     elapsed = time.perf_counter() - start
     if final.attempts != 1:
         raise RuntimeError(f"job {job.id} took {final.attempts} attempts uninterrupted")
@@ -229,7 +190,7 @@ def interrupted(client: Any, name: str, sig: signal.Signals, host: int,
             sent.append((time.time(), status.step))
             os.kill(victim, sig)
 
-    seen = watched(job, interrupt)
+    seen = follow_job(job, interrupt, JOB_TIMEOUT_S)
     if not sent:
         raise RuntimeError(f"job {job.id} ended before it could be interrupted")
     check_same(job, final_state(job), expected)
@@ -325,137 +286,28 @@ def measure_jobs(client: Any, repeats: int) -> dict[str, Any]:
     return figures
 
 
-# ------------------------------------------------------------------- checkpoints
-def checkpoint_state(mib: int) -> dict[str, Any]:
-    """A training state of ``mib`` MiB: four equal float32 arrays and a step."""
-    n = mib * MIB // 4 // 4
-    rng = np.random.default_rng(0)
-    arrays = [rng.standard_normal(n, dtype=np.float32) for _ in range(4)]
-    return {"params": {"w0": arrays[0], "w1": arrays[1]},
-            "opt": {"m": arrays[2], "v": arrays[3]}, "step": np.int32(1)}
-
-
-def leaves(state: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {"w0": state["params"]["w0"], "w1": state["params"]["w1"],
-            "m": state["opt"]["m"], "v": state["opt"]["v"],
-            "step": np.asarray(state["step"])}
-
-
-def np_save_all(folder: Path, arrays: dict[str, np.ndarray], fsync: bool) -> None:
-    folder.mkdir()
-    for name, array in arrays.items():
-        with open(folder / f"{name}.npy", "wb") as f:
-            np.save(f, array)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-
-
-def save_candidates(root: Path, state: dict[str, Any], checkpoints: Any
-                    ) -> dict[str, tuple[Callable[[], None], Callable[[], None]]]:
-    """``name -> (prepare, write)``: ``prepare`` (untimed) removes what the last
-    ``write`` left where that is not the writer's own job."""
-    arrays = leaves(state)
-    steps = iter(range(1, 1 << 30))
-
-    def np_candidate(kind: str, fsync: bool) -> tuple[Callable[[], None], Callable[[], None]]:
-        folder = root / kind
-        return (lambda: shutil.rmtree(folder, ignore_errors=True),
-                lambda: np_save_all(folder, arrays, fsync))
-
-    def save_checkpoint() -> None:
-        # A new step each time; save() prunes the checkpoints beyond the last 2.
-        checkpoints.save(next(steps), state)
-
-    root.mkdir(parents=True)
-    return {
-        "checkpoint": (lambda: None, save_checkpoint),
-        "np_save_fsync": np_candidate("fsync", fsync=True),
-        "np_save": np_candidate("plain", fsync=False),
-    }
-
-
-def measure_checkpoint_save(sizes_mib: list[int], repeats: int) -> dict[str, Any]:
-    from jaxpod.service.jobs.checkpoints import JobCheckpoints
-
-    figures: dict[str, Any] = {"checkpoint_sizes_mib": sizes_mib, "checkpoint_repeats": repeats}
-    ratios = []
-    root = Path(tempfile.mkdtemp(prefix="jaxpod-bench-ckpt-"))
-    try:
-        for mib in sizes_mib:
-            state = checkpoint_state(mib)
-            checkpoints = JobCheckpoints(root / f"ckpt-{mib}")
-            candidates = save_candidates(root / str(mib), state, checkpoints)
-            times: dict[str, list[float]] = {name: [] for name in candidates}
-            try:
-                for i in range(repeats + 1):  # the first round warms up
-                    for name, (prepare, call) in candidates.items():
-                        prepare()  # untimed: removes that candidate's last files
-                        os.sync()
-                        start = time.perf_counter()
-                        call()
-                        elapsed = time.perf_counter() - start
-                        if i:
-                            times[name].append(elapsed)
-                latest = checkpoints.latest()
-                assert latest is not None
-                if not all(np.array_equal(latest.state[g][k], state[g][k])
-                           for g in ("params", "opt") for k in state[g]):
-                    raise RuntimeError("a checkpoint read back differs from the saved state")
-            finally:
-                checkpoints.remove_all()
-                checkpoints.close()
-            med = {name: statistics.median(t) for name, t in times.items()}
-            ratio = med["checkpoint"] / med["np_save_fsync"]
-            ratios.append(ratio)
-            figures.update({
-                f"checkpoint_save_s_{mib}mib": med["checkpoint"],
-                f"np_save_fsync_s_{mib}mib": med["np_save_fsync"],
-                f"np_save_s_{mib}mib": med["np_save"],
-                f"checkpoint_save_vs_np_save_{mib}mib": ratio,
-                f"checkpoint_save_vs_np_save_no_fsync_{mib}mib":
-                    med["checkpoint"] / med["np_save"],
-                f"checkpoint_save_mib_per_s_{mib}mib": mib / med["checkpoint"],
-            })
-            print(f"{mib} MiB: checkpoint {med['checkpoint']:.3f} s, np.save + fsync "
-                  f"{med['np_save_fsync']:.3f} s, np.save {med['np_save']:.3f} s "
-                  f"(ratio {ratio:.2f})", flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    figures["checkpoint_save_vs_np_save"] = max(ratios)
-    return figures
-
-
 # ------------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    args = parse_parts(parser, PARTS)
-    parts = args.parts
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (CI smoke run)")
+    args = parser.parse_args()
     interruptions = 1 if args.quick else 3
-    sizes_mib = [16, 64] if args.quick else [64, 256]
-    save_repeats = 3 if args.quick else 5
+
+    import jaxpod
+    from jaxpod.service.local_cluster import LocalTPUCluster
 
     figures: dict[str, Any] = {"accelerator_type": ACCELERATOR, "cores": os.cpu_count()}
-    targets: dict[str, Any] = {}
-    if "checkpoint" in parts:
-        figures.update(measure_checkpoint_save(sizes_mib, save_repeats))
-        targets["checkpoint_save_vs_np_save"] = target(
-            figures["checkpoint_save_vs_np_save"], "<=", SAVE_RATIO_TARGET)
-    if "jobs" in parts:
-        import jaxpod
-        from jaxpod.service.local_cluster import LocalTPUCluster
-
-        start = time.perf_counter()
-        with LocalTPUCluster(ACCELERATOR) as cluster:
-            figures["cluster_start_s"] = time.perf_counter() - start
-            print(f"simulated {ACCELERATOR} up in {figures['cluster_start_s']:.1f} s "
-                  f"({cluster.address})", flush=True)
-            with running_service(cluster.address, "recovery") as service, \
-                    jaxpod.connect(service.address, token=service.token) as client:
-                figures.update(measure_jobs(client, interruptions))
-        lost = figures["steps_lost_per_preemption_with_notice"]
-        targets["steps_lost_per_preemption_with_notice"] = {
-            "value": lost, "target": "== 0", "met": lost == 0}
+    start = time.perf_counter()
+    with LocalTPUCluster(ACCELERATOR) as cluster:
+        figures["cluster_start_s"] = time.perf_counter() - start
+        print(f"simulated {ACCELERATOR} up in {figures['cluster_start_s']:.1f} s "
+              f"({cluster.address})", flush=True)
+        with running_service(cluster.address, "recovery") as service, \
+                jaxpod.connect(service.address, token=service.token) as client:
+            figures.update(measure_jobs(client, interruptions))
+    lost = figures["steps_lost_per_preemption_with_notice"]
+    targets = {"steps_lost_per_preemption_with_notice": {
+        "value": lost, "target": "== 0", "met": lost == 0}}
     report("recovery", rounded(figures), targets)
 
 

@@ -1,0 +1,429 @@
+"""Checkpoints written and restored by the hosts (orbax), against plain orbax.
+
+Two parts run one after the other on this machine, never at once:
+
+* **plain** (the lower bound): two ``jax.distributed`` processes (4 CPU devices each,
+  gloo) hold the state as jobs write it, one replica's copy as a global array
+  replicated over all 8 devices, and call ``orbax.checkpoint.CheckpointManager``
+  themselves: ``save`` (``StandardSave``, asynchronous) until it returns, then until
+  ``wait_until_finished`` (committed), then ``restore`` onto the same shardings; and
+  the device-to-host copy a save needs (each device's share of the replica-parallel
+  write, copied to numpy; the slower process).
+* **jobs**: the same state through jobs on a simulated v4-16 (2 hosts x 4 chips, the
+  same 8 devices) served by a real ``jaxpod serve``: a job whose ``init_fn`` makes the
+  state and whose step holds each step for half the plain save time, so the writes of
+  its periodic checkpoints (every 4 steps) end before the next one is asked for.
+
+Figures (medians over repeats; state 1 GiB, 128 MiB with ``--quick``):
+
+1. ``save_throughput_vs_orbax`` (target >= 0.9): plain save-to-commit seconds over the
+   job's final checkpoint's seconds (goodput ``result``: from its last loop to the
+   hosts' commit, the step wait for the previous write included if any).
+2. ``stall_vs_d2h`` (target <= 1.2): the job's steady step wait per periodic
+   checkpoint (goodput ``checkpointing``: what a job of 28 steps, 6 checkpoints, adds
+   over one of 12 steps, 2 checkpoints, per extra checkpoint) over the plain
+   device-to-host copy time. ``stall_vs_orbax_save_call`` compares it with the plain
+   ``save`` call instead; ``job_first_checkpoint_extra_s`` is what a job's first
+   checkpoint costs more (orbax's manager made, the layout program compiled).
+3. ``restore_vs_orbax`` (target <= 1.1): a resumed attempt's ``restoring`` seconds (a
+   preemption notice sent to host 1 after its second step; the next attempt restores
+   the state and input positions) over the plain ``restore``.
+4. ``resume_to_first_step_far_vs_near`` (target <= 1.2): from a resumed attempt's
+   ``RUNNING`` to its first loop seen by the client, for a job on a random-access
+   input whose elements each cost ~1 ms to make, notified at step 10 vs step 10,000
+   (2,000 with ``--quick``): an input that seeks reads nothing before its checkpoint.
+
+Every job's final checkpoint is opened with plain orbax in this process and compared
+with numpy, or the benchmark fails. The last line of output is the JSON report.
+
+Usage: ``python benchmarks/checkpoint.py [--quick] [--parts plain,jobs]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import follow_job, parse_parts, report, target
+from jobs import rounded, running_service
+
+ACCELERATOR = "v4-16"
+PARTS = ("plain", "jobs")
+HOSTS, CHIPS = 2, 4
+REPLICAS = HOSTS * CHIPS
+MIB = 1 << 20
+STEPS, LONG_STEPS, CHECKPOINT_EVERY = 12, 28, 4
+NOTICE_AFTER = 2  # the restore job's notice: once running past this step
+NEAR_STEP = 10
+ELEMENT_COST_FLOATS = 200_000  # np.sin over this many floats: ~1 ms per element
+JOB_TIMEOUT_S = 900.0
+RESUME_PAUSE_S = 0.05
+
+
+# --------------------------------------------------------------------- the state
+def state_floats(mib: int) -> int:
+    return mib * MIB // 4
+
+
+def expected_w(n: int, steps: int) -> np.ndarray:
+    """numpy: the state's ``w`` after ``steps`` steps (each adds the batch's sum, 8)."""
+    w = (np.arange(n, dtype=np.int32) % 1000).astype(np.float32) * np.float32(1e-3)
+    for _ in range(steps):
+        w = w * np.float32(0.5) + np.float32(REPLICAS)
+    return w
+
+
+# ------------------------------------------------------------------ plain orbax
+def plain_process(process_id: int, port: int, mib: int, repeats: int, folder: str,
+                  role: str) -> None:
+    """One of the two plain ``jax.distributed`` processes; prints its figures as JSON.
+
+    ``role`` ``save``: saves ``repeats`` times after a warm-up (and restores each step
+    in the same process: ``warm_restore_s``). ``restore``: a fresh process restoring
+    the newest step as a resumed program does, from its first orbax import on.
+    """
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", CHIPS)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=HOSTS,
+                               process_id=process_id)
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = state_floats(mib)
+    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("replica",)), P())
+    local = (np.arange(n, dtype=np.int32) % 1000).astype(np.float32) * np.float32(1e-3)
+    abstract = {"w": jax.ShapeDtypeStruct((n,), np.float32, sharding=sharding)}
+    times: dict[str, list[float]] = {}
+
+    def timed(name: str, fn: Callable[[], Any]) -> Any:
+        multihost_utils.sync_global_devices(name)
+        start = time.perf_counter()
+        out = fn()
+        times.setdefault(name, []).append(time.perf_counter() - start)
+        return out
+
+    def check(restored: dict[str, Any]) -> None:
+        if not np.array_equal(np.asarray(restored["w"].addressable_shards[0].data), local):
+            raise RuntimeError("plain orbax restored other values than it saved")
+
+    if role == "restore":
+        def cold_restore() -> Any:
+            import orbax.checkpoint as ocp
+
+            manager = ocp.CheckpointManager(folder, item_names=("state",))
+            restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract)))["state"]
+            jax.block_until_ready(restored)
+            manager.close()
+            return restored
+
+        check(timed("cold_restore_s", cold_restore))
+    else:
+        import orbax.checkpoint as ocp
+
+        w = jax.make_array_from_single_device_arrays(
+            (n,), sharding, [jax.device_put(local, d) for d in jax.local_devices()])
+        share = n // REPLICAS
+
+        def d2h() -> None:  # each device's part of the replica-parallel write, to numpy
+            for shard in w.addressable_shards:
+                r = shard.device.id
+                np.array(shard.data[r * share:(r + 1) * share])
+
+        manager = ocp.CheckpointManager(folder, options=ocp.CheckpointManagerOptions(
+            max_to_keep=2, enable_async_checkpointing=True, create=True),
+            item_names=("state",))
+        def save(step: int) -> None:  # the call, then until committed
+            multihost_utils.sync_global_devices(f"save {step}")
+            start = time.perf_counter()
+            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": w})))
+            times.setdefault("save_call_s", []).append(time.perf_counter() - start)
+            manager.wait_until_finished()
+            times.setdefault("save_s", []).append(time.perf_counter() - start)
+
+        def restore(step: int) -> Any:
+            restored = manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract)))["state"]
+            return jax.block_until_ready(restored)
+
+        for step in range(repeats + 1):  # the first round warms up
+            timed("d2h_s", d2h)
+            save(step)
+            check(timed("warm_restore_s", functools.partial(restore, step)))
+        manager.close()
+        times = {k: v[1:] for k, v in times.items()}  # without the warm-up
+    print("PLAIN " + json.dumps({k: statistics.median(v) for k, v in times.items()}),
+          flush=True)
+
+
+def plain_run(mib: int, repeats: int, folder: str, role: str) -> dict[str, float]:
+    """Two plain processes in ``role``: the slower process's figures."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); import checkpoint; "
+            "checkpoint.plain_process(*map(int, sys.argv[1:5]), *sys.argv[5:7])")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(i), str(port), str(mib),
+                               str(repeats), folder, role], stdout=subprocess.PIPE, text=True)
+             for i in range(HOSTS)]
+    outs = [p.communicate(timeout=JOB_TIMEOUT_S)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"the plain orbax processes failed: {outs}")
+    figures = [json.loads(line.split(" ", 1)[1]) for out in outs
+               for line in out.splitlines() if line.startswith("PLAIN ")]
+    return {k: max(f[k] for f in figures) for k in figures[0]}
+
+
+def measure_plain(mib: int, repeats: int) -> dict[str, float]:
+    """The plain figures: saves in one pair of processes, then cold restores, each in
+    a fresh pair (medians)."""
+    folder = tempfile.mkdtemp(prefix="jaxpod-bench-plain-")
+    try:
+        figures = plain_run(mib, repeats, folder, "save")
+        colds = [plain_run(mib, 1, folder, "restore")["cold_restore_s"]
+                 for _ in range(repeats)]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    figures["restore_s"] = statistics.median(colds)
+    return figures
+
+
+# ------------------------------------------------------------------------- jobs
+def print_pid() -> None:
+    print(f"pid {os.getpid()}")
+
+
+def big_init_fn(n: int) -> Callable[[], dict[str, Any]]:
+    def big_init() -> dict[str, Any]:
+        import jax.numpy as jnp
+
+        w = (jnp.arange(n, dtype=jnp.int32) % 1000).astype(jnp.float32) * 1e-3
+        return {"w": w, "n": jnp.int32(0)}
+
+    return big_init
+
+
+def paced_step_fn(pause_s: float) -> Callable[[Any, Any], Any]:
+    def paced_step(state: Any, batch: Any) -> Any:
+        import jax
+
+        import jaxpod
+
+        jax.debug.callback(print_pid)
+
+        def pause(x: Any) -> Any:
+            time.sleep(pause_s)
+            return x
+
+        total = jaxpod.get_replica_context().all_reduce("SUM", batch.sum())
+        total = jax.pure_callback(pause, jax.ShapeDtypeStruct(total.shape, total.dtype),
+                                  total)
+        return {"w": state["w"] * 0.5 + total, "n": state["n"] + 1}, {}
+
+    return paced_step
+
+
+def host_pid(job: Any, host: int) -> int:
+    pids = re.findall(rf"^\[host {host}\] pid (\d+)$", job.logs(), re.MULTILINE)
+    return int(pids[-1])
+
+
+def notify_past(job: Any, step: int) -> Callable[[Any], None]:
+    """A status callback that sends host 1 a preemption notice (SIGTERM) once."""
+    sent: list[int] = []
+
+    def on_status(status: Any) -> None:
+        if not sent and status.state == "RUNNING" and status.step > step:
+            sent.append(status.step)
+            os.kill(host_pid(job, 1), signal.SIGTERM)
+
+    return on_status
+
+
+def check_final_checkpoint(job: Any, n: int, steps: int) -> None:
+    """The job's last checkpoint, opened with plain orbax here, equals numpy's state."""
+    import orbax.checkpoint as ocp
+
+    saved = job.checkpoints()[-1]
+    state = ocp.StandardCheckpointer().restore(saved.path)
+    if saved.step != steps or int(state["n"]) != steps or not np.array_equal(
+            np.asarray(state["w"]), expected_w(n, steps)):
+        raise RuntimeError(f"job {job.id}: its final checkpoint differs from numpy's state")
+
+
+def big_state_job(client: Any, n: int, pause_s: float, name: str, notice: bool,
+                  steps: int = STEPS) -> dict[str, float]:
+    job = client.submit(paced_step_fn(pause_s), steps=steps, accelerator_type=ACCELERATOR,
+                        init_fn=big_init_fn(n), dataset=[np.ones(REPLICAS, np.float32)],
+                        checkpoint_every=None if notice else CHECKPOINT_EVERY,
+                        max_retries_preemption=2, name=name)
+    follow_job(job, notify_past(job, NOTICE_AFTER) if notice else lambda status: None,
+               JOB_TIMEOUT_S)
+    check_final_checkpoint(job, n, steps)
+    goodput = dict(job.status().goodput or {})
+    attempts = len(job.attempts())
+    if attempts != (2 if notice else 1):
+        raise RuntimeError(f"job {job.id} took {attempts} attempts")
+    print(f"{name}: " + ", ".join(f"{k} {goodput.get(k, 0):.3f} s" for k in (
+        "checkpointing", "restoring", "result")), flush=True)
+    return goodput
+
+
+class CostlyBatches:
+    """A random-access input whose every element costs ~1 ms to make (a decode)."""
+
+    def __len__(self) -> int:
+        return 1 << 20
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        work = np.sin(np.arange(ELEMENT_COST_FLOATS, dtype=np.float32) + i)
+        return np.full(REPLICAS, float(work[0] > 2), np.float32) + i % 7
+
+
+def counting_step_fn(slow_from: int) -> Callable[[Any, Any], Any]:
+    """A step that counts and sums its input; from step ``slow_from`` on it holds each
+    step ``RESUME_PAUSE_S`` (time to notice it and send the notice)."""
+    def counting_step(state: Any, batch: Any) -> Any:
+        import jax
+
+        import jaxpod
+
+        jax.debug.callback(print_pid)
+
+        def pause(n: Any) -> Any:
+            if int(n) >= slow_from:
+                time.sleep(RESUME_PAUSE_S)
+            return n
+
+        n = jax.pure_callback(pause, jax.ShapeDtypeStruct((), np.int32), state["n"])
+        total = jaxpod.get_replica_context().all_reduce("SUM", batch.sum())
+        return {"n": n + 1, "total": state["total"] + total}, {}
+
+    return counting_step
+
+
+def resume_job(client: Any, notify_at: int, name: str) -> float:
+    """Seconds from a resumed attempt's ``RUNNING`` to its first loop seen, for a job
+    notified past ``notify_at``."""
+    steps = notify_at + 60
+    job = client.submit(counting_step_fn(notify_at), steps=steps, accelerator_type=ACCELERATOR,
+                        steps_per_run=10, dataset=CostlyBatches(),
+                        initial_state={"n": np.int32(0), "total": np.float32(0)},
+                        max_retries_preemption=2, name=name)
+    seen = follow_job(job, notify_past(job, notify_at), JOB_TIMEOUT_S)
+    first = job.attempts()[0]
+    resumed = re.search(r"the next attempt starts at step (\d+)", first.cause or "")
+    if resumed is None or int(resumed.group(1)) < notify_at:
+        raise RuntimeError(f"job {job.id}: unexpected first attempt {first}")
+    at = int(resumed.group(1))
+    history = job.history()
+    running = [t.at for t in history if t.to_state == "RUNNING"][-1]
+    first_loop = next(t for t, s in seen if s.attempts >= 2 and s.step > at and t >= running)
+    state = job.result().state
+    if int(state["n"]) != steps:
+        raise RuntimeError(f"job {job.id} ran {int(state['n'])} steps, not {steps}")
+    print(f"{name}: resumed at step {at}, first loop after "
+          f"{first_loop - running:.2f} s", flush=True)
+    return first_loop - running
+
+
+def measure_jobs(client: Any, mib: int, repeats: int, plain: dict[str, float],
+                 far: int) -> dict[str, Any]:
+    n = state_floats(mib)
+    # Each step waits half the plain save: 4 steps between checkpoints are two saves.
+    pause_s = max(0.05, plain.get("save_s", 1.0) / 2)
+    saving = [big_state_job(client, n, pause_s, f"bench-save-{i}", notice=False)
+              for i in range(repeats)]
+    longer = [big_state_job(client, n, pause_s, f"bench-save-long-{i}", notice=False,
+                            steps=LONG_STEPS) for i in range(repeats)]
+    restoring = [big_state_job(client, n, pause_s, f"bench-restore-{i}", notice=True)
+                 for i in range(repeats)]
+    near = [resume_job(client, NEAR_STEP, f"bench-resume-near-{i}") for i in range(repeats)]
+    farther = [resume_job(client, far, f"bench-resume-far-{i}") for i in range(repeats)]
+    # Periodic checkpoints (none at the last step: the final one is the result's).
+    periodic = STEPS // CHECKPOINT_EVERY - 1
+    more = LONG_STEPS // CHECKPOINT_EVERY - 1 - periodic
+
+    def med(runs: list[dict[str, float]], key: str, per: int = 1) -> float:
+        return float(statistics.median(r.get(key, 0.0) / per for r in runs))
+
+    # The steady stall per checkpoint: what the longer job's extra checkpoints added
+    # (the first save of a job also creates orbax's manager and compiles the layout).
+    stall = (med(longer, "checkpointing") - med(saving, "checkpointing")) / more
+    return {
+        "step_pause_s": pause_s,
+        "job_save_s": med(saving + longer, "result"),
+        "job_stall_per_checkpoint_s": stall,
+        "job_first_checkpoint_extra_s": med(saving, "checkpointing") - periodic * stall,
+        "job_restore_s": med(restoring, "restoring"),
+        "resume_near_step": NEAR_STEP, "resume_far_step": far,
+        "resume_to_first_step_near_s": float(statistics.median(near)),
+        "resume_to_first_step_far_s": float(statistics.median(farther)),
+    }
+
+
+# ------------------------------------------------------------------------- main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    args = parse_parts(parser, PARTS)
+    mib = 128 if args.quick else 1024
+    repeats = 1 if args.quick else 3
+    far = 2000 if args.quick else 10_000
+    figures: dict[str, Any] = {"accelerator_type": ACCELERATOR, "state_mib": mib,
+                               "repeats": repeats, "cores": os.cpu_count()}
+    targets: dict[str, Any] = {}
+    plain: dict[str, float] = {}
+    if "plain" in args.parts:
+        plain = measure_plain(mib, max(3, repeats))
+        figures.update({f"plain_{k}": v for k, v in plain.items()})
+        print(f"plain orbax: {plain}", flush=True)
+    if "jobs" in args.parts:
+        import jaxpod
+        from jaxpod.service.local_cluster import LocalTPUCluster
+
+        with LocalTPUCluster(ACCELERATOR) as cluster, \
+                running_service(cluster.address, "checkpoint") as service, \
+                jaxpod.connect(service.address, token=service.token) as client:
+            figures.update(measure_jobs(client, mib, repeats, plain, far))
+        figures["resume_to_first_step_far_vs_near"] = (
+            figures["resume_to_first_step_far_s"] / figures["resume_to_first_step_near_s"])
+        targets["resume_to_first_step_far_vs_near"] = target(
+            figures["resume_to_first_step_far_vs_near"], "<=", 1.2)
+    if plain and "jobs" in args.parts:
+        figures["save_throughput_vs_orbax"] = plain["save_s"] / figures["job_save_s"]
+        figures["stall_vs_d2h"] = figures["job_stall_per_checkpoint_s"] / plain["d2h_s"]
+        figures["stall_vs_orbax_save_call"] = (figures["job_stall_per_checkpoint_s"]
+                                               / plain["save_call_s"])
+        figures["restore_vs_orbax"] = figures["job_restore_s"] / plain["restore_s"]
+        targets["save_throughput_vs_orbax"] = target(figures["save_throughput_vs_orbax"],
+                                                     ">=", 0.9)
+        targets["stall_vs_d2h"] = target(figures["stall_vs_d2h"], "<=", 1.2)
+        targets["restore_vs_orbax"] = target(figures["restore_vs_orbax"], "<=", 1.1)
+    report("checkpoint", rounded(figures), targets)
+
+
+if __name__ == "__main__":
+    main()
