@@ -192,7 +192,8 @@ class Engine:
         collective the others would never reach."""
         if self.num_hosts > 1:
             signature = tuple((np.shape(a), str(getattr(a, "dtype", type(a))),
-                               getattr(a, "weak_type", None)) for a in jax.tree.leaves(args))
+                               getattr(a, "weak_type", None), getattr(a, "sharding", None))
+                              for a in jax.tree.leaves(args))
             if signature not in program.agreed:
                 self._agree(lambda: program.call.lower(*args).compile())  # type: ignore[attr-defined]
                 program.agreed.add(signature)
@@ -221,8 +222,15 @@ class Engine:
                              check_vma=False)
 
     def _spmd(self, body: Callable[..., Any], in_specs: tuple[Any, ...]) -> Callable[..., Any]:
-        """``jit(shard_map(body))`` over the replica axis; other axes stay automatic."""
-        shardings = tuple(NamedSharding(self.mesh, s) for s in in_specs)
+        """``jit(shard_map(body))`` over the replica axis; other axes stay automatic.
+
+        Per-replica inputs keep the sharding they come with: a value a previous program
+        left split over a replica's logical devices goes in as it is, where declaring
+        it split over replicas only would refuse it (jit does not reshard a committed
+        array). jit compiles once per input sharding, so a loop that feeds its outputs
+        back compiles at most twice."""
+        shardings = tuple(None if s == P(REPLICA_AXIS) else NamedSharding(self.mesh, s)
+                          for s in in_specs)
         return jax.jit(self._map(body, in_specs), in_shardings=shardings)
 
     def _replica_context(self, num_valid_rows: Any, batch_rows: int | None) -> ReplicaContext:
