@@ -217,7 +217,8 @@ class Client:
                dataset_fn: Callable[..., Any] | None = None, steps_per_run: int = 1,
                outputs: Mapping[str, Any] | None = None, checkpoint_every: int | None = None,
                name: str | None = None, num_slices: int = 1, max_retries_preemption: int = 10,
-               max_retries_failure: int = 0) -> Job:
+               max_retries_failure: int = 0,
+               computation_shape: Sequence[int] | None = None) -> Job:
         """Submits a job: ``steps`` steps of ``step_fn`` on whole slices, run by the
         service whether or not this client stays connected.
 
@@ -246,6 +247,11 @@ class Client:
           num_slices: slices the job runs on.
           max_retries_preemption: retries after a lost host or a preempted slice.
           max_retries_failure: retries after an exception in the job's code.
+          computation_shape: logical devices per replica, as ``client.strategy`` and
+            ``DeviceAssignment.build`` take it (``None``: one device per replica). The
+            step reaches them through ``jaxpod.get_strategy()``, e.g.
+            ``jaxpod.get_strategy().experimental_split_to_logical_devices(x, [2, 1])``;
+            a state left split stays split from loop to loop and in its checkpoints.
 
         Returns:
           The job (``job.id`` finds it again from anywhere: ``client.job(id)``).
@@ -261,7 +267,7 @@ class Client:
             initial_state=initial_state, dataset=dataset, dataset_fn=dataset_fn,
             steps_per_run=steps_per_run, outputs=outputs, checkpoint_every=checkpoint_every,
             name=name, num_slices=num_slices, max_retries_preemption=max_retries_preemption,
-            max_retries_failure=max_retries_failure)
+            max_retries_failure=max_retries_failure, computation_shape=computation_shape)
         return submit_spec(self, spec)
 
     def job(self, job_id: str) -> Job:

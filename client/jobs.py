@@ -15,7 +15,7 @@ from __future__ import annotations
 import numbers
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -66,7 +66,8 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int, accelerator_type: str
                dataset_fn: Callable[..., Any] | None, steps_per_run: int,
                outputs: Mapping[str, Any] | None, checkpoint_every: int | None,
                name: str | None, num_slices: int, max_retries_preemption: int,
-               max_retries_failure: int) -> JobSpec:
+               max_retries_failure: int, computation_shape: Sequence[int] | None = None
+               ) -> JobSpec:
     """Checks ``client.submit``'s arguments and builds the ``JobSpec`` it sends.
 
     Raises:
@@ -125,6 +126,7 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int, accelerator_type: str
                         f"returning that host's batches. Got {_show(dataset_fn)}. To pass "
                         "the batches themselves, use dataset=... instead.")
     checked_outputs = check_outputs(outputs)
+    shape = _check_computation_shape(computation_shape)
 
     stateful = init_fn is not None or initial_state is not None
     has_input = dataset is not None or dataset_fn is not None
@@ -150,7 +152,8 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int, accelerator_type: str
         steps=steps, accelerator_type=accelerator_type, steps_per_run=steps_per_run,
         outputs=checked_outputs or None, checkpoint_every=checkpoint_every, name=name,
         num_slices=num_slices, max_retries_preemption=max_retries_preemption,
-        max_retries_failure=max_retries_failure, runtime_versions=runtime_versions(),
+        max_retries_failure=max_retries_failure, computation_shape=shape,
+        runtime_versions=runtime_versions(),
         step_fn=ship_object(step, f"step_fn {_qualname(step_fn)}", _CAPTURE_FIX).payload,
         **shipped)
     _check_spec_size(spec)
@@ -170,6 +173,19 @@ def _show(value: Any) -> str:
 
 def _qualname(fn: Any) -> str:
     return repr(getattr(fn, "__qualname__", type(fn).__name__))
+
+
+def _check_computation_shape(shape: Any) -> tuple[int, ...] | None:
+    """``computation_shape`` as a tuple (``None``: one device per replica)."""
+    if shape is None:
+        return None
+    fix = ("logical devices per replica along each axis of the slice's device mesh, "
+           "as DeviceAssignment.build takes it, e.g. computation_shape=[1, 1, 1, 2] "
+           "for 2, or None for one")
+    if isinstance(shape, str | bytes) or not isinstance(shape, Sequence):
+        raise TypeError(f"submit: computation_shape must be a list of ints ({fix}). "
+                        f"Got {_show(shape)}.")
+    return tuple(_check_int("computation_shape", d, 1, fix) for d in shape)
 
 
 def _check_int(name: str, value: Any, minimum: int, meaning: str) -> int:

@@ -200,6 +200,8 @@ class JobSpec:
     num_slices: int = 1
     max_retries_preemption: int = 10
     max_retries_failure: int = 0
+    #: Logical devices per replica, as ``DeviceAssignment.build`` takes it (``None``: one).
+    computation_shape: tuple[int, ...] | None = None
     step_fn: bytes = _shipped()  # submit's positional argument
     runtime_versions: Mapping[str, str] | None = field(default=None,
                                                         metadata={"submit": ()})

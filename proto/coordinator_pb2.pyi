@@ -458,7 +458,7 @@ class ClusterSlice(_message.Message):
     def __init__(self, name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_hosts: _Optional[int] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "accelerator_type", "num_slices", "steps", "steps_per_run", "step_fn", "init_fn", "dataset", "dataset_fn", "outputs", "checkpoint_every", "max_retries_preemption", "max_retries_failure", "runtime_versions")
+    __slots__ = ("name", "accelerator_type", "num_slices", "steps", "steps_per_run", "step_fn", "init_fn", "dataset", "dataset_fn", "outputs", "checkpoint_every", "max_retries_preemption", "max_retries_failure", "runtime_versions", "computation_shape")
     class OutputsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -487,6 +487,7 @@ class JobSpec(_message.Message):
     MAX_RETRIES_PREEMPTION_FIELD_NUMBER: _ClassVar[int]
     MAX_RETRIES_FAILURE_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTATION_SHAPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     accelerator_type: str
     num_slices: int
@@ -501,7 +502,8 @@ class JobSpec(_message.Message):
     max_retries_preemption: int
     max_retries_failure: int
     runtime_versions: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_slices: _Optional[int] = ..., steps: _Optional[int] = ..., steps_per_run: _Optional[int] = ..., step_fn: _Optional[bytes] = ..., init_fn: _Optional[bytes] = ..., dataset: _Optional[bytes] = ..., dataset_fn: _Optional[bytes] = ..., outputs: _Optional[_Mapping[str, str]] = ..., checkpoint_every: _Optional[int] = ..., max_retries_preemption: _Optional[int] = ..., max_retries_failure: _Optional[int] = ..., runtime_versions: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    computation_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_slices: _Optional[int] = ..., steps: _Optional[int] = ..., steps_per_run: _Optional[int] = ..., step_fn: _Optional[bytes] = ..., init_fn: _Optional[bytes] = ..., dataset: _Optional[bytes] = ..., dataset_fn: _Optional[bytes] = ..., outputs: _Optional[_Mapping[str, str]] = ..., checkpoint_every: _Optional[int] = ..., max_retries_preemption: _Optional[int] = ..., max_retries_failure: _Optional[int] = ..., runtime_versions: _Optional[_Mapping[str, str]] = ..., computation_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobRequest(_message.Message):
     __slots__ = ("job_id", "detail", "without_state")

@@ -4,8 +4,8 @@ Each message mirrors its dataclass field by field, by name, so the conversion is
 written once, here, for all of them: scalars and bytes as they are, a :class:`JobState`
 as its name, a mapping as a map field, a sequence of dataclasses as a repeated message
 field, a nested dataclass as a message field. A field that may be ``None`` is
-``optional`` in the message (absent is ``None``); a mapping that may be ``None`` is
-``None`` when empty. A field the message lacks, or a message field the dataclass
+``optional`` in the message (absent is ``None``); a mapping or sequence that may be
+``None`` is ``None`` when empty. A field the message lacks, or a message field the dataclass
 lacks, is an error at import time (:func:`check_mirrors`), not a value silently lost.
 """
 
@@ -60,7 +60,7 @@ def from_message(cls: type[_T], message: Any) -> _T:
             values[f.name] = dict(raw) if raw or not kind.optional else None
         elif kind.repeated:
             items = [from_message(kind.item, x) for x in raw] if kind.item else list(raw)
-            values[f.name] = kind.sequence(items)
+            values[f.name] = kind.sequence(items) if items or not kind.optional else None
         elif kind.optional and not message.HasField(f.name):
             values[f.name] = None
         elif kind.item is not None:

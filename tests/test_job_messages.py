@@ -54,7 +54,8 @@ def test_every_job_type_round_trips_through_its_message(cls: type) -> None:
         message = job_messages.to_message(value)
         wire = type(message).FromString(message.SerializeToString())
         back = job_messages.from_message(cls, wire)
-        # An empty mapping that may be None travels as None: the message cannot tell.
+        # An empty mapping or sequence that may be None travels as None: the message
+        # cannot tell.
         assert back == _empties_as_none(value)
 
     round_trip()
@@ -67,7 +68,7 @@ def _empties_as_none(value: Any) -> Any:
         item = getattr(value, f.name)
         hint = hints[f.name]
         optional = isinstance(hint, types.UnionType) and type(None) in typing.get_args(hint)
-        if optional and isinstance(item, Mapping) and not item:
+        if optional and isinstance(item, Mapping | tuple | list) and not item:
             changes[f.name] = None
         elif dataclasses.is_dataclass(item):
             changes[f.name] = _empties_as_none(item)

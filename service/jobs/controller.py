@@ -212,7 +212,9 @@ class JobController:
         spec = self.spec
         request = pb.AcquireSliceRequest(
             accelerator_type=spec.accelerator_type or "", num_slices=spec.num_slices,
-            steps_per_run=spec.steps_per_run, timeout_s=JOB_ACQUIRE_TRY.seconds())
+            steps_per_run=spec.steps_per_run,
+            computation_shape=list(spec.computation_shape or ()),
+            timeout_s=JOB_ACQUIRE_TRY.seconds())
         deadline = Deadline(JOB_ALLOCATION_TIMEOUT.seconds())
         step = self._parts.store.get(self.job_id).step
         while not self.stop.is_set():
@@ -230,6 +232,10 @@ class JobController:
             except SLICE_FAILURES as e:  # its workers did not start: try another slice
                 return self._after_failure(state.attempt, step, Failure(
                     FailureKind.PREEMPTION, describe_error(e)), e)
+            except (ValueError, TypeError) as e:  # the slice refused the job's shape
+                return self._after_failure(state.attempt, step, Failure(
+                    FailureKind.ERROR, "the job's slice could not be set up as it asks: "
+                    + describe_error(e)), e)
             resume = self._parts.checkpoints.latest_step()
             return self._set_state(
                 Running(state.attempt, resume or 0, held=held, resume=resume),

@@ -86,6 +86,32 @@ def missing_output_step(state: Any, batch: Any) -> Any:
     return state, {"loss": batch.sum()}
 
 
+def logical_devices_step(state: Any, batch: Any) -> Any:
+    """Keeps one leaf split over the replica's logical devices, one replicated to them
+    and one assigned to the last: each loop feeds the next what the last left."""
+    import builtins
+
+    strategy, ctx = jaxpod.get_strategy(), jaxpod.get_replica_context()
+    n = strategy.device_assignment.num_cores_per_replica
+    total = ctx.all_reduce("SUM", batch.sum(axis=0))
+    # Counted while tracing, in the worker: a constant of each compiled loop.
+    traces = builtins.__dict__.setdefault("_jaxpod_test_traces", {})
+    traces[n] = traces.get(n, 0) + 1
+    return {
+        "split": strategy.experimental_split_to_logical_devices(
+            state["split"] * 0.5 + total, [n, 1]),
+        "replicated": strategy.experimental_replicate_to_logical_devices(
+            state["replicated"] + total.sum()),
+        "assigned": strategy.experimental_assign_to_logical_device(
+            state["assigned"] * 0.9 + 1.0, n - 1),
+    }, {"traces": np.float32(traces[n])}
+
+
+def logical_devices_state() -> dict[str, np.ndarray]:
+    return {"split": np.zeros((8, 4), np.float32), "replicated": np.zeros((), np.float32),
+            "assigned": np.arange(3, dtype=np.float32)}
+
+
 class SlowPipeline:
     """An input pipeline that takes ``delay_s`` to make each element: a host whose input
     cannot keep up with its steps (the delay is the workload, not a wait on anything)."""
@@ -382,6 +408,47 @@ def test_a_raising_step_fails_the_job_with_the_users_exception(client: Any) -> N
     with pytest.raises(jaxpod.JobFailedError, match="the step refused its batch") as raised:
         job.result()
     assert raised.value.job_id == job.id
+
+
+@pytest.mark.parametrize("logical_devices", [2, 4])
+def test_a_job_with_logical_devices_matches_numpy(client: Any, logical_devices: int) -> None:
+    """computation_shape: each replica of the v4-16 spans 2 or 4 chips. The state stays
+    split, replicated and assigned over them from loop to loop (each loop's program
+    compiled once: the third loop runs the second's), through checkpoints, and ends as
+    numpy says."""
+    batches = [np.random.default_rng(25 + i).normal(size=(8, 4)).astype(np.float32)
+               for i in range(5)]
+    steps = 10  # loops of 3 steps, the last cut short; the input starts over
+    job = client.submit(logical_devices_step, steps=steps, accelerator_type="v4-16",
+                        init_fn=logical_devices_state, dataset=batches, steps_per_run=3,
+                        checkpoint_every=3, computation_shape=[logical_devices, 1, 1, 1],
+                        outputs={"traces": "MAX"})
+    result = job.result(timeout=300)
+    traces = dict(result.metrics["traces"])
+    assert traces[9] == traces[6], f"the third loop compiled again: {traces}"
+    want = {k: v.astype(np.float64) for k, v in logical_devices_state().items()}
+    for step in range(steps):
+        total = batches[step % len(batches)].astype(np.float64).sum(axis=0)
+        want = {"split": want["split"] * 0.5 + total,
+                "replicated": want["replicated"] + total.sum(),
+                "assigned": want["assigned"] * 0.9 + 1.0}
+    assert set(result.state) == set(want)
+    for key, value in want.items():
+        np.testing.assert_allclose(result.state[key], value, rtol=RTOL, atol=1e-4)
+    assert [c.step for c in job.checkpoints()] == [9, 10]
+
+
+def test_a_computation_shape_the_slice_cannot_take_fails_the_job_saying_so(
+        client: Any) -> None:
+    with pytest.raises(TypeError, match="computation_shape must be a list of ints"):
+        client.submit(counting_step, steps=1, accelerator_type="v4-16",
+                      computation_shape="2x1")
+    job = client.submit(counting_step, steps=1, accelerator_type="v4-16",
+                        initial_state={"total": np.float32(0)},
+                        dataset=[np.ones((8,), np.float32)], computation_shape=[3, 1, 1, 1])
+    final = job.wait(timeout=120, progress=False)
+    assert final.state == "FAILED"
+    assert "could not be set up" in final.error and "computation_shape" in final.error
 
 
 @pytest.mark.parametrize("step, outputs, expected", [
