@@ -19,6 +19,7 @@ infeeds: a host whose input cannot keep up shows as that host's input wait.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import queue
 import threading
@@ -173,6 +174,15 @@ class Infeed:
         if timeout_s > 0 and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
 
+    def settle(self) -> None:
+        """Waits for the transfers of the chunks placed but not taken: copies still
+        running when JAX's client is torn down at exit abort the process."""
+        with self._queue.mutex:
+            chunks = [item for item in self._queue.queue if isinstance(item, Chunk)]
+        for chunk in chunks:
+            with contextlib.suppress(Exception):  # a failed transfer is no longer ours
+                jax.block_until_ready(chunk.placed)
+
     def _produce(self) -> None:
         try:
             while not self._stop.is_set():
@@ -291,3 +301,4 @@ def _close_all_first_at_exit() -> None:
 def _close_all() -> None:
     for infeed in list(_live):
         infeed.close(CLOSE_TIMEOUT.seconds())
+        infeed.settle()
