@@ -247,7 +247,9 @@ def test_a_killed_host_is_a_preemption_and_the_job_resumes_bit_for_bit(
         assert read == [(first_element + i) % len(ELEMENT_ROWS) for i in range(len(read))]
         assert read, job.logs()[-3000:]
     figures = assert_goodput_adds_up(final)
-    assert figures["lost_work"] > 0 and figures["recovering"] > 0
+    if int(lost.group(1)) > 0:  # killed right as a checkpoint committed, none is lost
+        assert figures["lost_work"] > 0, (figures, first.cause)
+    assert figures["recovering"] > 0
     assert figures["allocating"] > 0 and figures["productive"] > 0
 
 
