@@ -736,7 +736,9 @@ class Engine:
     def _to_global(self, local: np.ndarray) -> jax.Array:
         """Assembles this host's replicas' rows (leading axis) into a global array."""
         if self.num_hosts == 1:
-            return jax.device_put(local, self._replica_sharding)
+            # A copy XLA owns: a CPU buffer aliasing the numpy rows would give them back
+            # from XLA's threads, taking the GIL, which aborts the process at exit.
+            return jax.device_put(local, self._replica_sharding, may_alias=False)
         global_shape = (self.num_replicas_in_sync, *local.shape[1:])
         return jax.make_array_from_process_local_data(self._replica_sharding, local,
                                                       global_shape)
