@@ -200,3 +200,12 @@ def model_parallel_strategy() -> jaxpod.TPUStrategy:
     topology = jaxpod.Topology.from_devices(jax.devices(), mesh_shape=(4, 1, 1, 2))
     da = jaxpod.DeviceAssignment.build(topology, computation_shape=[1, 1, 1, 2])
     return jaxpod.TPUStrategy(device_assignment=da)
+
+
+@pytest.fixture(scope="session")
+def four_core_strategy() -> jaxpod.TPUStrategy:
+    """8 devices as mesh (2, 2, 1, 2), computation shape [1, 2, 1, 2]: 2 replicas of
+    4 logical devices each."""
+    topology = jaxpod.Topology.from_devices(jax.devices(), mesh_shape=(2, 2, 1, 2))
+    da = jaxpod.DeviceAssignment.build(topology, computation_shape=[1, 2, 1, 2])
+    return jaxpod.TPUStrategy(device_assignment=da)

@@ -40,12 +40,6 @@ def build(mesh_shape: Sequence[int], computation_shape: Sequence[int] | None,
     return jaxpod.DeviceAssignment.build(topology, computation_shape, num_replicas)
 
 
-@pytest.fixture(scope="module")
-def four_core_strategy() -> jaxpod.TPUStrategy:
-    """2 replicas of 4 logical devices: mesh (2, 2, 1, 2), computation [1, 2, 1, 2]."""
-    return jaxpod.TPUStrategy(device_assignment=build((2, 2, 1, 2), [1, 2, 1, 2]))
-
-
 # ------------------------------------------------------------ device assignment
 @pytest.mark.parametrize("n", [1, 2, 8])
 def test_build_from_a_device_list(n: int) -> None:

@@ -53,16 +53,6 @@ def logical(request: pytest.FixtureRequest, backend: str) -> tuple[Any, int]:
     return request.getfixturevalue("strategy_of")(replicas), n
 
 
-@pytest.fixture(scope="module")
-def four_core_strategy() -> Any:
-    """2 replicas of 4 logical devices (the in-process backend's 8 devices)."""
-    import jaxpod
-
-    topology = jaxpod.Topology.from_devices(jax.devices(), mesh_shape=(2, 2, 1, 2))
-    da = jaxpod.DeviceAssignment.build(topology, [1, 2, 1, 2])
-    return jaxpod.TPUStrategy(device_assignment=da)
-
-
 def _counted(name: str) -> jax.Array:
     """Bumps this process's trace counter ``name`` (while tracing); its new value."""
     import builtins
