@@ -218,7 +218,8 @@ class Client:
                outputs: Mapping[str, Any] | None = None, checkpoint_every: int | None = None,
                name: str | None = None, num_slices: int = 1, max_retries_preemption: int = 10,
                max_retries_failure: int = 0,
-               computation_shape: Sequence[int] | None = None) -> Job:
+               computation_shape: Sequence[int] | None = None,
+               mesh: Mapping[str, int] | None = None, batch_sharding: Any = None) -> Job:
         """Submits a job: ``steps`` steps of ``step_fn`` on whole slices, run by the
         service whether or not this client stays connected.
 
@@ -252,6 +253,14 @@ class Client:
             step reaches them through ``jaxpod.get_strategy()``, e.g.
             ``jaxpod.get_strategy().experimental_split_to_logical_devices(x, [2, 1])``;
             a state left split stays split from loop to loop and in its checkpoints.
+          mesh: makes a global-view job (DESIGN §8): axis names to sizes over the
+            slice's chips, e.g. ``{"data": -1, "model": 2}`` (-1: the rest). ``init_fn()``
+            and ``step_fn(state, batch)`` then run under ``jax.jit`` over the whole slice
+            with global arrays, ``jaxpod.mesh()`` being the mesh; each state leaf keeps
+            the sharding ``init_fn`` gave it; declared outputs must be scalars. See
+            docs/sharded-jobs.md.
+          batch_sharding: a global-view job's ``PartitionSpec`` for every batch leaf (or
+            a pytree of them); default: rows over the mesh's first axis.
 
         Returns:
           The job (``job.id`` finds it again from anywhere: ``client.job(id)``).
@@ -267,7 +276,8 @@ class Client:
             initial_state=initial_state, dataset=dataset, dataset_fn=dataset_fn,
             steps_per_run=steps_per_run, outputs=outputs, checkpoint_every=checkpoint_every,
             name=name, num_slices=num_slices, max_retries_preemption=max_retries_preemption,
-            max_retries_failure=max_retries_failure, computation_shape=computation_shape)
+            max_retries_failure=max_retries_failure, computation_shape=computation_shape,
+            mesh=mesh, batch_sharding=batch_sharding)
         return submit_spec(self, spec)
 
     def job(self, job_id: str) -> Job:

@@ -38,6 +38,7 @@ from jaxpod.jobs import (
     JobStatus,
     JobStep,
     Transition,
+    check_mesh_axes,
     check_outputs,
     is_reiterable,
 )
@@ -66,7 +67,8 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int, accelerator_type: str
                dataset_fn: Callable[..., Any] | None, steps_per_run: int,
                outputs: Mapping[str, Any] | None, checkpoint_every: int | None,
                name: str | None, num_slices: int, max_retries_preemption: int,
-               max_retries_failure: int, computation_shape: Sequence[int] | None = None
+               max_retries_failure: int, computation_shape: Sequence[int] | None = None,
+               mesh: Mapping[str, int] | None = None, batch_sharding: Any = None
                ) -> JobSpec:
     """Checks ``client.submit``'s arguments and builds the ``JobSpec`` it sends.
 
@@ -127,6 +129,7 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int, accelerator_type: str
                         "the batches themselves, use dataset=... instead.")
     checked_outputs = check_outputs(outputs)
     shape = _check_computation_shape(computation_shape)
+    axes = _check_global_view(mesh, batch_sharding, shape)
 
     stateful = init_fn is not None or initial_state is not None
     has_input = dataset is not None or dataset_fn is not None
@@ -148,11 +151,16 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int, accelerator_type: str
         shipped["dataset_fn"] = ship_object(EpochsFn(dataset_fn),
                                             f"dataset_fn {_qualname(dataset_fn)}",
                                             _CAPTURE_FIX).payload
+    if batch_sharding is not None:
+        shipped["batch_sharding"] = ship_object(
+            batch_sharding, "batch_sharding", "Pass jax.sharding.PartitionSpec objects.").payload
     spec = JobSpec(
         steps=steps, accelerator_type=accelerator_type, steps_per_run=steps_per_run,
         outputs=checked_outputs or None, checkpoint_every=checkpoint_every, name=name,
         num_slices=num_slices, max_retries_preemption=max_retries_preemption,
         max_retries_failure=max_retries_failure, computation_shape=shape,
+        mesh_axes=tuple(axes) if axes else None,
+        mesh_shape=tuple(axes.values()) if axes else None,
         runtime_versions=runtime_versions(),
         step_fn=ship_object(step, f"step_fn {_qualname(step_fn)}", _CAPTURE_FIX).payload,
         **shipped)
@@ -186,6 +194,33 @@ def _check_computation_shape(shape: Any) -> tuple[int, ...] | None:
         raise TypeError(f"submit: computation_shape must be a list of ints ({fix}). "
                         f"Got {_show(shape)}.")
     return tuple(_check_int("computation_shape", d, 1, fix) for d in shape)
+
+
+def _check_global_view(mesh: Any, batch_sharding: Any, computation_shape: Any
+                       ) -> dict[str, int] | None:
+    """``mesh`` checked (``None``: a per-replica job), and ``batch_sharding`` with it."""
+    if mesh is None:
+        if batch_sharding is not None:
+            raise ValueError("submit: batch_sharding splits a global-view job's batches; "
+                             "pass mesh={...} too (e.g. mesh={'data': -1}), or drop it.")
+        return None
+    axes = check_mesh_axes(mesh)
+    if computation_shape is not None:
+        raise ValueError(
+            "submit: got both mesh and computation_shape; pass one: mesh for a global-view "
+            "job (one jax.jit step over the slice), computation_shape for a per-replica "
+            "job with logical devices.")
+    if batch_sharding is not None:
+        import jax
+        from jax.sharding import PartitionSpec
+
+        leaves = jax.tree.leaves(batch_sharding, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        if not leaves or not all(isinstance(x, PartitionSpec) for x in leaves):
+            raise TypeError(
+                "submit: batch_sharding must be a PartitionSpec (jax.sharding; every batch "
+                "leaf), or a pytree of them shaped like the batch, e.g. "
+                f"PartitionSpec('data'). Got {_show(batch_sharding)}.")
+    return axes
 
 
 def _check_int(name: str, value: Any, minimum: int, meaning: str) -> int:

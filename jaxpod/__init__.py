@@ -28,7 +28,7 @@ from jaxpod.errors import (
     WorkerStartError,
 )
 from jaxpod.jobs import JobAttempt, JobCheckpoint, JobResult, JobStatus, JobTransition
-from jaxpod.scope import get_strategy
+from jaxpod.scope import get_strategy, mesh
 from jaxpod.tf_compat import InputReplicationMode, MultiStepContext, StrategyExtended
 from jaxpod.types import AutoShardPolicy, InputContext, InputOptions, ReduceOp, ValueContext
 from jaxpod.values import DistributedDataset, DistributedIterator, PerReplica
@@ -90,6 +90,7 @@ __all__ = [
     "connect",
     "get_replica_context",
     "get_strategy",
+    "mesh",
 ]
 
 # Re-exported lazily, so that each part loads only what it uses: a client never loads

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -202,6 +203,11 @@ class JobSpec:
     max_retries_failure: int = 0
     #: Logical devices per replica, as ``DeviceAssignment.build`` takes it (``None``: one).
     computation_shape: tuple[int, ...] | None = None
+    #: A global-view job's mesh axis names (submit's ``mesh``; ``None``: per-replica).
+    mesh_axes: tuple[str, ...] | None = field(default=None, metadata={"submit": ("mesh",)})
+    #: Its axis sizes, in the same order (one may be -1).
+    mesh_shape: tuple[int, ...] | None = field(default=None, metadata={"submit": ()})
+    batch_sharding: bytes = _shipped("batch_sharding")
     step_fn: bytes = _shipped()  # submit's positional argument
     runtime_versions: Mapping[str, str] | None = field(default=None,
                                                         metadata={"submit": ()})
@@ -209,6 +215,13 @@ class JobSpec:
     def declared_outputs(self) -> Mapping[str, str]:
         """Each declared output's reduce op (empty: none)."""
         return self.outputs or {}
+
+    @property
+    def mesh(self) -> tuple[tuple[str, int], ...] | None:
+        """A global-view job's mesh as (axis name, size) pairs (``None``: per-replica)."""
+        if not self.mesh_axes:
+            return None
+        return tuple(zip(self.mesh_axes, self.mesh_shape or (), strict=True))
 
     def replace(self, **changes: Any) -> JobSpec:
         return dataclasses.replace(self, **changes)
@@ -270,6 +283,31 @@ def check_outputs(outputs: Any) -> dict[str, str]:
             raise ValueError(f"outputs[{name!r}]: unknown reduce op {op!r}; expected one of "
                              f"{known} (or jaxpod.ReduceOp.*).") from None
     return checked
+
+
+def check_mesh_axes(axes: Any) -> dict[str, int]:
+    """A global-view job's ``mesh`` (axis names to sizes, in order; one may be ``-1``)
+    as a dict; a clear error for anything else. The slice's device count is checked
+    where it is known (the hosts)."""
+    example = 'e.g. mesh={"data": -1, "model": 2}'
+    if not isinstance(axes, Mapping) or not axes:
+        raise TypeError(f"mesh must be a dict of axis names to sizes ({example}). "
+                        f"Got {axes!r}.")
+    sizes: dict[str, int] = {}
+    for name, size in axes.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise TypeError(f"mesh: axis names must be identifiers ({example}). Got "
+                            f"{name!r}.")
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or not (
+                int(size) == -1 or int(size) >= 1):
+            raise ValueError(f"mesh: axis {name!r} must have a positive size, or -1 for "
+                             f"the devices the other axes leave. Got {size!r}.")
+        sizes[name] = int(size)
+    free = [name for name, size in sizes.items() if size == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh: only one axis may be -1 (the rest of the devices). Got "
+                         f"{free} in {axes!r}.")
+    return sizes
 
 
 @dataclass(frozen=True)

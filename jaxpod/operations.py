@@ -203,6 +203,21 @@ class Configure(Operation[int]):
 
 
 @dataclass(frozen=True)
+class SetGlobalView(Operation[None]):
+    """Makes the host's next values global-view ones (DESIGN §8): ``run`` becomes the
+    job's ``init_fn`` under ``jax.jit`` over a mesh of ``mesh`` (axis names and sizes, in
+    order; one may be -1), ``run_steps`` a loop of global steps fed by batches split by
+    ``batch_sharding`` (pickled by the client: a ``PartitionSpec`` or a pytree of them;
+    ``None``: rows over the first axis)."""
+
+    mesh: tuple[tuple[str, int], ...]
+    batch_sharding: ShippedFunction | None
+
+    def apply(self, host: Host) -> None:
+        return host.set_global_view(self)
+
+
+@dataclass(frozen=True)
 class Define(Operation[str]):
     """Defines a function pickled by value; returns its content id."""
 
@@ -496,6 +511,8 @@ class RestoreCheckpoint(Operation["tuple[ValueInfos, Any]"]):
     step: int
     keep: int
     skeleton: Any
+    #: A global-view job's ``init_fn`` (by id): the leaves go where it puts them.
+    init_function_id: str | None = None
     dispatches: ClassVar[bool] = True
 
     def apply(self, host: Host) -> tuple[ValueInfos, Any]:
@@ -520,6 +537,8 @@ class Host(Protocol):
     """What runs host operations: one method per operation, named after it."""
 
     def configure(self, op: Configure) -> int: ...
+
+    def set_global_view(self, op: SetGlobalView) -> None: ...
 
     def define(self, op: Define) -> str: ...
 

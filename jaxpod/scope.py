@@ -52,3 +52,37 @@ class _CurrentStrategy:
 def current_strategy_stand_in() -> Any:
     """What a client-side strategy object becomes when a step function ships."""
     return _CurrentStrategy()
+
+
+_current_mesh: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "jaxpod_current_mesh", default=None)
+
+
+def mesh() -> Any:
+    """The slice's ``jax.sharding.Mesh`` inside a global-view job's ``init_fn`` and
+    ``step_fn`` (``client.submit(..., mesh={"data": -1, "model": 2})``).
+
+    Raises:
+      RuntimeError: called anywhere else.
+    """
+    current = _current_mesh.get()
+    if current is None:
+        raise RuntimeError(
+            "jaxpod.mesh() was called outside a global-view job: it is the slice's mesh "
+            "only while a job submitted with mesh={...} traces its init_fn or step_fn. "
+            "Submit with mesh=, or build your own jax.sharding.Mesh elsewhere.")
+    return current
+
+
+@contextlib.contextmanager
+def mesh_scope(current: Any) -> Iterator[None]:
+    """Makes ``current`` what :func:`mesh` returns (and JAX's current mesh, so that bare
+    ``PartitionSpec`` s name its axes)."""
+    import jax
+
+    token = _current_mesh.set(current)
+    try:
+        with jax.set_mesh(current):
+            yield
+    finally:
+        _current_mesh.reset(token)

@@ -458,7 +458,7 @@ class ClusterSlice(_message.Message):
     def __init__(self, name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_hosts: _Optional[int] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "accelerator_type", "num_slices", "steps", "steps_per_run", "step_fn", "init_fn", "dataset", "dataset_fn", "outputs", "checkpoint_every", "max_retries_preemption", "max_retries_failure", "runtime_versions", "computation_shape")
+    __slots__ = ("name", "accelerator_type", "num_slices", "steps", "steps_per_run", "step_fn", "init_fn", "dataset", "dataset_fn", "outputs", "checkpoint_every", "max_retries_preemption", "max_retries_failure", "runtime_versions", "computation_shape", "mesh_axes", "mesh_shape", "batch_sharding")
     class OutputsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -488,6 +488,9 @@ class JobSpec(_message.Message):
     MAX_RETRIES_FAILURE_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     COMPUTATION_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    MESH_AXES_FIELD_NUMBER: _ClassVar[int]
+    MESH_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SHARDING_FIELD_NUMBER: _ClassVar[int]
     name: str
     accelerator_type: str
     num_slices: int
@@ -503,7 +506,10 @@ class JobSpec(_message.Message):
     max_retries_failure: int
     runtime_versions: _containers.ScalarMap[str, str]
     computation_shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_slices: _Optional[int] = ..., steps: _Optional[int] = ..., steps_per_run: _Optional[int] = ..., step_fn: _Optional[bytes] = ..., init_fn: _Optional[bytes] = ..., dataset: _Optional[bytes] = ..., dataset_fn: _Optional[bytes] = ..., outputs: _Optional[_Mapping[str, str]] = ..., checkpoint_every: _Optional[int] = ..., max_retries_preemption: _Optional[int] = ..., max_retries_failure: _Optional[int] = ..., runtime_versions: _Optional[_Mapping[str, str]] = ..., computation_shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    mesh_axes: _containers.RepeatedScalarFieldContainer[str]
+    mesh_shape: _containers.RepeatedScalarFieldContainer[int]
+    batch_sharding: bytes
+    def __init__(self, name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_slices: _Optional[int] = ..., steps: _Optional[int] = ..., steps_per_run: _Optional[int] = ..., step_fn: _Optional[bytes] = ..., init_fn: _Optional[bytes] = ..., dataset: _Optional[bytes] = ..., dataset_fn: _Optional[bytes] = ..., outputs: _Optional[_Mapping[str, str]] = ..., checkpoint_every: _Optional[int] = ..., max_retries_preemption: _Optional[int] = ..., max_retries_failure: _Optional[int] = ..., runtime_versions: _Optional[_Mapping[str, str]] = ..., computation_shape: _Optional[_Iterable[int]] = ..., mesh_axes: _Optional[_Iterable[str]] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., batch_sharding: _Optional[bytes] = ...) -> None: ...
 
 class JobRequest(_message.Message):
     __slots__ = ("job_id", "detail", "without_state")

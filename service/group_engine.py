@@ -156,6 +156,12 @@ class GroupEngine:
         self._num_replicas = replicas
         return replicas
 
+    def set_global_view(self, mesh: Sequence[tuple[str, int]],
+                        batch_sharding: ShippedFunction | None) -> None:
+        """Makes the group's next values those of a global-view job (see
+        :class:`jaxpod.operations.SetGlobalView`), before any value exists."""
+        self._call(ops.SetGlobalView(tuple((str(n), int(s)) for n, s in mesh), batch_sharding))
+
     def define(self, shipped: ShippedFunction) -> DefinedFunction:
         """Defines a function the caller pickled (``jaxpod.shipping.ship``)."""
         return DefinedFunction(self._call(ops.Define(shipped))[0])
@@ -353,12 +359,14 @@ class GroupEngine:
         committed step."""
         return self._call(ops.WaitCheckpoints(directory))[0]
 
-    def restore_checkpoint(self, directory: str, step: int, keep: int, skeleton: Any
-                           ) -> tuple[Any, list[Any]]:
+    def restore_checkpoint(self, directory: str, step: int, keep: int, skeleton: Any,
+                           init: DefinedFunction | None = None) -> tuple[Any, list[Any]]:
         """Checkpoint ``step``'s state onto the devices (``skeleton``: its frozen
         structure, each leaf its index) and each host's input position at the step
-        (``keep``: the checkpoints the attempt's saves keep)."""
-        answers = self._call(ops.RestoreCheckpoint(directory, step, keep, skeleton))
+        (``keep``: the checkpoints the attempt's saves keep; ``init``: a global-view
+        job's ``init_fn``, whose shardings the leaves take)."""
+        answers = self._call(ops.RestoreCheckpoint(directory, step, keep, skeleton,
+                                                   init.id if init else None))
         return self._wrap(answers[0][0]), [position for _, position in answers]
 
     def preemption_notices(self, timeout: float | None = None) -> list[ops.Notice | None]:

@@ -23,6 +23,11 @@ A checkpoint step holds two items:
 A resumed attempt restores each leaf straight onto its devices, each device reading
 its replica's part, and gathers the parts over the replicas on device; the state's
 frozen structure (:mod:`jaxpod.trees`), which the coordinator keeps, gives the tree.
+
+A global-view job's state (:mod:`jaxpod.worker.global_view`) is saved as it is: each
+leaf a global array with the sharding ``init_fn`` gave it, each host writing the shards
+it holds (orbax writes a replicated shard once), and restored onto the shardings the
+attempt's ``init_fn`` gives, without running it.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpod import trees
 from jaxpod.values import PerReplica, is_per_replica
+from jaxpod.worker.global_view import GlobalValue, is_global
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +212,15 @@ class Layout:
         return jax.jit(program, donate_argnums=tuple(range(len(leaves))))
 
 
+def _global_leaf(value: GlobalValue) -> LeafSpec:
+    """How a global-view state leaf is kept: its global shape (typed keys as key data)."""
+    array, key_impl = value.array, None
+    if trees.is_typed_key(array):
+        key_impl = str(jax.random.key_impl(array))
+        array = jax.eval_shape(jax.random.key_data, array)
+    return LeafSpec(tuple(array.shape), str(array.dtype), (None,) * array.ndim, key_impl)
+
+
 def _state_handler() -> Any:
     """The state item's orbax handler: the standard pytree format, its arrays written
     without a sharding file."""
@@ -255,16 +270,23 @@ class HostCheckpoints:
         host's input position at the step (JSON), in host order."""
         import orbax.checkpoint as ocp
 
-        values, treedef = jax.tree.flatten(state, is_leaf=is_per_replica)
-        if not all(isinstance(v, PerReplica) for v in values):
+        values, treedef = jax.tree.flatten(
+            state, is_leaf=lambda x: is_per_replica(x) or is_global(x))
+        if values and all(isinstance(v, GlobalValue) for v in values):
+            leaves = tuple(_global_leaf(v) for v in values)
+            stored = [jax.random.key_data(v.array) if leaf.key_impl else v.array
+                      for leaf, v in zip(leaves, values, strict=True)]
+        elif all(isinstance(v, PerReplica) for v in values):
+            layout = Layout(mesh)
+            leaves = tuple(layout.leaf_spec(v) for v in values)
+            stored = (self._program(True, layout, leaves)(*[v.array for v in values])
+                      if leaves else [])
+        else:
             raise TypeError("A job's state must hold only values on the slice.")
-        layout = Layout(mesh)
-        leaves = tuple(layout.leaf_spec(v) for v in values)
         meta = {"version": META_VERSION, "leaves": [leaf.as_json() for leaf in leaves],
                 "input": list(positions)}
         items = {META: ocp.args.JsonSave(meta)}
         if leaves:  # a job without state keeps only its input positions
-            stored = self._program(True, layout, leaves)(*[v.array for v in values])
             items[STATE] = ocp.args.PyTreeSave(jax.tree.unflatten(treedef, stored))
         manager = self._manager(directory, keep)
         # orbax writes one step at a time: the previous one is committed first (or
@@ -297,11 +319,14 @@ class HostCheckpoints:
         return self.committed(directory)
 
     def restore(self, directory: str, step: int, keep: int, skeleton: Any, mesh: Any,
-                host: int, gather: bool | None = None) -> tuple[Any, Any]:
+                host: int, gather: bool | None = None,
+                targets: Sequence[jax.ShapeDtypeStruct] | None = None) -> tuple[Any, Any]:
         """Step ``step``'s state onto this slice's devices, as the user's tree of
         per-replica values (``skeleton``: the state's frozen structure with each
         leaf's index), and this host's input position at the step (``keep``: as for
-        :meth:`save`, which the attempt calls next; ``gather``: see :class:`Layout`)."""
+        :meth:`save`, which the attempt calls next; ``gather``: see :class:`Layout`).
+        With ``targets`` (a global-view state: each leaf's shape, dtype and sharding,
+        in leaf order), the leaves are global values with those shardings."""
         import orbax.checkpoint as ocp
 
         manager = self._manager(directory, keep)
@@ -312,6 +337,8 @@ class HostCheckpoints:
         specs = [LeafSpec.from_json(raw) for raw in meta["leaves"]]
         if not specs:  # a job without state
             return (), position
+        if targets is not None:
+            return self._restore_global(manager, step, skeleton, specs, targets), position
         layout = Layout(mesh, gather)
         abstract = trees.thaw(skeleton, lambda i: layout.target(specs[i]))
         restore = ocp.args.PyTreeRestore(
@@ -321,6 +348,38 @@ class HostCheckpoints:
         leaves = tuple(specs[i] for i in jax.tree.leaves(skeleton))
         values = self._program(False, layout, leaves)(*stored)
         return jax.tree.unflatten(treedef, [PerReplica(v) for v in values]), position
+
+    @staticmethod
+    def _restore_global(manager: Any, step: int, skeleton: Any, specs: Sequence[LeafSpec],
+                        targets: Sequence[jax.ShapeDtypeStruct]) -> Any:
+        import orbax.checkpoint as ocp
+
+        if len(targets) != len(specs):
+            raise ValueError(
+                f"Checkpoint step {step} holds {len(specs)} state leaves; init_fn now makes "
+                f"{len(targets)}. The job's code changed since it was saved: resume it "
+                "with the code that wrote it.")
+
+        def target(i: int) -> jax.ShapeDtypeStruct:
+            spec, want = specs[i], targets[i]
+            data = (jax.eval_shape(jax.random.key_data, want) if spec.key_impl else want)
+            if tuple(data.shape) != spec.shape or str(data.dtype) != spec.dtype:
+                raise ValueError(
+                    f"Checkpoint step {step}'s state leaf {i} is {spec.dtype}{list(spec.shape)}; "
+                    f"init_fn now makes {data.dtype}{list(data.shape)}. The job's code changed "
+                    "since it was saved: resume it with the code that wrote it.")
+            return jax.ShapeDtypeStruct(spec.shape, np.dtype(spec.dtype), sharding=want.sharding)
+
+        abstract = trees.thaw(skeleton, target)
+        restore = ocp.args.PyTreeRestore(
+            abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
+        restored = manager.restore(step, args=ocp.args.Composite(**{STATE: restore}))[STATE]
+        stored, treedef = jax.tree.flatten(restored)
+        order = jax.tree.leaves(skeleton)
+        values = [GlobalValue(jax.random.wrap_key_data(v, impl=specs[i].key_impl)
+                              if specs[i].key_impl else v)
+                  for i, v in zip(order, stored, strict=True)]
+        return jax.tree.unflatten(treedef, values)
 
     def close(self) -> None:
         """Waits for every write under way, then closes the managers."""

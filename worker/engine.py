@@ -347,7 +347,7 @@ class Engine:
         k = self.steps_per_run if steps is None else steps
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"run_steps: steps must be a positive int. Got {steps!r}.")
-        batch = self._next_steps(iterator, k)
+        batch = self.next_steps(iterator, k)
         has_state = initial_state is not None
         state = self._split_inputs("run_steps", (initial_state,) if has_state else (), None)
         state_leaves = tuple(
@@ -425,7 +425,7 @@ class Engine:
             lambda a: jnp.broadcast_to(a, (n, *a.shape)), out_shardings=self._replica_sharding))
         return broadcast(self._mirrored(leaf))
 
-    def _next_steps(self, iterator: Iterator[Any], k: int) -> _StepBatch:
+    def next_steps(self, iterator: Iterator[Any], k: int) -> _StepBatch:
         if isinstance(iterator, LocalIterator):
             return iterator.next_steps(k)
         items = list(itertools.islice(iterator, k))

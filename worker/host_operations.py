@@ -31,6 +31,7 @@ from jaxpod.worker.checkpoints import HostCheckpoints
 from jaxpod.worker.device_assignment import DeviceAssignment
 from jaxpod.worker.engine import Engine
 from jaxpod.worker.functions import FunctionRegistry
+from jaxpod.worker.global_view import GlobalValue, GlobalView, is_global
 from jaxpod.worker.output_capture import OutputCapture
 from jaxpod.worker.value_store import ValueStore
 
@@ -63,6 +64,8 @@ class HostOperations(ops.Host):
         # same keeps the engine, and with it every compiled program (a warm slice's
         # next holder or job then compiles nothing it already ran).
         self._assignment: tuple[Any, ...] | None = None
+        #: A global-view job's mesh and programs (``None``: values are per replica).
+        self.global_view: GlobalView | None = None
 
     def execute(self, envelope: ops.Envelope) -> Any:
         """Runs the envelope's operation if it is the next in this group's sequence.
@@ -144,12 +147,12 @@ class HostOperations(ops.Host):
         computed (they may still be being computed when the operation returns)."""
         arrays = []
 
-        def keep(v: PerReplica) -> HandleInfo:
+        def keep(v: PerReplica | GlobalValue) -> HandleInfo:
             arrays.append(v.array)
             valid = None if v.valid_rows is None else tuple(int(c) for c in v.valid_rows)
             return HandleInfo(self.store.put(v, self._new_id()), v.shape, str(v.dtype), valid)
 
-        infos = trees.freeze(jax.tree.map(keep, tree, is_leaf=is_per_replica), "result")
+        infos = trees.freeze(jax.tree.map(keep, tree, is_leaf=_is_value), "result")
         if watch:
             self._busy.watch(self._started_at, arrays)
         return infos
@@ -177,13 +180,24 @@ class HostOperations(ops.Host):
             self.engine = Engine(assignment, op.steps_per_run)
             self._assignment = wanted
         self.datasets.clear()
+        self.global_view = None
         return int(self.engine.num_replicas_in_sync)
+
+    def set_global_view(self, op: ops.SetGlobalView) -> None:
+        if self.store.stats().num_values:
+            raise RuntimeError("set_global_view must come before any value exists.")
+        self.global_view = GlobalView(self.engine, dict(op.mesh),
+                                      _unshipped(op.batch_sharding))
 
     def define(self, op: ops.Define) -> str:
         return str(self.functions.define(op.shipped))
 
     def run(self, op: ops.Run) -> ops.ValueInfos:
         fn = self.functions.get(op.function_id)
+        if self.global_view is not None:
+            if op.args or op.kwargs:
+                raise TypeError("A global-view job's init_fn takes no arguments.")
+            return self._keep_values(self.global_view.init(fn), watch=True)
         out = self.engine.run(fn, args=self._resolve(op.args), kwargs=self._resolve(op.kwargs))
         return self._keep_values(out, watch=True)
 
@@ -191,6 +205,17 @@ class HostOperations(ops.Host):
         fn = self.functions.get(op.function_id)
         iterator = (iter(self._resolve(op.source.items)) if isinstance(op.source, ops.StepItems)
                     else self._iterator(op.source))
+        if self.global_view is not None:
+            result: Any = self.global_view.run_steps(fn, iterator, op.steps,
+                                                     self._resolve(op.initial_state))
+            # The loop took the state donated: its old handles hold deleted arrays.
+            self.store.free([h.id for h in jax.tree.leaves(
+                op.initial_state, is_leaf=lambda x: isinstance(x, Handle))
+                if isinstance(h, Handle)])
+            if op.wait:
+                jax.block_until_ready(jax.tree.map(lambda v: v.array, result,
+                                                   is_leaf=is_global))
+            return self._keep_values(result, watch=not op.wait)
         result = self.engine.run_steps(fn, iterator, op.steps,
                                        initial_state=self._resolve(op.initial_state))
         if op.wait:
@@ -219,17 +244,22 @@ class HostOperations(ops.Host):
         return self._keep_values(next(self._iterator(op.iterator_id)))
 
     def reduce(self, op: ops.Reduce) -> Any:
-        result = self.engine.reduce(op.reduce_op, self._resolve(op.value), op.axis)
+        value = self._resolve(op.value)
+        if self.global_view is not None and any(
+                is_global(v) for v in jax.tree.leaves(value, is_leaf=is_global)):
+            result = self.global_view.reduce(op.reduce_op, value, op.axis)
+        else:
+            result = self.engine.reduce(op.reduce_op, value, op.axis)
         return trees.freeze(result, "result") if self.process_id == 0 else None
 
     def gather_parts(self, op: ops.GatherParts) -> tuple[int, list[Any]]:
         # Streamed parts are views of device memory: the receiver copies them once.
-        axis, parts = self.engine.gather_parts(self.store.get(op.value.id), op.axis,
+        axis, parts = self.engine.gather_parts(self.store.per_replica(op.value.id), op.axis,
                                                op.replicas, views=op.streamed)
         return axis, [Streamed(p) for p in parts] if op.streamed else parts
 
     def fetch_parts(self, op: ops.FetchParts) -> list[np.ndarray]:
-        return list(self.engine.padded_parts(self.store.get(op.value.id)))
+        return list(self.engine.padded_parts(self.store.per_replica(op.value.id)))
 
     def local_results(self, op: ops.LocalResults) -> tuple[Any, ...]:
         return tuple(trees.freeze(r, "result") for r in
@@ -258,6 +288,7 @@ class HostOperations(ops.Host):
                               iterators=len(self.iterators),
                               functions_kept=len(self.functions), pid=os.getpid())
         self.close()  # stops the iterators' infeed threads and the output capture
+        self.global_view = None
         # An offset, not a new clock: a new one would leave the old one's thread behind.
         self._busy_base, self._operations = self._busy.seconds(), 0
         self.engine.input_wait.reset()
@@ -294,10 +325,17 @@ class HostOperations(ops.Host):
         return self.checkpoints.wait(op.directory)
 
     def restore_checkpoint(self, op: ops.RestoreCheckpoint) -> tuple[ops.ValueInfos, Any]:
+        targets = None
+        if self.global_view is not None and op.init_function_id is not None:
+            targets = self.global_view.abstract_init(self.functions.get(op.init_function_id))
         state, position = self.checkpoints.restore(
             op.directory, op.step, op.keep, op.skeleton, self.engine.mesh,
-            self.engine.host_index)
+            self.engine.host_index, targets=targets)
         return self._keep_values(state), position
+
+
+def _is_value(x: Any) -> bool:
+    return is_per_replica(x) or is_global(x)
 
 
 def _unshipped(value: Any) -> Any:

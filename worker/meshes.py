@@ -17,9 +17,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
+
+from jaxpod.jobs import check_mesh_axes
 
 
 def mesh_sizes(axes: Mapping[str, int], num_devices: int) -> dict[str, int]:
@@ -29,24 +30,8 @@ def mesh_sizes(axes: Mapping[str, int], num_devices: int) -> dict[str, int]:
       TypeError, ValueError: the names, the sizes or their product are wrong (the
         message says what was received and how to fix it).
     """
-    example = 'e.g. mesh={"data": -1, "model": 2}'
-    if not isinstance(axes, Mapping) or not axes:
-        raise TypeError(f"mesh must be a dict of axis names to sizes ({example}). "
-                        f"Got {axes!r}.")
-    sizes: dict[str, int] = {}
-    for name, size in axes.items():
-        if not isinstance(name, str) or not name.isidentifier():
-            raise TypeError(f"mesh: axis names must be identifiers ({example}). Got "
-                            f"{name!r}.")
-        if isinstance(size, bool) or not isinstance(size, int | np.integer) or not (
-                size == -1 or size >= 1):
-            raise ValueError(f"mesh: axis {name!r} must have a positive size, or -1 for "
-                             f"the devices the other axes leave. Got {size!r}.")
-        sizes[name] = int(size)
+    sizes = check_mesh_axes(axes)
     free = [name for name, size in sizes.items() if size == -1]
-    if len(free) > 1:
-        raise ValueError(f"mesh: only one axis may be -1 (the rest of the devices). Got "
-                         f"{free} in {axes!r}.")
     fixed = math.prod(size for size in sizes.values() if size != -1)
     if free:
         if num_devices % fixed:

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 from jaxpod.errors import UnknownHandleError
 from jaxpod.values import PerReplica
+from jaxpod.worker.global_view import GlobalValue
+
+#: What a handle names: a per-replica value, or a global-view job's global array.
+StoredValue = PerReplica | GlobalValue
 
 
 @dataclass(frozen=True)
@@ -23,13 +27,13 @@ class StoreStats:
 
 
 class ValueStore:
-    """Handle id -> ``PerReplica``; thread-safe."""
+    """Handle id -> ``PerReplica`` (or ``GlobalValue``); thread-safe."""
 
     def __init__(self) -> None:
-        self._values: dict[int, PerReplica] = {}
+        self._values: dict[int, StoredValue] = {}
         self._lock = threading.Lock()
 
-    def put(self, value: PerReplica, handle: int) -> int:
+    def put(self, value: StoredValue, handle: int) -> int:
         """Keeps ``value`` as ``handle`` (an id the coordinator assigned)."""
         with self._lock:
             if handle in self._values:
@@ -38,7 +42,7 @@ class ValueStore:
             self._values[handle] = value
             return handle
 
-    def get(self, handle: int) -> PerReplica:
+    def get(self, handle: int) -> StoredValue:
         with self._lock:
             try:
                 return self._values[handle]
@@ -48,6 +52,14 @@ class ValueStore:
                     "here, or was freed (or lost when its slice was reset). Use a value "
                     "returned by this session's strategy, and not after freeing it."
                 ) from None
+
+    def per_replica(self, handle: int) -> PerReplica:
+        """``handle``'s value, which must be a per-replica one."""
+        value = self.get(handle)
+        if not isinstance(value, PerReplica):
+            raise TypeError(f"Handle {handle} is a global-view job's global array, not a "
+                            "per-replica value: it has no replicas to gather or fetch.")
+        return value
 
     def free(self, handles: list[int]) -> int:
         """Drops ``handles`` (unknown ones are ignored: free is idempotent)."""

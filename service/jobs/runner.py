@@ -169,6 +169,9 @@ class JobRun:
         clock.switch(goodput.SETUP)
         engine.capture_output(True)
         try:
+            if spec.mesh:  # a global-view job: one jax.jit program over the slice
+                engine.set_global_view(spec.mesh, ShippedFunction(
+                    spec.batch_sharding, self._versions) if spec.batch_sharding else None)
             step = self._shipped(spec.step_fn)
             state, starts = self._initial_state()
             self._check_storable(state, "as init_fn made it")
@@ -307,9 +310,13 @@ class JobRun:
         if self.resume is not None:
             raw = store.state_skeleton(self.job_id) if spec.init_fn else None
             skeleton = skeleton_from(raw) if raw is not None else ()
+            # A global-view state goes where init_fn (compiled, not run) would put it.
+            init = (self._shipped(spec.init_fn)[1][0] if spec.mesh and spec.init_fn
+                    else None)
             with self._clock.during(goodput.RESTORING):
                 return self.engine.restore_checkpoint(
-                    self.checkpoints.directory, self.resume, self.checkpoints.keep, skeleton)
+                    self.checkpoints.directory, self.resume, self.checkpoints.keep, skeleton,
+                    init)
         if not spec.init_fn:
             return (), None
         state = self._defined_call(self._shipped(spec.init_fn), self.engine.run)

@@ -1,0 +1,227 @@
+"""Global-view (SPMD) jobs on one host (DESIGN §8): the user's ``init_fn`` and
+``step_fn`` as ``jax.jit`` programs over the whole slice, with global arrays.
+
+A job submitted with ``mesh={"data": -1, "model": 2}`` runs on the same engine as a
+per-replica job: its input still comes through the engine's infeeds (one replica per
+device, so positions, prefetch and resume are the same), and :class:`GlobalView` turns
+each loop's per-replica batches into global batches, split by the job's
+``batch_sharding`` over the job's mesh. The state is whatever ``init_fn`` made, each
+leaf with the sharding ``init_fn`` gave it (``with_sharding_constraint``, flax nnx
+partitioning): every loop takes it donated and gives it back with the same shardings,
+so FSDP and tensor parallelism are the user's choice and no loop moves it.
+
+Tracing happens with :func:`jaxpod.mesh` returning the mesh and the mesh set as JAX's
+current one, so bare ``PartitionSpec`` s name its axes.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpod.scope import mesh_scope
+from jaxpod.trees import is_typed_key
+from jaxpod.types import ReduceOp
+from jaxpod.worker.engine import Engine
+from jaxpod.worker.meshes import slice_major_mesh
+from jaxpod.worker.replica_context import REPLICA_AXIS
+
+#: Compiled programs kept per job (init, abstract init, one loop per length).
+_PROGRAMS = 16
+
+
+class GlobalValue:
+    """A global ``jax.Array`` of a global-view job (a state leaf or an output), as the
+    host's value store keeps it. Unlike a ``PerReplica`` it has no replica axis."""
+
+    __slots__ = ("array",)
+    valid_rows = None
+
+    def __init__(self, array: jax.Array) -> None:
+        self.array = array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self.array.dtype if is_typed_key(self.array) else np.dtype(self.array.dtype)
+
+
+def is_global(x: Any) -> bool:
+    return isinstance(x, GlobalValue)
+
+
+class GlobalView:
+    """A global-view job's mesh and programs on this host.
+
+    Args:
+      engine: the host's engine (one device per replica): its devices form the mesh
+        and its infeeds the input.
+      axes: the job's mesh, axis names to sizes in order (one may be -1).
+      batch_sharding: how each global batch is split: a ``PartitionSpec`` for every
+        leaf, a pytree of them matching the batch, or ``None`` (rows over the mesh's
+        first axis).
+
+    Raises:
+      ValueError: the engine has logical devices, or the mesh does not fit the slice.
+    """
+
+    def __init__(self, engine: Engine, axes: Mapping[str, int], batch_sharding: Any) -> None:
+        if engine.device_assignment.num_cores_per_replica != 1:
+            raise ValueError(
+                "A global-view job (mesh=...) shards by its mesh, not by logical devices: "
+                f"submit it without computation_shape (got "
+                f"{engine.device_assignment.num_cores_per_replica} devices per replica).")
+        self.engine = engine
+        self.mesh: Mesh = slice_major_mesh(axes, list(engine.mesh.devices.flat))
+        self.batch_sharding = batch_sharding
+        self.replicated = NamedSharding(self.mesh, P())
+        self._programs: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+
+    # ------------------------------------------------------------------ programs
+    def _cached(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        if key not in self._programs:
+            self._programs[key] = build()
+            if len(self._programs) > _PROGRAMS:
+                self._programs.popitem(last=False)
+        self._programs.move_to_end(key)
+        return self._programs[key]
+
+    def init(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` under ``jax.jit`` over the mesh: the state, as :class:`GlobalValue`
+        leaves with the shardings ``fn`` gave them."""
+        program = self._cached(("init", fn), lambda: jax.jit(fn))
+        with mesh_scope(self.mesh):
+            out = program()
+        return jax.tree.map(GlobalValue, out)
+
+    def abstract_init(self, fn: Callable[[], Any]) -> list[jax.ShapeDtypeStruct]:
+        """What :meth:`init` would make, without running it: each leaf's shape, dtype and
+        sharding (a resumed attempt restores its checkpoint onto these)."""
+        def build() -> list[jax.ShapeDtypeStruct]:
+            program = self._cached(("init", fn), lambda: jax.jit(fn))
+            with mesh_scope(self.mesh):
+                lowered = program.lower()
+                shardings = jax.tree.leaves(lowered.compile().output_shardings)
+            shapes = jax.tree.leaves(lowered.out_info)
+            return [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
+                    for s, sh in zip(shapes, shardings, strict=True)]
+        return list(self._cached(("abstract", fn), build))
+
+    def run_steps(self, fn: Callable[..., Any], iterator: Any, steps: int, state: Any
+                  ) -> tuple[Any, Any]:
+        """``steps`` steps of ``fn(state, batch) -> (state, outputs)`` in one on-device
+        loop; the state (:class:`GlobalValue` leaves) is donated and comes back with the
+        same shardings, the outputs stacked over the steps (scalars: ``(steps,)``)."""
+        batch = self.engine.next_steps(iterator, steps)
+        if batch.valid_rows is not None and batch.rows is not None and (
+                batch.valid_rows != batch.rows).any():
+            raise ValueError(
+                "A global-view job's batches must split evenly over the slice's "
+                f"{self.engine.num_replicas_in_sync} devices: a step got "
+                f"{int(batch.valid_rows[:, 0].sum())} rows, shared unevenly. Make the "
+                f"global batch a multiple of {self.engine.num_replicas_in_sync} rows.")
+        specs = self._batch_specs(batch.treedef, len(batch.arrays))
+        batches = [self._to_global(a, spec) for a, spec in zip(batch.arrays, specs, strict=True)]
+        leaves, treedef = jax.tree.flatten(state, is_leaf=is_global)
+        arrays = [v.array for v in leaves]
+        shardings = tuple(a.sharding for a in arrays)
+        key = ("steps", fn, treedef, batch.treedef, batch.num_steps,
+               tuple((a.shape, str(a.dtype)) for a in arrays + batches), shardings,
+               tuple(b.sharding for b in batches))
+        program = self._cached(key, lambda: self._loop(fn, treedef, batch.treedef, shardings))
+        with mesh_scope(self.mesh):
+            new_state, outputs = program(arrays, batches)
+        wrap = jax.tree.map(GlobalValue, outputs)
+        return jax.tree.unflatten(treedef, [GlobalValue(a) for a in new_state]), wrap
+
+    def _loop(self, fn: Callable[..., Any], state_treedef: Any, batch_treedef: Any,
+              shardings: tuple[Any, ...]) -> Any:
+        def step(carry: list[jax.Array], xs: list[jax.Array]) -> tuple[list[jax.Array], Any]:
+            state = jax.tree.unflatten(state_treedef, carry)
+            new_state, outputs = fn(state, jax.tree.unflatten(batch_treedef, xs))
+            new_leaves, new_treedef = jax.tree.flatten(new_state)
+            if new_treedef != state_treedef:
+                raise TypeError(
+                    "step_fn must return the state with the structure init_fn gave it. "
+                    f"Got {new_treedef} for {state_treedef}.")
+            for name, value in (outputs.items() if isinstance(outputs, Mapping) else ()):
+                if jnp.ndim(value) != 0:
+                    raise TypeError(
+                        f"A global-view job's outputs are recorded as metrics: output "
+                        f"{name!r} must be a scalar. Got shape {jnp.shape(value)}; "
+                        "reduce it in step_fn (e.g. jnp.mean).")
+            # Each leaf keeps its sharding inside the loop too (the carry is never
+            # gathered onto every device).
+            return [lax.with_sharding_constraint(x, s)
+                    for x, s in zip(new_leaves, shardings, strict=True)], outputs
+
+        def loop(state: list[jax.Array], batches: list[jax.Array]) -> Any:
+            return lax.scan(step, state, batches)
+
+        return jax.jit(loop, donate_argnums=0,
+                       out_shardings=(list(shardings), self.replicated))
+
+    # --------------------------------------------------------------------- input
+    def _batch_specs(self, treedef: Any, count: int) -> list[P]:
+        spec = self.batch_sharding
+        if spec is None:
+            return [P(self.mesh.axis_names[0])] * count
+        if isinstance(spec, P):
+            return [spec] * count
+        try:
+            specs = treedef.flatten_up_to(spec)
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                "batch_sharding must be one PartitionSpec for every batch leaf, or a "
+                f"pytree of them shaped like the batch ({treedef}). Got {spec!r}: {e}"
+            ) from None
+        for s in specs:
+            if not isinstance(s, P):
+                raise TypeError(f"batch_sharding's leaves must be PartitionSpecs. Got {s!r}.")
+        return list(specs)
+
+    def _to_global(self, array: jax.Array, spec: P) -> jax.Array:
+        """A loop's per-replica batch leaf ``(replicas, steps, rows, ...)`` as the global
+        batches ``(steps, replicas * rows, ...)`` split by ``spec``: the rows are laid
+        end to end in replica order on the devices (no transfer), then resharded."""
+        r, k, rows, *rest = array.shape
+
+        def build() -> Any:
+            return jax.jit(lambda x: jnp.swapaxes(x, 0, 1).reshape(k, r * rows, *rest),
+                           out_shardings=NamedSharding(self.engine.mesh, P(None, REPLICA_AXIS)))
+        rows_first = self._cached(("rows", r, k, rows, tuple(rest)), build)
+        return jax.device_put(rows_first(array), NamedSharding(self.mesh, P(None, *spec)))
+
+    # ------------------------------------------------------------------- results
+    def reduce(self, op: ReduceOp | str, value: Any, axis: int | None) -> Any:
+        """Each output reduced along ``axis`` (the loop's steps); numpy results."""
+        reducer = _REDUCERS[ReduceOp.from_value(op)]
+
+        def leaf(v: GlobalValue) -> np.ndarray:
+            data = fetch(v.array)
+            return data if axis is None else np.asarray(reducer(data, axis=axis))
+        return jax.tree.map(leaf, value, is_leaf=is_global)
+
+
+_REDUCERS: dict[ReduceOp, Callable[..., Any]] = {
+    ReduceOp.SUM: np.sum, ReduceOp.MEAN: np.mean, ReduceOp.MIN: np.min, ReduceOp.MAX: np.max}
+
+
+def fetch(array: jax.Array) -> np.ndarray:
+    """A global array as numpy on this host (small values: outputs)."""
+    if array.is_fully_replicated:
+        return np.asarray(array.addressable_data(0))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
