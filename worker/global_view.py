@@ -86,6 +86,7 @@ class GlobalView:
         self.mesh: Mesh = slice_major_mesh(axes, list(engine.mesh.devices.flat))
         self.batch_sharding = batch_sharding
         self.replicated = NamedSharding(self.mesh, P())
+        self._same_order = list(self.mesh.devices.flat) == list(engine.mesh.devices.flat)
         self._programs: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ programs
@@ -131,22 +132,27 @@ class GlobalView:
                 f"{self.engine.num_replicas_in_sync} devices: a step got "
                 f"{int(batch.valid_rows[:, 0].sum())} rows, shared unevenly. Make the "
                 f"global batch a multiple of {self.engine.num_replicas_in_sync} rows.")
-        specs = self._batch_specs(batch.treedef, len(batch.arrays))
-        batches = [self._to_global(a, spec) for a, spec in zip(batch.arrays, specs, strict=True)]
+        specs = tuple(self._batch_specs(batch.treedef, len(batch.arrays)))
+        # Where the mesh keeps the engine's device order (CPUs, one slice of a line),
+        # each device's rows are taken as they are and the loop lays them out; else
+        # they move to the mesh first.
+        batches = [self._on_mesh(a) for a in batch.arrays] if self._same_order else [
+            self._to_global(a, spec) for a, spec in zip(batch.arrays, specs, strict=True)]
         leaves, treedef = jax.tree.flatten(state, is_leaf=is_global)
         arrays = [v.array for v in leaves]
         shardings = tuple(a.sharding for a in arrays)
         key = ("steps", fn, treedef, batch.treedef, batch.num_steps,
                tuple((a.shape, str(a.dtype)) for a in arrays + batches), shardings,
-               tuple(b.sharding for b in batches))
-        program = self._cached(key, lambda: self._loop(fn, treedef, batch.treedef, shardings))
+               tuple(b.sharding for b in batches), specs)
+        program = self._cached(key, lambda: self._loop(fn, treedef, batch.treedef, shardings,
+                                                       specs))
         with mesh_scope(self.mesh):
             new_state, outputs = program(arrays, batches)
         wrap = jax.tree.map(GlobalValue, outputs)
         return jax.tree.unflatten(treedef, [GlobalValue(a) for a in new_state]), wrap
 
     def _loop(self, fn: Callable[..., Any], state_treedef: Any, batch_treedef: Any,
-              shardings: tuple[Any, ...]) -> Any:
+              shardings: tuple[Any, ...], specs: tuple[P, ...]) -> Any:
         def step(carry: list[jax.Array], xs: list[jax.Array]) -> tuple[list[jax.Array], Any]:
             state = jax.tree.unflatten(state_treedef, carry)
             new_state, outputs = fn(state, jax.tree.unflatten(batch_treedef, xs))
@@ -167,6 +173,10 @@ class GlobalView:
                     for x, s in zip(new_leaves, shardings, strict=True)], outputs
 
         def loop(state: list[jax.Array], batches: list[jax.Array]) -> Any:
+            if self._same_order:
+                batches = [lax.with_sharding_constraint(
+                    _rows_first(b), NamedSharding(self.mesh, P(None, *spec)))
+                    for b, spec in zip(batches, specs, strict=True)]
             return lax.scan(step, state, batches)
 
         return jax.jit(loop, donate_argnums=0,
@@ -191,16 +201,21 @@ class GlobalView:
                 raise TypeError(f"batch_sharding's leaves must be PartitionSpecs. Got {s!r}.")
         return list(specs)
 
+    def _on_mesh(self, array: jax.Array) -> jax.Array:
+        """A per-replica array as the same buffers on the job's mesh (replicas over all
+        its axes, in the engine's order: no copy)."""
+        sharding = NamedSharding(self.mesh, P(tuple(self.mesh.axis_names)))
+        return jax.make_array_from_single_device_arrays(
+            array.shape, sharding, [s.data for s in array.addressable_shards])
+
     def _to_global(self, array: jax.Array, spec: P) -> jax.Array:
         """A loop's per-replica batch leaf ``(replicas, steps, rows, ...)`` as the global
         batches ``(steps, replicas * rows, ...)`` split by ``spec``: the rows are laid
         end to end in replica order on the devices (no transfer), then resharded."""
-        r, k, rows, *rest = array.shape
-
         def build() -> Any:
-            return jax.jit(lambda x: jnp.swapaxes(x, 0, 1).reshape(k, r * rows, *rest),
+            return jax.jit(_rows_first,
                            out_shardings=NamedSharding(self.engine.mesh, P(None, REPLICA_AXIS)))
-        rows_first = self._cached(("rows", r, k, rows, tuple(rest)), build)
+        rows_first = self._cached(("rows", array.shape), build)
         return jax.device_put(rows_first(array), NamedSharding(self.mesh, P(None, *spec)))
 
     # ------------------------------------------------------------------- results
@@ -212,6 +227,12 @@ class GlobalView:
             data = fetch(v.array)
             return data if axis is None else np.asarray(reducer(data, axis=axis))
         return jax.tree.map(leaf, value, is_leaf=is_global)
+
+
+def _rows_first(x: jax.Array) -> jax.Array:
+    """``(replicas, steps, rows, ...)`` -> ``(steps, replicas * rows, ...)``."""
+    r, k, rows, *rest = x.shape
+    return jnp.swapaxes(x, 0, 1).reshape(k, r * rows, *rest)
 
 
 _REDUCERS: dict[ReduceOp, Callable[..., Any]] = {

@@ -58,8 +58,13 @@ def leaf_arrays(state: Any) -> dict[str, jax.Array]:
     return {k: v.array for k, v in state.items()}
 
 
-def test_loops_keep_the_shardings_donate_the_state_and_match_numpy(engine: Engine) -> None:
+@pytest.mark.parametrize("in_loop", [True, False])
+def test_loops_keep_the_shardings_donate_the_state_and_match_numpy(engine: Engine,
+                                                                   in_loop: bool) -> None:
+    """``in_loop``: the mesh keeps the engine's device order and the loop lays the rows
+    out; else (TPU meshes follow the torus) they are resharded onto it first."""
     view = GlobalView(engine, MESH, None)
+    view._same_order = in_loop
     state = view.init(init_fn)
     first = leaf_arrays(state)
     assert first["w"].sharding.spec == P(None, "model")
