@@ -148,3 +148,33 @@ def follow_job(job: Any, on_status: Callable[[Any], None], timeout_s: float
     if final.state != "SUCCEEDED":
         raise RuntimeError(f"job {job.id} ended {final.state}: {final.error}")
     return seen
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a ``jax.distributed`` coordinator)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_processes(module: str, call: str, argvs: list[list[str]], timeout_s: float
+                  ) -> list[str]:
+    """Runs ``call`` (e.g. ``"f(*sys.argv[1:])"``) from benchmark ``module`` in one fresh
+    interpreter per entry of ``argvs`` (its ``sys.argv[1:]``), at once; their outputs.
+
+    Raises:
+      RuntimeError: a process failed (with every output).
+    """
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import {module}; {module}.{call}"
+    procs = [subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.PIPE,
+                              text=True) for argv in argvs]
+    outs = [p.communicate(timeout=timeout_s)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"the {module} processes failed: {outs}")
+    return outs

@@ -49,7 +49,6 @@ import re
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,7 +59,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import follow_job, parse_parts, report, target
+from _common import follow_job, free_port, parse_parts, report, run_processes, target
 from jobs import rounded, running_service
 
 ACCELERATOR = "v4-16"
@@ -178,20 +177,11 @@ def plain_process(process_id: int, port: int, mib: int, repeats: int, folder: st
 
 def plain_run(mib: int, repeats: int, folder: str, role: str) -> dict[str, float]:
     """Two plain processes in ``role``: the slower process's figures."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path.insert(0, {here!r}); import checkpoint; "
-            "checkpoint.plain_process(*map(int, sys.argv[1:5]), *sys.argv[5:7])")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(i), str(port), str(mib),
-                               str(repeats), folder, role], stdout=subprocess.PIPE, text=True)
-             for i in range(HOSTS)]
-    outs = [p.communicate(timeout=JOB_TIMEOUT_S)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"the plain orbax processes failed: {outs}")
+    port = free_port()
+    outs = run_processes(
+        "checkpoint", "plain_process(*map(int, sys.argv[1:5]), *sys.argv[5:7])",
+        [[str(i), str(port), str(mib), str(repeats), folder, role] for i in range(HOSTS)],
+        JOB_TIMEOUT_S)
     figures = [json.loads(line.split(" ", 1)[1]) for out in outs
                for line in out.splitlines() if line.startswith("PLAIN ")]
     return {k: max(f[k] for f in figures) for k in figures[0]}
