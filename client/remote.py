@@ -27,6 +27,7 @@ from google.protobuf.message import Message
 from jaxpod import trees
 from jaxpod.client import rpc
 from jaxpod.errors import HandleError, MessageTooLargeError, SessionError, UnknownFunctionError
+from jaxpod.jobs import check_spmd
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
 from jaxpod.scope import current_strategy_stand_in, strategy_scope
@@ -91,6 +92,59 @@ class RemotePerReplica:
 
 
 PerReplica.register(RemotePerReplica)
+
+
+class RemoteGlobalValue:
+    """A global ``jax.Array`` held on a remote slice: what an ``strategy.spmd``
+    function returns. ``shape`` and ``dtype`` are the whole array's; ``numpy()`` (or
+    ``np.asarray(value)``) fetches it. Pass it to the next spmd function as it is: it
+    stays on the devices with its sharding."""
+
+    __slots__ = ("__weakref__", "_strategy", "dtype", "id", "shape")
+
+    def __init__(self, strategy: RemoteStrategy, ref: pb.ValueRef) -> None:
+        self._strategy = strategy
+        self.id = int(ref.id)
+        self.shape = tuple(int(d) for d in ref.shape)
+        self.dtype = _dtype(ref.dtype)
+        weakref.finalize(self, strategy._release, "value_ids", self.id)
+
+    def numpy(self) -> np.ndarray:
+        """The whole array, fetched from the slice."""
+        return self._strategy._fetch(self)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        array = self.numpy()
+        return array if dtype is None else array.astype(dtype)
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"{self!r} lives on the service and cannot be pickled into a function. Pass "
+            "it as an argument of the spmd function instead of capturing it.")
+
+    def __repr__(self) -> str:
+        return f"RemoteGlobalValue(id={self.id}, shape={self.shape}, dtype={self.dtype})"
+
+
+class SpmdFunction:
+    """``strategy.spmd(fn, mesh=...)``: calling it runs ``fn(*args, **kwargs)`` as one
+    ``jax.jit`` program over the slice's mesh and returns :class:`RemoteGlobalValue`
+    handles in ``fn``'s output structure."""
+
+    def __init__(self, strategy: RemoteStrategy, fn: Callable[..., Any],
+                 mesh: dict[str, int], batch_sharding: Any) -> None:
+        self._strategy = strategy
+        self.fn = fn
+        self.mesh = mesh
+        self.batch_sharding = batch_sharding
+        self.__wrapped__ = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._strategy._run_spmd(self, args, kwargs)
+
+    def __repr__(self) -> str:
+        name = getattr(self.fn, "__qualname__", repr(self.fn))
+        return f"SpmdFunction({name}, mesh={self.mesh})"
 
 
 def _dtype(name: str) -> Any:
@@ -215,14 +269,15 @@ class RemoteStrategy(TFCompatMixin):
         blobs: list[int] = []
 
         def leaf(x: Any, where: str) -> Any:
-            if isinstance(x, RemotePerReplica):
+            if isinstance(x, RemotePerReplica | RemoteGlobalValue):
                 if x._strategy.slice_id != self.slice_id:
+                    kind = (f"a PerReplica value of a strategy with {x.num_replicas} replicas"
+                            if isinstance(x, RemotePerReplica) else "a global value of a strategy")
                     raise HandleError(
-                        f"{where} is a PerReplica value of a strategy with "
-                        f"{x.num_replicas} replicas on slice {x._strategy.slice_id}, not of "
-                        f"this strategy ({self.num_replicas_in_sync} replicas on "
-                        f"{self.slice_id}). Values cannot move between strategies; gather "
-                        "it and pass the array instead.")
+                        f"{where} is {kind} on slice {x._strategy.slice_id}, not of this strategy "
+                        f"({self.num_replicas_in_sync} replicas on {self.slice_id}). Values "
+                        "cannot move between strategies; fetch it and pass the array "
+                        "instead.")
                 return pb.Tree(value=pb.ValueRef(id=x.id, slice_id=self.slice_id))
             if isinstance(x, ReduceOp):
                 return pb.Tree(str_value=x.value)
@@ -259,6 +314,8 @@ class RemoteStrategy(TFCompatMixin):
 
     def _values(self, tree: pb.Tree) -> Any:
         def leaf(node: pb.Tree) -> Any:
+            if node.value.global_view:
+                return RemoteGlobalValue(self, node.value)
             return RemotePerReplica(self, node.value)
 
         return trees.thaw(tensors.decode(tree, leaf))
@@ -274,6 +331,38 @@ class RemoteStrategy(TFCompatMixin):
             blobs += more
             reply = self._call_defined(fn, "run", self._stub.Run, pb.RunRequest(
                 **self._ids(), args=encoded_args, kwargs=encoded_kwargs))
+        finally:
+            self._release_blobs(blobs)
+        return self._values(reply)
+
+    def spmd(self, fn: Callable[..., Any], *, mesh: dict[str, int] | None = None,
+             batch_sharding: Any = None) -> SpmdFunction:
+        """``fn`` as a global-view program over the slice, to call interactively: what a
+        job submitted with ``mesh=`` runs, step by step (DESIGN §8).
+
+        Each call runs ``fn(*args, **kwargs)`` under ``jax.jit`` over a mesh of ``mesh``
+        (axis names to sizes; one may be -1; default ``{"data": -1}``), with
+        ``jaxpod.mesh()`` and the current mesh set, so bare ``PartitionSpec`` s work.
+        Results stay on the devices as :class:`RemoteGlobalValue` handles, each with the
+        sharding ``fn`` gave it; pass them to the next call, and fetch one with
+        ``.numpy()`` (or ``np.asarray``). Host arrays among the
+        arguments are split by ``batch_sharding`` (one ``PartitionSpec``; default:
+        rows over the mesh's first axis where they divide, else replicated).
+        """
+        axes, spec = check_spmd(fn, mesh, batch_sharding)
+        self._define(fn, "spmd")  # the function's errors first
+        return SpmdFunction(self, fn, axes, spec)
+
+    def _run_spmd(self, spmd: SpmdFunction, args: Any, kwargs: Any) -> Any:
+        encoded_args, blobs = self._encode(args, "args")
+        spec = None if spmd.batch_sharding is None else tuple(spmd.batch_sharding)
+        try:
+            encoded_kwargs, more = self._encode(kwargs, "kwargs")
+            blobs += more
+            reply = self._call_defined(spmd.fn, "spmd", self._stub.Run, pb.RunRequest(
+                **self._ids(), args=encoded_args, kwargs=encoded_kwargs,
+                mesh_axes=list(spmd.mesh), mesh_shape=list(spmd.mesh.values()),
+                batch_sharding=tensors.encode(spec, path="batch_sharding")))
         finally:
             self._release_blobs(blobs)
         return self._values(reply)
@@ -339,7 +428,7 @@ class RemoteStrategy(TFCompatMixin):
         finally:
             self._release_blobs(blobs)
 
-    def _fetch(self, value: RemotePerReplica) -> np.ndarray:
+    def _fetch(self, value: RemotePerReplica | RemoteGlobalValue) -> np.ndarray:
         result: np.ndarray = self._result(self._stub.Fetch, pb.ValueRequest(
             **self._ids(), value=self._encode(value, "value")[0]), "fetch")
         return result

@@ -310,6 +310,22 @@ def check_mesh_axes(axes: Any) -> dict[str, int]:
     return sizes
 
 
+def check_spmd(fn: Any, mesh: Any, batch_sharding: Any) -> tuple[dict[str, int], Any]:
+    """``strategy.spmd``'s arguments checked: the mesh's axes (``None``:
+    ``{"data": -1}``) and ``batch_sharding`` (``None`` or one ``PartitionSpec``)."""
+    from jax.sharding import PartitionSpec
+
+    if not callable(fn):
+        raise TypeError(f"spmd: fn must be a function (the one jax.jit would take). "
+                        f"Got {type(fn).__name__}.")
+    if batch_sharding is not None and not isinstance(batch_sharding, PartitionSpec):
+        raise TypeError(
+            "spmd: batch_sharding must be one jax.sharding.PartitionSpec (how every host "
+            "array argument is split, e.g. PartitionSpec('data')) or None (rows over the "
+            f"mesh's first axis where they divide). Got {type(batch_sharding).__name__}.")
+    return check_mesh_axes({"data": -1} if mesh is None else mesh), batch_sharding
+
+
 @dataclass(frozen=True)
 class JobStep:
     """The step the workers run: the user's ``step_fn(state, batch) -> (state, outputs)``,

@@ -72,6 +72,9 @@ class HandleInfo:
     shape: tuple[int, ...]
     dtype: str
     valid_rows: tuple[int, ...] | None
+    #: A global array (global-view job, ``strategy.spmd``): ``shape`` is the whole
+    #: array's, with no replica axis.
+    global_view: bool = False
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,28 @@ class Run(Operation[ValueInfos]):
 
 
 @dataclass(frozen=True)
+class RunSpmd(Operation[ValueInfos]):
+    """``strategy.spmd(fn, mesh=...)(*args, **kwargs)``: ``fn`` as one ``jax.jit``
+    program over a mesh of ``mesh`` (as :class:`SetGlobalView` describes it); global
+    values keep their shardings, host arrays are split by ``batch_sharding`` (one
+    ``PartitionSpec``'s entries; ``None``: rows over the first axis where they
+    divide). Returns the new (global) values."""
+
+    function_id: str
+    mesh: tuple[tuple[str, int], ...]
+    batch_sharding: tuple[Any, ...] | None
+    args: ValueArgs
+    kwargs: ValueArgs
+    dispatches: ClassVar[bool] = True
+
+    def apply(self, host: Host) -> ValueInfos:
+        return host.run_spmd(self)
+
+    def created(self, result: ValueInfos) -> Dropped:
+        return values_in(result)
+
+
+@dataclass(frozen=True)
 class StepItems:
     """``run_steps`` input given as the steps' elements themselves (nests of values),
     taken by the caller from an iterator that is not a distributed one."""
@@ -381,7 +406,9 @@ class GatherParts(Operation["tuple[int, list[Any]]"]):
 
 @dataclass(frozen=True)
 class FetchParts(Operation["list[np.ndarray]"]):
-    """This host's replicas' padded components of a value (``PerReplica.array``)."""
+    """This host's replicas' padded components of a value (``PerReplica.array``); of a
+    global array, the whole array from host 0 (every host takes part) and none from
+    the others."""
 
     value: Handle
 
@@ -545,6 +572,8 @@ class Host(Protocol):
     def run(self, op: Run) -> ValueInfos: ...
 
     def run_steps(self, op: RunSteps) -> ValueInfos: ...
+
+    def run_spmd(self, op: RunSpmd) -> ValueInfos: ...
 
     def values_from_function(self, op: ValuesFromFunction) -> ValueInfos: ...
 

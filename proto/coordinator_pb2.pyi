@@ -33,20 +33,22 @@ class TensorChunk(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ValueRef(_message.Message):
-    __slots__ = ("id", "slice_id", "shape", "dtype", "has_valid_rows", "valid_rows")
+    __slots__ = ("id", "slice_id", "shape", "dtype", "has_valid_rows", "valid_rows", "global_view")
     ID_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     HAS_VALID_ROWS_FIELD_NUMBER: _ClassVar[int]
     VALID_ROWS_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_VIEW_FIELD_NUMBER: _ClassVar[int]
     id: int
     slice_id: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     has_valid_rows: bool
     valid_rows: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, id: _Optional[int] = ..., slice_id: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., has_valid_rows: _Optional[bool] = ..., valid_rows: _Optional[_Iterable[int]] = ...) -> None: ...
+    global_view: bool
+    def __init__(self, id: _Optional[int] = ..., slice_id: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., has_valid_rows: _Optional[bool] = ..., valid_rows: _Optional[_Iterable[int]] = ..., global_view: _Optional[bool] = ...) -> None: ...
 
 class Sequence(_message.Message):
     __slots__ = ("items",)
@@ -269,20 +271,26 @@ class PutResponse(_message.Message):
     def __init__(self, blob: _Optional[int] = ...) -> None: ...
 
 class RunRequest(_message.Message):
-    __slots__ = ("session_id", "slice_id", "function_id", "args", "kwargs", "dropped")
+    __slots__ = ("session_id", "slice_id", "function_id", "args", "kwargs", "mesh_axes", "mesh_shape", "batch_sharding", "dropped")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
     KWARGS_FIELD_NUMBER: _ClassVar[int]
+    MESH_AXES_FIELD_NUMBER: _ClassVar[int]
+    MESH_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SHARDING_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slice_id: str
     function_id: str
     args: Tree
     kwargs: Tree
+    mesh_axes: _containers.RepeatedScalarFieldContainer[str]
+    mesh_shape: _containers.RepeatedScalarFieldContainer[int]
+    batch_sharding: Tree
     dropped: Dropped
-    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., function_id: _Optional[str] = ..., args: _Optional[_Union[Tree, _Mapping]] = ..., kwargs: _Optional[_Union[Tree, _Mapping]] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., function_id: _Optional[str] = ..., args: _Optional[_Union[Tree, _Mapping]] = ..., kwargs: _Optional[_Union[Tree, _Mapping]] = ..., mesh_axes: _Optional[_Iterable[str]] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., batch_sharding: _Optional[_Union[Tree, _Mapping]] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
 
 class RunStepsRequest(_message.Message):
     __slots__ = ("session_id", "slice_id", "function_id", "iterator_id", "steps", "initial_state", "has_items", "items", "dropped")

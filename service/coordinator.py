@@ -228,7 +228,8 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
                 valid = x.info.valid_rows
                 return pb.Tree(value=pb.ValueRef(
                     id=x.info.id, slice_id=held.id, shape=x.info.shape, dtype=x.info.dtype,
-                    has_valid_rows=valid is not None, valid_rows=valid or ()))
+                    has_valid_rows=valid is not None, valid_rows=valid or (),
+                    global_view=x.info.global_view))
             return tensors.NOT_HANDLED
 
         tree = tensors.encode(result, leaf, "result")
@@ -239,8 +240,14 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
         session, held = self._slice(request)
         args = self._args(session, held, request.args)
         kwargs = self._args(session, held, request.kwargs)
-        result = await self._blocking(held.engine.run, DefinedFunction(request.function_id),
-                                      args, kwargs)
+        fn = DefinedFunction(request.function_id)
+        if request.mesh_axes:  # strategy.spmd
+            mesh = list(zip(request.mesh_axes, request.mesh_shape, strict=True))
+            sharding = tensors.decode(request.batch_sharding)
+            result = await self._blocking(held.engine.run_spmd, fn, mesh, sharding, args,
+                                          kwargs)
+        else:
+            result = await self._blocking(held.engine.run, fn, args, kwargs)
         return self._refs(held, result)
 
     async def RunSteps(self, request: pb.RunStepsRequest, context: Any) -> pb.Tree:

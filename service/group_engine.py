@@ -240,6 +240,19 @@ class GroupEngine:
         result = self._call_defined(fn, lambda f: ops.RunSteps(f, source, k, state, wait))[0]
         return self._wrap(result)
 
+    def run_spmd(self, fn: Callable[..., Any] | DefinedFunction,
+                 mesh: Sequence[tuple[str, int]], batch_sharding: Sequence[Any] | None,
+                 args: Any = (), kwargs: dict[str, Any] | None = None) -> Any:
+        """``strategy.spmd``'s call: ``fn`` as one ``jax.jit`` program over a mesh of
+        the slice (see :class:`jaxpod.operations.RunSpmd`); returns global values.
+        ``batch_sharding``: a ``PartitionSpec``'s entries, or ``None``."""
+        axes = tuple((str(n), int(s)) for n, s in mesh)
+        batch_sharding = None if batch_sharding is None else tuple(batch_sharding)
+        args, kwargs = self._to_handles(args), self._to_handles(kwargs or {})
+        infos = self._call_defined(
+            fn, lambda f: ops.RunSpmd(f, axes, batch_sharding, args, kwargs))[0]
+        return self._wrap(infos)
+
     # ------------------------------------------------------------------- results
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         return self._call(ops.Reduce(reduce_op, self._to_handles(value), axis))[0]
@@ -286,9 +299,11 @@ class GroupEngine:
         return jax.tree.map(leaf, value, is_leaf=_is_value)
 
     def fetch(self, value: GroupValue) -> np.ndarray:
-        """Every replica's padded component, stacked: ``PerReplica.array`` as numpy."""
+        """Every replica's padded component, stacked: ``PerReplica.array`` as numpy (a
+        global value: the whole array)."""
         per_host = self._call(ops.FetchParts(self._to_handles(value)))
-        return np.stack([p for parts in per_host for p in parts])
+        parts = [p for parts in per_host for p in parts]
+        return parts[0] if value.info.global_view else np.stack(parts)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         per_host = self._call(ops.LocalResults(self._to_handles(value)))

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpod.scope import mesh_scope
 from jaxpod.trees import is_typed_key
 from jaxpod.types import ReduceOp
+from jaxpod.values import PerReplica
 from jaxpod.worker.engine import Engine
 from jaxpod.worker.meshes import slice_major_mesh
 from jaxpod.worker.replica_context import REPLICA_AXIS
@@ -118,6 +119,47 @@ class GlobalView:
             return [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
                     for s, sh in zip(shapes, shardings, strict=True)]
         return list(self._cached(("abstract", fn), build))
+
+    def call(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` under ``jax.jit`` over the mesh (``strategy.spmd``):
+        :class:`GlobalValue` arguments keep their shardings, host arrays and scalars are
+        split by ``batch_sharding``; the results as :class:`GlobalValue` leaves."""
+        args, kwargs = jax.tree.map(self._argument, (args, kwargs), is_leaf=_is_argument)
+        program = self._cached(("call", fn), lambda: jax.jit(fn))
+        with mesh_scope(self.mesh):
+            out = program(*args, **kwargs)
+        return jax.tree.map(GlobalValue, out)
+
+    def _argument(self, x: Any) -> Any:
+        if isinstance(x, GlobalValue):
+            x = x.array
+        if isinstance(x, jax.Array):
+            mesh = getattr(x.sharding, "mesh", self.mesh)
+            if isinstance(x.sharding, NamedSharding) and mesh != self.mesh:
+                raise ValueError(
+                    f"An argument lives on a mesh of {dict(mesh.shape)}, not on this "
+                    f"function's {dict(self.mesh.shape)}: global values stay on the mesh "
+                    "that made them. Use the same mesh= for every spmd function of a "
+                    "computation.")
+            return x
+        if isinstance(x, PerReplica):
+            raise TypeError(
+                "A PerReplica value (from strategy.run) cannot be an argument of an spmd "
+                "function, which takes global arrays: pass the values an spmd function "
+                "returned, or host arrays (strategy.gather(value, 0) makes one).")
+        if isinstance(x, np.ndarray | np.generic | int | float | complex | bool):
+            host = np.asarray(x)
+            sharding = NamedSharding(self.mesh, self._argument_spec(host))
+            return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+        return x
+
+    def _argument_spec(self, host: np.ndarray) -> P:
+        if isinstance(self.batch_sharding, P):
+            return self.batch_sharding
+        first = self.mesh.axis_names[0]
+        if host.ndim and host.shape[0] % self.mesh.shape[first] == 0:
+            return P(first)
+        return P()
 
     def run_steps(self, fn: Callable[..., Any], iterator: Any, steps: int, state: Any
                   ) -> tuple[Any, Any]:
@@ -218,15 +260,21 @@ class GlobalView:
         rows_first = self._cached(("rows", array.shape), build)
         return jax.device_put(rows_first(array), NamedSharding(self.mesh, P(None, *spec)))
 
-    # ------------------------------------------------------------------- results
-    def reduce(self, op: ReduceOp | str, value: Any, axis: int | None) -> Any:
-        """Each output reduced along ``axis`` (the loop's steps); numpy results."""
-        reducer = _REDUCERS[ReduceOp.from_value(op)]
 
-        def leaf(v: GlobalValue) -> np.ndarray:
-            data = fetch(v.array)
-            return data if axis is None else np.asarray(reducer(data, axis=axis))
-        return jax.tree.map(leaf, value, is_leaf=is_global)
+
+def reduce_global(op: ReduceOp | str, value: Any, axis: int | None) -> Any:
+    """Each global value of ``value`` as numpy, reduced along ``axis`` (a loop's
+    outputs: its steps) unless ``axis`` is ``None``. Every host takes part."""
+    reducer = _REDUCERS[ReduceOp.from_value(op)]
+
+    def leaf(v: GlobalValue) -> np.ndarray:
+        data = fetch(v.array)
+        return data if axis is None else np.asarray(reducer(data, axis=axis))
+    return jax.tree.map(leaf, value, is_leaf=is_global)
+
+
+def _is_argument(x: Any) -> bool:
+    return isinstance(x, GlobalValue | PerReplica)
 
 
 def _rows_first(x: jax.Array) -> jax.Array:

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jaxpod import operations as ops
 from jaxpod import trees
@@ -31,7 +32,13 @@ from jaxpod.worker.checkpoints import HostCheckpoints
 from jaxpod.worker.device_assignment import DeviceAssignment
 from jaxpod.worker.engine import Engine
 from jaxpod.worker.functions import FunctionRegistry
-from jaxpod.worker.global_view import GlobalValue, GlobalView, is_global
+from jaxpod.worker.global_view import (
+    GlobalValue,
+    GlobalView,
+    fetch,
+    is_global,
+    reduce_global,
+)
 from jaxpod.worker.output_capture import OutputCapture
 from jaxpod.worker.value_store import ValueStore
 
@@ -66,6 +73,8 @@ class HostOperations(ops.Host):
         self._assignment: tuple[Any, ...] | None = None
         #: A global-view job's mesh and programs (``None``: values are per replica).
         self.global_view: GlobalView | None = None
+        #: ``strategy.spmd``'s meshes and programs, by mesh and batch sharding.
+        self._spmd_views: dict[tuple[Any, ...], GlobalView] = {}
 
     def execute(self, envelope: ops.Envelope) -> Any:
         """Runs the envelope's operation if it is the next in this group's sequence.
@@ -150,7 +159,8 @@ class HostOperations(ops.Host):
         def keep(v: PerReplica | GlobalValue) -> HandleInfo:
             arrays.append(v.array)
             valid = None if v.valid_rows is None else tuple(int(c) for c in v.valid_rows)
-            return HandleInfo(self.store.put(v, self._new_id()), v.shape, str(v.dtype), valid)
+            return HandleInfo(self.store.put(v, self._new_id()), v.shape, str(v.dtype), valid,
+                              global_view=is_global(v))
 
         infos = trees.freeze(jax.tree.map(keep, tree, is_leaf=_is_value), "result")
         if watch:
@@ -181,6 +191,7 @@ class HostOperations(ops.Host):
             self._assignment = wanted
         self.datasets.clear()
         self.global_view = None
+        self._spmd_views.clear()
         return int(self.engine.num_replicas_in_sync)
 
     def set_global_view(self, op: ops.SetGlobalView) -> None:
@@ -223,6 +234,15 @@ class HostOperations(ops.Host):
                                                is_leaf=is_per_replica))
         return self._keep_values(result, watch=not op.wait)
 
+    def run_spmd(self, op: ops.RunSpmd) -> ops.ValueInfos:
+        fn = self.functions.get(op.function_id)
+        key = (op.mesh, op.batch_sharding)
+        if key not in self._spmd_views:
+            spec = None if op.batch_sharding is None else PartitionSpec(*op.batch_sharding)
+            self._spmd_views[key] = GlobalView(self.engine, dict(op.mesh), spec)
+        out = self._spmd_views[key].call(fn, self._resolve(op.args), self._resolve(op.kwargs))
+        return self._keep_values(out, watch=True)
+
     def values_from_function(self, op: ops.ValuesFromFunction) -> ops.ValueInfos:
         fn = self.functions.get(op.function_id)
         return self._keep_values(self.engine.experimental_distribute_values_from_function(fn))
@@ -245,9 +265,8 @@ class HostOperations(ops.Host):
 
     def reduce(self, op: ops.Reduce) -> Any:
         value = self._resolve(op.value)
-        if self.global_view is not None and any(
-                is_global(v) for v in jax.tree.leaves(value, is_leaf=is_global)):
-            result = self.global_view.reduce(op.reduce_op, value, op.axis)
+        if any(is_global(v) for v in jax.tree.leaves(value, is_leaf=is_global)):
+            result = reduce_global(op.reduce_op, value, op.axis)
         else:
             result = self.engine.reduce(op.reduce_op, value, op.axis)
         return trees.freeze(result, "result") if self.process_id == 0 else None
@@ -259,6 +278,10 @@ class HostOperations(ops.Host):
         return axis, [Streamed(p) for p in parts] if op.streamed else parts
 
     def fetch_parts(self, op: ops.FetchParts) -> list[np.ndarray]:
+        value = self.store.get(op.value.id)
+        if is_global(value):
+            whole = fetch(value.array)  # every host takes part; host 0 sends it
+            return [whole] if self.process_id == 0 else []
         return list(self.engine.padded_parts(self.store.per_replica(op.value.id)))
 
     def local_results(self, op: ops.LocalResults) -> tuple[Any, ...]:

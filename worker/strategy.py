@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 
+from jaxpod.jobs import check_spmd
 from jaxpod.tf_compat import TFCompatMixin
 from jaxpod.values import PerReplica, is_per_replica
 from jaxpod.worker.device_assignment import DeviceAssignment
 from jaxpod.worker.engine import Engine
+from jaxpod.worker.global_view import GlobalView, is_global
 
 
 class TPUStrategy(TFCompatMixin, Engine):
@@ -53,6 +56,20 @@ class TPUStrategy(TFCompatMixin, Engine):
             device_assignment = _first_cores(num_cores, device_assignment)
         super().__init__(device_assignment, steps_per_run)
         self.cluster_resolver = resolver
+
+    def spmd(self, fn: Any, *, mesh: dict[str, int] | None = None,
+             batch_sharding: Any = None) -> Any:
+        """``fn`` as a global-view program over this strategy's devices (a job's
+        ``mesh=`` step, called interactively; see ``RemoteStrategy.spmd``). The
+        returned function gives ``jax.Array`` s with the shardings ``fn`` chose."""
+        axes, spec = check_spmd(fn, mesh, batch_sharding)
+        view = GlobalView(self, axes, spec)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return jax.tree.map(lambda v: v.array, view.call(fn, args, kwargs),
+                                is_leaf=is_global)
+
+        return functools.wraps(fn)(call)
 
     def reduce(self, reduce_op: Any, value: Any, axis: Any = None, *,
                destinations: Any = None) -> Any:

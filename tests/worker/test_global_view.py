@@ -20,7 +20,7 @@ import jaxpod
 from jaxpod.worker.checkpoints import HostCheckpoints
 from jaxpod.worker.device_assignment import DeviceAssignment
 from jaxpod.worker.engine import Engine
-from jaxpod.worker.global_view import GlobalValue, GlobalView
+from jaxpod.worker.global_view import GlobalValue, GlobalView, reduce_global
 
 ROWS, FEATURES = 16, 6
 MESH = {"data": -1, "model": 2}
@@ -84,7 +84,7 @@ def test_loops_keep_the_shardings_donate_the_state_and_match_numpy(engine: Engin
     np.testing.assert_allclose(np.asarray(after["w"]), w, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(after["big"]), big, rtol=1e-5)
     assert outputs["total"].shape == (3,)
-    np.testing.assert_allclose(view.reduce("MEAN", outputs, 0)["total"], np.mean(totals),
+    np.testing.assert_allclose(reduce_global("MEAN", outputs, 0)["total"], np.mean(totals),
                                rtol=1e-5)
 
 
