@@ -143,9 +143,14 @@ def measure_job(client: Any, steps: int) -> tuple[float, dict[str, np.ndarray]]:
                         dataset=batches(), steps_per_run=LOOP, outputs={"loss": "MEAN"},
                         mesh=MESH, name="bench-sharded")
     seen = follow_job(job, lambda status: None, TIMEOUT_S)
-    # From the first loop done (compiled) to the last one seen running (the final
-    # checkpoint, which the plain side does not write, comes after).
-    loops = [(t, s.step) for t, s in seen if s.state == "RUNNING" and s.step >= LOOP]
+    # From the first loop done (compiled) to the last loop done: the final checkpoint,
+    # which the plain side does not write, comes after (a status seen again for the
+    # same step, e.g. while that checkpoint is written, is not a loop).
+    first_seen: dict[int, float] = {}
+    for t, s in seen:
+        if s.state == "RUNNING" and s.step >= LOOP:
+            first_seen.setdefault(s.step, t)
+    loops = sorted((t, step) for step, t in first_seen.items())
     (t0, s0), (t1, s1) = loops[0], loops[-1]
     if s1 - s0 < steps // 2:
         raise RuntimeError(f"saw too few of the job's loops to time it: {loops}")
