@@ -406,14 +406,27 @@ class GatherParts(Operation["tuple[int, list[Any]]"]):
 
 @dataclass(frozen=True)
 class FetchParts(Operation["list[np.ndarray]"]):
-    """This host's replicas' padded components of a value (``PerReplica.array``); of a
-    global array, the whole array from host 0 (every host takes part) and none from
-    the others."""
+    """This host's replicas' padded components of a value (``PerReplica.array``)."""
 
     value: Handle
 
     def apply(self, host: Host) -> list[np.ndarray]:
         return host.fetch_parts(self)
+
+
+#: Where a shard sits in its global array: (start, stop) along each axis.
+ShardIndex = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class FetchShards(Operation["list[tuple[ShardIndex, np.ndarray]]"]):
+    """The shards of a global array this host holds, each once (a replicated shard
+    comes from the host holding its first copy), with where each goes."""
+
+    value: Handle
+
+    def apply(self, host: Host) -> list[tuple[ShardIndex, np.ndarray]]:
+        return host.fetch_shards(self)
 
 
 @dataclass(frozen=True)
@@ -590,6 +603,8 @@ class Host(Protocol):
     def gather_parts(self, op: GatherParts) -> tuple[int, list[Any]]: ...
 
     def fetch_parts(self, op: FetchParts) -> list[np.ndarray]: ...
+
+    def fetch_shards(self, op: FetchShards) -> list[tuple[ShardIndex, np.ndarray]]: ...
 
     def local_results(self, op: LocalResults) -> tuple[Any, ...]: ...
 

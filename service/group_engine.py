@@ -300,10 +300,15 @@ class GroupEngine:
 
     def fetch(self, value: GroupValue) -> np.ndarray:
         """Every replica's padded component, stacked: ``PerReplica.array`` as numpy (a
-        global value: the whole array)."""
-        per_host = self._call(ops.FetchParts(self._to_handles(value)))
-        parts = [p for parts in per_host for p in parts]
-        return parts[0] if value.info.global_view else np.stack(parts)
+        global value: the whole array, put together from each host's shards)."""
+        if not value.info.global_view:
+            per_host = self._call(ops.FetchParts(self._to_handles(value)))
+            return np.stack([p for parts in per_host for p in parts])
+        whole = np.empty(value.shape, value.dtype)
+        for shards in self._call(ops.FetchShards(self._to_handles(value))):
+            for index, data in shards:
+                whole[tuple(slice(start, stop) for start, stop in index)] = data
+        return whole
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         per_host = self._call(ops.LocalResults(self._to_handles(value)))

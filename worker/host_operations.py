@@ -35,7 +35,6 @@ from jaxpod.worker.functions import FunctionRegistry
 from jaxpod.worker.global_view import (
     GlobalValue,
     GlobalView,
-    fetch,
     is_global,
     reduce_global,
 )
@@ -278,11 +277,16 @@ class HostOperations(ops.Host):
         return axis, [Streamed(p) for p in parts] if op.streamed else parts
 
     def fetch_parts(self, op: ops.FetchParts) -> list[np.ndarray]:
-        value = self.store.get(op.value.id)
-        if is_global(value):
-            whole = fetch(value.array)  # every host takes part; host 0 sends it
-            return [whole] if self.process_id == 0 else []
         return list(self.engine.padded_parts(self.store.per_replica(op.value.id)))
+
+    def fetch_shards(self, op: ops.FetchShards) -> list[tuple[ops.ShardIndex, np.ndarray]]:
+        value = self.store.get(op.value.id)
+        if not is_global(value):
+            raise TypeError(f"Handle {op.value.id} is a per-replica value, not a global "
+                            "array: fetch its replicas' parts instead.")
+        array = value.array
+        return [(_bounds(shard.index, array.shape), np.asarray(shard.data))
+                for shard in array.addressable_shards if shard.replica_id == 0]
 
     def local_results(self, op: ops.LocalResults) -> tuple[Any, ...]:
         return tuple(trees.freeze(r, "result") for r in
@@ -359,6 +363,12 @@ class HostOperations(ops.Host):
 
 def _is_value(x: Any) -> bool:
     return is_per_replica(x) or is_global(x)
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> ops.ShardIndex:
+    """A shard's slices as (start, stop) pairs along every axis."""
+    return tuple((int(start), int(stop)) for start, stop, _ in
+                 (s.indices(n) for s, n in zip(index, shape, strict=True)))
 
 
 def _unshipped(value: Any) -> Any:
