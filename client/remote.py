@@ -325,12 +325,17 @@ class RemoteStrategy(TFCompatMixin):
             kwargs: dict[str, Any] | None = None) -> Any:
         """Runs ``fn`` once per replica on the slice; returns ``PerReplica`` handles."""
         self._define(fn, "run")  # the function's errors first
+        return self._run(fn, "run", args, kwargs)
+
+    def _run(self, fn: Callable[..., Any], what: str, args: Any, kwargs: Any,
+             **fields: Any) -> Any:
+        """The ``Run`` call of ``run`` and of spmd functions (``fields``: the mesh)."""
         encoded_args, blobs = self._encode(args, "args")
         try:
             encoded_kwargs, more = self._encode(kwargs, "kwargs")
             blobs += more
-            reply = self._call_defined(fn, "run", self._stub.Run, pb.RunRequest(
-                **self._ids(), args=encoded_args, kwargs=encoded_kwargs))
+            reply = self._call_defined(fn, what, self._stub.Run, pb.RunRequest(
+                **self._ids(), args=encoded_args, kwargs=encoded_kwargs, **fields))
         finally:
             self._release_blobs(blobs)
         return self._values(reply)
@@ -354,18 +359,10 @@ class RemoteStrategy(TFCompatMixin):
         return SpmdFunction(self, fn, axes, spec)
 
     def _run_spmd(self, spmd: SpmdFunction, args: Any, kwargs: Any) -> Any:
-        encoded_args, blobs = self._encode(args, "args")
         spec = None if spmd.batch_sharding is None else tuple(spmd.batch_sharding)
-        try:
-            encoded_kwargs, more = self._encode(kwargs, "kwargs")
-            blobs += more
-            reply = self._call_defined(spmd.fn, "spmd", self._stub.Run, pb.RunRequest(
-                **self._ids(), args=encoded_args, kwargs=encoded_kwargs,
-                mesh_axes=list(spmd.mesh), mesh_shape=list(spmd.mesh.values()),
-                batch_sharding=tensors.encode(spec, path="batch_sharding")))
-        finally:
-            self._release_blobs(blobs)
-        return self._values(reply)
+        return self._run(spmd.fn, "spmd", args, kwargs, mesh_axes=list(spmd.mesh),
+                         mesh_shape=list(spmd.mesh.values()),
+                         batch_sharding=tensors.encode(spec, path="batch_sharding"))
 
     def run_steps(self, fn: Callable[..., Any], iterator: Any, steps: int | None = None,
                   initial_state: Any = None) -> Any:
