@@ -7,6 +7,15 @@ its own shards, asynchronously (the next loops run while bytes go to storage), t
 step's directory is finalized once every host is done, and a crash at any moment leaves
 the previous step the latest one. Nothing passes through the coordinator.
 
+A per-replica state's save costs the step loop one small program: it lays the stored
+leaves out in fresh device buffers, which the next loop cannot touch, and orbax's save
+call (its copy to host memory, its barriers, its directories) runs on this host's
+checkpoint thread while the next loops compute. orbax's barriers then go through the
+``jax.distributed`` coordination service rather than a device collective (two threads'
+collectives, issued in different orders on different hosts, would deadlock). A
+global-view state is saved from its live arrays, which the next loop donates: its save
+call returns once orbax copied them off the devices.
+
 A checkpoint step holds two items:
 
 * ``state``: the job's state as the user's pytree (orbax's standard pytree format),
@@ -32,9 +41,11 @@ attempt's ``init_fn`` gives, without running it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,6 +232,20 @@ def _global_leaf(value: GlobalValue) -> LeafSpec:
     return LeafSpec(tuple(array.shape), str(array.dtype), (None,) * array.ndim, key_impl)
 
 
+@functools.cache
+def _barriers_on_the_coordination_service() -> None:
+    """Makes orbax synchronise hosts through ``jax.distributed``'s coordination service
+    (its ``experimental_orbax_use_distributed_barrier`` flag) instead of a device
+    collective, so a save call can run beside the step loop's own collectives. Its
+    barriers also time out instead of waiting for ever on a lost host."""
+    from absl import flags
+    from orbax.checkpoint._src.multihost import multihost  # defines the flag
+
+    if not flags.FLAGS.is_parsed():  # a worker has no command line of absl flags
+        flags.FLAGS(["jaxpod-host-worker"], known_only=True)
+    flags.FLAGS.set_default(multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.name, True)
+
+
 def _state_handler() -> Any:
     """The state item's orbax handler: the standard pytree format, its arrays written
     without a sharding file."""
@@ -240,6 +265,10 @@ class HostCheckpoints:
         self._committed: dict[str, int] = {}  # directory -> newest step known committed
         self._programs: dict[tuple[Any, ...], Any] = {}  # compiled layout changes
         self._lock = threading.Lock()
+        # orbax's save calls of per-replica states, in order, beside the step loop;
+        # directory -> the one under way (its error is raised by the next call).
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="jaxpod-checkpoint-save")
+        self._saving: dict[str, Future[None]] = {}
 
     def _program(self, to_storage: bool, layout: Layout, leaves: tuple[LeafSpec, ...]
                  ) -> Any:
@@ -253,6 +282,7 @@ class HostCheckpoints:
     def _manager(self, directory: str, keep: int) -> Any:
         import orbax.checkpoint as ocp
 
+        _barriers_on_the_coordination_service()
         with self._lock:
             manager = self._managers.get(directory)
             if manager is None:
@@ -265,9 +295,11 @@ class HostCheckpoints:
 
     def save(self, directory: str, step: int, keep: int, state: Any, mesh: Any,
              positions: Sequence[Any]) -> None:
-        """Starts writing ``state`` (the user's tree of per-replica values) as step
-        ``step``; returns once its bytes are off the devices. ``positions``: every
-        host's input position at the step (JSON), in host order."""
+        """Starts writing ``state`` (the user's tree of per-replica or global values) as
+        step ``step``. Returns once the stored leaves are laid out in their own device
+        buffers (per-replica: orbax's save call follows on the checkpoint thread) or
+        off the devices (global values). ``positions``: every host's input position at
+        the step (JSON), in host order."""
         import orbax.checkpoint as ocp
 
         values, treedef = jax.tree.flatten(
@@ -288,7 +320,17 @@ class HostCheckpoints:
         items = {META: ocp.args.JsonSave(meta)}
         if leaves:  # a job without state keeps only its input positions
             items[STATE] = ocp.args.PyTreeSave(jax.tree.unflatten(treedef, stored))
+        self._settle(directory)
         manager = self._manager(directory, keep)
+        args = ocp.args.Composite(**items)
+        if isinstance(values[0] if values else None, GlobalValue):  # the live arrays
+            self._start(directory, manager, step, args)
+        else:  # fresh buffers: saved beside the next loops
+            self._saving[directory] = self._saver.submit(self._start, directory, manager,
+                                                         step, args)
+
+    def _start(self, directory: str, manager: Any, step: int, args: Any) -> None:
+        """orbax's save call: returns once the bytes are in host memory."""
         # orbax writes one step at a time: the previous one is committed first (or
         # its error raised here), and stays the newest committed while this one goes.
         manager.wait_until_finished()
@@ -296,7 +338,13 @@ class HostCheckpoints:
         latest = manager.latest_step()
         if latest is not None:
             self._committed[directory] = int(latest)
-        manager.save(step, args=ocp.args.Composite(**items))
+        manager.save(step, args=args)
+
+    def _settle(self, directory: str) -> None:
+        """Waits for the save call under way under ``directory``; raises its error."""
+        saving = self._saving.pop(directory, None)
+        if saving is not None:
+            saving.result()
 
     def committed(self, directory: str) -> int | None:
         """The newest step every host committed (``None``: none yet; a step being
@@ -304,6 +352,10 @@ class HostCheckpoints:
         manager = self._managers.get(directory)
         if manager is None:
             return None
+        saving = self._saving.get(directory)
+        if saving is not None and not saving.done():
+            return self._committed.get(directory)
+        self._settle(directory)
         manager.check_for_errors()
         if manager.is_saving_in_progress():
             return self._committed.get(directory)
@@ -315,6 +367,7 @@ class HostCheckpoints:
         manager = self._managers.get(directory)
         if manager is None:
             return None
+        self._settle(directory)
         manager.wait_until_finished()
         return self.committed(directory)
 
@@ -329,6 +382,7 @@ class HostCheckpoints:
         in leaf order), the leaves are global values with those shardings."""
         import orbax.checkpoint as ocp
 
+        self._settle(directory)
         manager = self._manager(directory, keep)
         meta = manager.restore(step, args=ocp.args.Composite(
             **{META: ocp.args.JsonRestore()}))[META]
@@ -385,8 +439,14 @@ class HostCheckpoints:
         """Waits for every write under way, then closes the managers."""
         with self._lock:
             managers, self._managers = list(self._managers.values()), {}
+            saving, self._saving = list(self._saving.values()), {}
             self._committed.clear()
             self._programs.clear()
+        for call in saving:
+            try:
+                call.result()
+            except Exception as e:
+                logger.warning("a checkpoint's save call failed: %s", e)
         for manager in managers:
             try:
                 manager.wait_until_finished()
