@@ -369,8 +369,8 @@ class GroupEngine:
     def save_checkpoint(self, directory: str, step: int, keep: int, state: Any,
                         iterator: GroupIterator | None) -> None:
         """Starts the hosts writing ``state`` as checkpoint ``step`` under
-        ``directory`` with their input positions in ``iterator``; returns once the
-        bytes are off the devices (they reach storage in the background)."""
+        ``directory`` with their input positions in ``iterator``; returns once the next
+        loop may change the state (the bytes reach storage in the background)."""
         self._call(ops.SaveCheckpoint(directory, step, keep, self._to_handles(state),
                                       iterator.id if iterator is not None else None))
 

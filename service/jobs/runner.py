@@ -235,8 +235,9 @@ class JobRun:
     def _checkpoint(self, state: Any, wait: bool, during: str = goodput.CHECKPOINTING
                     ) -> None:
         """Has the hosts write the state and input positions at this loop boundary: the
-        loop waits while the bytes leave the devices (the next loop changes them), then
-        goes on while they reach storage, unless ``wait`` (until they are committed).
+        loop waits while the hosts set the state apart from what the next loop changes
+        (:meth:`jaxpod.worker.checkpoints.HostCheckpoints.save`), then goes on while
+        it reaches storage, unless ``wait`` (until it is committed).
         The time counts as ``during`` (the final state's checkpoint is the result)."""
         with self._clock.during(during):
             if self.step != self._checkpointed:
