@@ -44,6 +44,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,6 +160,7 @@ class LocalTPUCluster:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self._ready: dict[str, Any] = {}
+        self._started = 0.0  # when launch() started the launcher (monotonic)
 
     @property
     def address(self) -> str:
@@ -200,6 +202,15 @@ class LocalTPUCluster:
           TimeoutError: not ready within the start time-out (named in the message).
           RuntimeError: the launcher failed; the message carries its log's tail.
         """
+        return self.launch().wait_ready()
+
+    def launch(self) -> LocalTPUCluster:
+        """Starts the launcher and returns at once: the cluster comes up while the
+        caller does other work; :meth:`wait_ready` waits for it.
+
+        Returns:
+          ``self``.
+        """
         if self._proc is not None:
             raise RuntimeError("This LocalTPUCluster was already started.")
         # The launcher's log: an already-unlinked file, so nothing is left on disk
@@ -213,8 +224,28 @@ class LocalTPUCluster:
             env={**os.environ, **LOOPBACK_ENV, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},
             start_new_session=True,
         )
+        self._started = time.monotonic()
+        return self
+
+    def wait_ready(self) -> LocalTPUCluster:
+        """Waits until every simulated host has joined (the start time-out counts from
+        :meth:`launch`); stops the cluster if it does not.
+
+        Returns:
+          ``self``.
+
+        Raises:
+          TimeoutError: not ready within the start time-out (named in the message).
+          RuntimeError: the launcher failed, or was never launched; the message
+            carries its log's tail.
+        """
+        if self._ready:
+            return self
+        if self._proc is None:
+            raise RuntimeError("This LocalTPUCluster was not launched; call start().")
         try:
-            self._ready = self._read_ready()
+            self._ready = self._read_ready(
+                max(0.0, self._start_timeout_s - (time.monotonic() - self._started)))
         except BaseException:
             self.stop()
             raise
@@ -231,9 +262,9 @@ class LocalTPUCluster:
             "--timeout-s", str(self._start_timeout_s),
         ]
 
-    def _read_ready(self) -> dict[str, Any]:
+    def _read_ready(self, timeout_s: float) -> dict[str, Any]:
         assert self._proc is not None and self._proc.stdout is not None
-        line = _read_line(self._proc.stdout, self._start_timeout_s)
+        line = _read_line(self._proc.stdout, timeout_s)
         if line is None and self._proc.poll() is None:
             raise TimeoutError(
                 f"The simulated TPU cluster ({self._describe()}) did not start within "
@@ -429,7 +460,7 @@ def _launch(args: argparse.Namespace, report: IO[str]) -> None:
         cluster.add_node(
             num_cpus=args.head_cpus, object_store_memory=store, include_dashboard=False,
             dashboard_port=_free_port(), dashboard_agent_listen_port=None,
-            node_ip_address=LOOPBACK,
+            node_ip_address=LOOPBACK, no_monitor=True,  # a fixed cluster: no autoscaler
         )
         for s in slices:
             for worker_id in range(s.shape.num_hosts):

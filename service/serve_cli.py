@@ -129,26 +129,34 @@ def run_serve(args: argparse.Namespace) -> int:
     token = os.environ.get(TOKEN_ENV) or None
     check_listen_address(address, token)
     cluster: Any = None
+    if args.local:  # first: the simulated hosts start while this process imports
+        from jaxpod.service.local_cluster import DEFAULT_SLICES, LocalTPUCluster
 
+        cluster = LocalTPUCluster(args.slices or DEFAULT_SLICES).launch()
+    try:
+        return _serve(args, address, token, cluster)
+    finally:
+        if cluster is not None:
+            cluster.stop()
+
+
+def _serve(args: argparse.Namespace, address: str, token: str | None, cluster: Any) -> int:
     from jaxpod.service.server import LISTENING, serve
 
     def make_slices() -> Any:
-        nonlocal cluster
         from jaxpod.service.workers import RaySlices
 
-        if args.local:
-            from jaxpod.service.local_cluster import DEFAULT_SLICES, LocalTPUCluster
+        if cluster is not None:
+            cluster.wait_ready()
+            cluster.connect()  # a cluster of our own: no dead coordinator left anything
+            return RaySlices(platform=args.platform)
+        address = os.environ.get("RAY_ADDRESS")
+        if not address:
+            raise ConnectionError("jaxpod serve: set RAY_ADDRESS to the Ray cluster to "
+                                  "join, or pass --local for the simulated cluster.")
+        from jaxpod.service.resolvers.ray import connect
 
-            cluster = LocalTPUCluster(args.slices or DEFAULT_SLICES).start()
-            cluster.connect()
-        else:
-            address = os.environ.get("RAY_ADDRESS")
-            if not address:
-                raise ConnectionError("jaxpod serve: set RAY_ADDRESS to the Ray cluster to "
-                                      "join, or pass --local for the simulated cluster.")
-            from jaxpod.service.resolvers.ray import connect
-
-            connect(address)
+        connect(address)
         _sweep_orphans()
         return RaySlices(platform=args.platform)
 
@@ -176,8 +184,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
         if ray.is_initialized():
             ray.shutdown()
-        if cluster is not None:
-            cluster.stop()
     return 0
 
 
