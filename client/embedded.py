@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -160,22 +160,20 @@ def read_announcement(proc: subprocess.Popen[bytes], deadline: Deadline
 
 
 def _wait_serving(service: EmbeddedService, deadline: Deadline, log_path: str) -> None:
+    """Follows the service's health (``Watch``: told the moment it changes, no polling
+    interval) until it is ``SERVING``, it exits, or ``deadline`` passes."""
+    serving = health_pb2.HealthCheckResponse.SERVING
     with grpc.insecure_channel(service.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-
-        def outcome() -> Literal["serving", "exited"] | None:
-            if service.process.poll() is not None:
-                return "exited"
+        while not deadline.expired() and service.process.poll() is None:
+            # Bounded watches: an exited service is noticed within one.
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service=""),
+                               timeout=min(5.0, max(0.1, deadline.remaining())))
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""),
-                                   timeout=min(5.0, max(0.1, deadline.remaining())))
+                if any(reply.status == serving for reply in watch):
+                    return
             except grpc.RpcError:
-                return None
-            return "serving" if reply.status == health_pb2.HealthCheckResponse.SERVING else None
-
-        # The health service answers at once; pace the polls.
-        if wait_for(outcome, deadline.remaining(), max_poll_s=0.2) == "serving":
-            return
+                wait_for(lambda: service.process.poll() is not None, 0.1)  # paces retries
     raise _failed(service.process, "did not become ready", log_path)
 
 
