@@ -178,3 +178,49 @@ def run_processes(module: str, call: str, argvs: list[list[str]], timeout_s: flo
     if any(p.returncode for p in procs):
         raise RuntimeError(f"the {module} processes failed: {outs}")
     return outs
+
+
+class CommandChild:
+    """A benchmark's own script run again as a child process (``--_inprocess`` and
+    ``args``), driven by one command per line on stdin; it prints ``READY`` once, then
+    answers each command with a line ``T <number>...``. Started without jaxpod's and
+    XLA's variables, as a fresh user process."""
+
+    def __init__(self, script: str, args: list[str]) -> None:
+        import subprocess
+        import sys
+
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("JAXPOD_", "XLA_FLAGS"))}
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(script), "--_inprocess",
+                                      *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env, text=True)
+
+    def _answer(self, prefix: str) -> list[str]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line.split()[1:]
+        raise RuntimeError(f"the child process exited with status {self.proc.wait()}")
+
+    def wait_ready(self) -> None:
+        self._answer("READY")
+
+    def ask(self, command: str) -> list[float]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return [float(x) for x in self._answer("T ")]
+
+    def close(self) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+                self.proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()

@@ -44,7 +44,6 @@ import itertools
 import multiprocessing
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -53,6 +52,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (
+    CommandChild,
     call_times,
     interleaved_medians,
     median_time,
@@ -156,43 +156,11 @@ def inprocess_child(devices: int, steps: int) -> None:
             print(f"T {p50 / 1e3} {p99 / 1e3}", flush=True)
 
 
-class Child:
+class Child(CommandChild):
     """A running :func:`inprocess_child`."""
 
     def __init__(self, devices: int, steps: int) -> None:
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("JAXPOD_", "XLA_FLAGS"))}
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--_inprocess",
-             "--devices", str(devices), "--steps", str(steps)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
-
-    def _answer(self, prefix: str) -> list[str]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(prefix):
-                return line.split()[1:]
-        raise RuntimeError(f"in-process child exited with status {self.proc.wait()}")
-
-    def wait_ready(self) -> None:
-        self._answer("READY")
-
-    def ask(self, command: str) -> list[float]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return [float(x) for x in self._answer("T ")]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.close()
-                self.proc.wait(30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+        super().__init__(__file__, ["--devices", str(devices), "--steps", str(steps)])
 
 
 # ------------------------------------------------------------- raw gRPC server
