@@ -1,0 +1,232 @@
+"""The interactive remote loop: a TF2 custom training loop, one call per step.
+
+Three figures, in one run:
+
+1. ``loop_remote_vs_inprocess`` (target <= 1.3): milliseconds per step of the custom
+   training loop pattern — ``batch = next(iterator)``, ``state, out =
+   strategy.run(train_step, args=(state, batch))`` with the state passed as handles,
+   the loss reduced every 10 steps and once at the end — through ``jaxpod.connect()``
+   (the embedded service simulating one v6e-8 host) over the same loop on an
+   in-process ``jaxpod.TPUStrategy`` with the same 8 CPU devices (a child process,
+   as a single-host worker runs it). Loops of both alternate, never concurrent;
+   medians.
+2. ``trivial_run_reduce_p50_ms`` (target <= 1.0): a synchronous ``run`` of an identity
+   on a small ``PerReplica`` and ``reduce`` of its result, remote, p50 over many
+   calls (the in-process figure for context).
+3. ``cold_connect_to_first_result_s`` (target <= 4): a fresh interpreter that runs
+   ``import jaxpod; client = jaxpod.connect(); strategy = client.strategy()`` and
+   reduces one ``run``, with no service running: from starting the interpreter to
+   the first result, with each phase reported (median over fresh runs). The
+   embedded service's default cluster (one v4-16: a Ray head and two simulated
+   hosts) is the target's; ``cold_single_host_*`` are the same with one v6e-8 host.
+
+The last line of output is the JSON report.
+
+Usage: ``python benchmarks/step_loop.py [--quick]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import CommandChild, call_times, report, target, use_cpu_devices
+
+from service import RepeatingDataset, identity, make_inputs, replica_vector, train_step
+
+DEVICES = 8
+ACCELERATOR = f"v6e-{DEVICES}"
+REDUCE_EVERY = 10
+
+# The cold start, as a user's script runs it: its own timings on stdout.
+COLD_SCRIPT = """
+import json, time
+start = time.perf_counter()
+import numpy as np
+import jaxpod
+imported = time.perf_counter()
+client = jaxpod.connect()
+connected = time.perf_counter()
+strategy = client.strategy()
+acquired = time.perf_counter()
+out = strategy.reduce("SUM", strategy.run(lambda x: x * 2, args=(np.ones(3, np.float32),)),
+                      axis=None)
+done = time.perf_counter()
+assert np.array_equal(out, np.full(3, 2.0 * strategy.num_replicas_in_sync, np.float32)), out
+print("COLD", json.dumps({"import_s": imported - start, "connect_s": connected - imported,
+                         "acquire_s": acquired - connected, "first_result_s": done - acquired}))
+client.close()
+"""
+
+
+# ------------------------------------------------------------ the loop, both sides
+def custom_loop(strategy: Any, iterator: Any, state: Any, steps: int) -> tuple[Any, float]:
+    """``steps`` steps of the custom loop; the state's handles and the last loss."""
+    loss = None
+    for i in range(steps):
+        batch = next(iterator)
+        state, out = strategy.run(train_step, args=(state, batch))
+        if (i + 1) % REDUCE_EVERY == 0 or i + 1 == steps:
+            loss = strategy.reduce("MEAN", out["loss"], axis=None)
+    return state, float(loss)
+
+
+def run_reduce(strategy: Any, value: Any) -> None:
+    strategy.reduce("SUM", strategy.run(identity, args=(value,)), axis=None)
+
+
+class Loop:
+    """A custom loop's state on one strategy: its iterator and its state handles."""
+
+    def __init__(self, strategy: Any) -> None:
+        batches, params = make_inputs()
+        self.strategy = strategy
+        self.iterator = iter(strategy.experimental_distribute_dataset(
+            RepeatingDataset(batches)))
+        self.state: Any = params
+        self.loss = float("nan")
+
+    def steps(self, count: int) -> float:
+        """Runs ``count`` steps; their wall time in seconds."""
+        start = time.perf_counter()
+        self.state, self.loss = custom_loop(self.strategy, self.iterator, self.state, count)
+        return time.perf_counter() - start
+
+
+def inprocess_child() -> None:
+    """The in-process side, driven over stdin/stdout: ``loop N`` answers ``T <s> <loss>``,
+    ``trivial N`` answers ``T <p50 s>``, ``quit``."""
+    use_cpu_devices(DEVICES)
+    import jaxpod
+
+    strategy = jaxpod.TPUStrategy()
+    loop = Loop(strategy)
+    value = strategy.experimental_distribute_values_from_function(replica_vector)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        command = line.split()
+        if not command or command[0] == "quit":
+            break
+        if command[0] == "loop":
+            elapsed = loop.steps(int(command[1]))
+            print(f"T {elapsed} {loop.loss}", flush=True)
+        elif command[0] == "trivial":
+            times = call_times(lambda: run_reduce(strategy, value), int(command[1]), 20)
+            print(f"T {statistics.median(times)}", flush=True)
+
+
+class Child(CommandChild):
+    """A running :func:`inprocess_child`, ready."""
+
+    def __init__(self) -> None:
+        super().__init__(__file__, [])
+        self.wait_ready()
+
+
+# ------------------------------------------------------------------ measurements
+def measure_cold(runs: int, slices: str | None = None) -> dict[str, float]:
+    """Median phases of ``runs`` fresh interpreters' cold starts, and their wall time
+    from spawning the interpreter to its first result (``slices``: the embedded
+    service's simulated slices; default its own, one v4-16)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAXPOD_ADDRESS", "JAXPOD_LOCAL_SLICES")}
+    if slices:
+        env["JAXPOD_LOCAL_SLICES"] = slices
+    samples: list[dict[str, float]] = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-c", COLD_SCRIPT], stdout=subprocess.PIPE,
+                                env=env, text=True)
+        phases: dict[str, float] | None = None
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("COLD "):
+                phases = dict(json.loads(line[5:]))
+                phases["wall_to_first_result_s"] = time.perf_counter() - start
+        if proc.wait(300) != 0 or phases is None:
+            raise RuntimeError(f"the cold-start script failed (status {proc.returncode})")
+        print(f"cold start ({slices or 'default slices'}): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
+        samples.append(phases)
+    return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+
+
+def measure_loop(remote: Loop, child: Child, steps: int, rounds: int) -> dict[str, float]:
+    """Median seconds per step of the custom loop, remote and in-process alternating;
+    both losses must agree (the same program on the same data)."""
+    for _ in range(2):  # warm-up: compiles, starts the infeeds
+        remote.steps(steps)
+        child.ask(f"loop {steps}")
+    times: dict[str, list[float]] = {"remote": [], "inprocess": []}
+    for _ in range(rounds):
+        times["remote"].append(remote.steps(steps) / steps)
+        elapsed, loss = child.ask(f"loop {steps}")
+        times["inprocess"].append(elapsed / steps)
+        if abs(loss - remote.loss) > 1e-4 * max(1.0, abs(loss)):
+            raise RuntimeError(f"the remote loop's loss {remote.loss} differs from the "
+                               f"in-process loop's {loss}")
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+# ------------------------------------------------------------------------- main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (CI smoke run)")
+    parser.add_argument("--_inprocess", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._inprocess:
+        inprocess_child()
+        return
+    cold_runs = 1 if args.quick else 3
+    loop_steps, rounds = (50, 3) if args.quick else (100, 9)
+    calls = 100 if args.quick else 500
+
+    cold = measure_cold(cold_runs)
+    single = measure_cold(cold_runs, ACCELERATOR)
+    os.environ["JAXPOD_LOCAL_SLICES"] = ACCELERATOR
+    import jaxpod
+
+    with jaxpod.connect() as client, client.strategy(ACCELERATOR) as strategy:
+        child = Child()
+        try:
+            per_step = measure_loop(Loop(strategy), child, loop_steps, rounds)
+            value = strategy.experimental_distribute_values_from_function(replica_vector)
+            trivial = statistics.median(call_times(lambda: run_reduce(strategy, value),
+                                                   calls, 20))
+            local_trivial = child.ask(f"trivial {calls}")[0]
+        finally:
+            child.close()
+    ratio = per_step["remote"] / per_step["inprocess"]
+    figures = {
+        "devices": DEVICES, "loop_steps": loop_steps, "loop_rounds": rounds,
+        "loop_remote_ms_per_step": 1e3 * per_step["remote"],
+        "loop_inprocess_ms_per_step": 1e3 * per_step["inprocess"],
+        "loop_remote_vs_inprocess": ratio,
+        "trivial_run_reduce_p50_ms": 1e3 * trivial,
+        "inprocess_trivial_run_reduce_p50_ms": 1e3 * local_trivial,
+        "trivial_calls": calls, "cold_runs": cold_runs,
+        "cold_connect_to_first_result_s": cold["wall_to_first_result_s"],
+        **{f"cold_{k}": v for k, v in cold.items() if k != "wall_to_first_result_s"},
+        "cold_single_host_connect_to_first_result_s": single["wall_to_first_result_s"],
+        **{f"cold_single_host_{k}": v for k, v in single.items()
+           if k != "wall_to_first_result_s"},
+        "cores": os.cpu_count(),
+    }
+    report("step_loop", {k: round(v, 4) if isinstance(v, float) else v
+                         for k, v in figures.items()}, {
+        "loop_remote_vs_inprocess": target(ratio, "<=", 1.3),
+        "trivial_run_reduce_p50_ms": target(1e3 * trivial, "<=", 1.0),
+        "cold_connect_to_first_result_s": target(cold["wall_to_first_result_s"], "<=", 4.0),
+    })
+
+
+if __name__ == "__main__":
+    main()
