@@ -149,7 +149,9 @@ class ReplicaGroup:
             self._close_channels()
             _kill(self._workers)
             return SliceResetError(f"{why}; the slice was released meanwhile.")
-        self._seq, self._next_id, self._broken = 0, 1, None
+        # Ids go on from where they were: a value from before the reset must never
+        # name one made after it (nor its finalizer free that one).
+        self._seq, self._broken = 0, None
         self.resets += 1
         return SliceResetError(
             f"{why}. The slice's workers were restarted and every value, dataset and "

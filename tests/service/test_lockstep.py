@@ -179,9 +179,18 @@ def test_a_host_stuck_past_the_time_out_gets_the_slice_reset(
         group.experimental_distribute_values_from_function(_stuck_on_host_one)
     assert group.group.resets == resets + 1
     assert [s["num_values"] for s in group.stats()] == [0, 0]  # everything went
+    # Values made after the reset never take the ids of values from before it: the
+    # old handle names nothing, and dropping it frees nothing new.
+    new = [group.experimental_distribute_values_from_function(
+        lambda ctx, i=i: np.full((2,), i, np.float32)) for i in range(4)]
     with pytest.raises(jaxpod.HandleError, match="lost when its slice was reset"):
         group.run(lambda x: x, args=(old,))
+    del old
+    gc.collect()
     _normal_round(group)  # functions are defined again on the new workers
+    for i, value in enumerate(new):
+        np.testing.assert_array_equal(group.reduce("MAX", value, axis=None),
+                                      np.full((2,), i, np.float32))
     _hosts_agree(group)
 
 
