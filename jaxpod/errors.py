@@ -58,6 +58,11 @@ class MessageTooLargeError(JaxpodError, ValueError):
     """A request or result over the service's message size limit."""
 
 
+class MalformedRequestError(JaxpodError, ValueError):
+    """A request whose bytes are not the message its method takes (a client of another
+    protocol version, a corrupted or hostile message)."""
+
+
 class ServiceUnavailableError(JaxpodError, ConnectionError):
     """The jaxpod service cannot be reached (not started, stopped, or unreachable)."""
 

@@ -15,6 +15,7 @@ import functools
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -24,6 +25,7 @@ import jaxpod
 from jaxpod.errors import (
     EndOfDataError,
     HandleError,
+    MalformedRequestError,
     MessageTooLargeError,
     SessionError,
     VersionMismatchError,
@@ -394,11 +396,57 @@ def _no_stop(fn: Callable[..., _T], *args: Any) -> _T:
         raise _Stopped(e.with_traceback(None)) from None  # frames would pin the iterator
 
 
+@dataclass(frozen=True)
+class MalformedRequest:
+    """What a method's request deserializer gives for bytes that do not parse as its
+    message (gRPC would answer ``UNKNOWN`` for the parse error itself): the handler
+    refuses it as ``INVALID_ARGUMENT``, naming the method."""
+
+    method: str
+    message: str
+    error: str
+
+    def refusal(self) -> MalformedRequestError:
+        return MalformedRequestError(
+            f"{self.method}: the request is not a valid jaxpod.{self.message} message "
+            f"({self.error}). Call the service through a jaxpod client of its own version "
+            "(jaxpod.connect); other clients must build requests from "
+            "proto/coordinator.proto.")
+
+
+def request_deserializer(method: str, message: type[Any]) -> Callable[[bytes], Any]:
+    """``message.FromString``, giving a :class:`MalformedRequest` instead of raising."""
+    def deserialize(data: bytes) -> Any:
+        try:
+            return message.FromString(data)
+        except Exception as e:  # DecodeError; whatever else hostile bytes provoke
+            return MalformedRequest(method, message.__name__, f"{type(e).__name__}: {e}")
+
+    return deserialize
+
+
+def _checked(request: Any) -> Any:
+    """Raises the refusal of a malformed request; a request stream's items are checked
+    as they arrive."""
+    if isinstance(request, MalformedRequest):
+        raise request.refusal()
+    if hasattr(request, "__aiter__"):
+        return _checked_stream(request)
+    return request
+
+
+async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, MalformedRequest):
+            raise request.refusal()
+        yield request
+
+
 def _unary(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     @functools.wraps(handler)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await handler(self, request, context)
+            return await handler(self, _checked(request), context)
         except Exception as e:
             await _abort(context, e, handler.__name__)
 
@@ -410,7 +458,7 @@ def _streaming(handler: Callable[..., Any]) -> Callable[..., Any]:
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[Any]:
         try:
-            stream = handler(self, request, context)
+            stream = handler(self, _checked(request), context)
             async for item in stream:
                 yield item
         except Exception as e:

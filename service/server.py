@@ -47,7 +47,11 @@ from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
 from jaxpod.proto import tensors
 from jaxpod.proto.tensors import channel_options
-from jaxpod.service.coordinator import CoordinatorService, SliceProvider
+from jaxpod.service.coordinator import (
+    CoordinatorService,
+    SliceProvider,
+    request_deserializer,
+)
 from jaxpod.service.jobs.manager import JobManager
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.sessions import SessionManager
@@ -139,7 +143,8 @@ def coordinator_handlers(service: pb_grpc.CoordinatorServicer) -> grpc.GenericRp
                      else response.SerializeToString)
         make = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(getattr(service, method.name),
-                                     request_deserializer=request.FromString,
+                                     request_deserializer=request_deserializer(method.name,
+                                                                               request),
                                      response_serializer=serialize)
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 

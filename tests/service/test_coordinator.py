@@ -512,6 +512,33 @@ def test_messages_over_the_size_limit(service: Service, client: Any,
     _assert_serving(strategy)
 
 
+#: Bytes no message parses: a varint cut short, wire type 7, a field declaring 4 GiB
+#: that never arrive, a varint of eleven bytes.
+UNDECODABLE = (b"\x08", b"\x0f", b"\x0a\xff\xff\xff\xff\x0f", b"\xff" * 11)
+
+
+def test_undecodable_requests_are_invalid_arguments_naming_their_method(
+        service: Service, strategy: RemoteStrategy) -> None:
+    methods = pb.DESCRIPTOR.services_by_name["Coordinator"].methods
+    with grpc.insecure_channel(service.address, options=tensors.channel_options()) as channel:
+        for method, data in itertools.product(methods, UNDECODABLE):
+            path = f"/{SERVICE_NAME}/{method.name}"
+            kind = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
+                    (True, False): channel.stream_unary}[(method.client_streaming,
+                                                         method.server_streaming)]
+            call = kind(path)
+            with pytest.raises(grpc.RpcError) as info:
+                reply = call(iter([data]) if method.client_streaming else data, timeout=60,
+                             metadata=service.metadata)
+                if method.server_streaming:
+                    list(reply)
+            error, mapped = info.value, rpc.error_from(info.value, method.name)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (method.name, data, error)
+            assert isinstance(mapped, jaxpod.MalformedRequestError), (method.name, mapped)
+            assert f"{method.name}: the request is not a valid " in str(mapped)
+    _assert_serving(strategy)
+
+
 def test_protocol_and_runtime_version_mismatch(client: Any, strategy: RemoteStrategy) -> None:
     request = pb.OpenSessionRequest(client_version="9.9.9", protocol_version=999,
                                     runtime_versions=client.runtime_versions)
