@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import math
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -188,14 +189,17 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
                   ) -> pb.PutResponse:
         first: pb.TensorChunk | None = None
         parts: list[bytes] = []
-        size = 0
+        size = declared = 0
         async for chunk in request_iterator:
-            first = first or chunk
+            if first is None:  # refused before any more of it is read
+                first = chunk
+                self.sessions.get(first.session_id)
+                declared = _upload_size(first)
             size += len(chunk.data)
-            if size > MAX_UPLOAD_BYTES:
-                raise MessageTooLargeError(
-                    f"Put: upload over {MAX_UPLOAD_BYTES} bytes; split the tensor into "
-                    "several arguments.")
+            if size > declared:
+                raise ValueError(
+                    f"Put: the upload sends more than the {declared} bytes its dtype "
+                    f"{first.dtype} and shape {list(first.shape)} hold.")
             parts.append(chunk.data)
         if first is None:
             raise ValueError("Put: the upload stream was empty.")
@@ -440,6 +444,22 @@ async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         if isinstance(request, MalformedRequest):
             raise request.refusal()
         yield request
+
+
+def _upload_size(first: pb.TensorChunk) -> int:
+    """The bytes an upload's first chunk declares (its dtype and shape), refused over
+    ``MAX_UPLOAD_BYTES`` before the rest is read."""
+    if any(d < 0 for d in first.shape):
+        raise ValueError(f"Put: the upload's shape {list(first.shape)} has a negative "
+                         "dimension.")
+    # Python integers: a hostile shape must not wrap around in int64.
+    declared = math.prod(first.shape) * tensors.dtype_from_name(first.dtype).itemsize
+    if declared > MAX_UPLOAD_BYTES:
+        raise MessageTooLargeError(
+            f"Put: the upload declares {declared} bytes (dtype {first.dtype}, shape "
+            f"{list(first.shape)}), over the {MAX_UPLOAD_BYTES}-byte limit; split the "
+            "tensor into several arguments.")
+    return declared
 
 
 def _unary(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:

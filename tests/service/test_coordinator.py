@@ -512,6 +512,36 @@ def test_messages_over_the_size_limit(service: Service, client: Any,
     _assert_serving(strategy)
 
 
+def test_an_oversized_upload_is_refused_before_it_is_read(
+        service: Service, client: Any, strategy: RemoteStrategy) -> None:
+    sent: list[int] = []
+    chunk = b"\0" * (1 << 20)
+
+    def upload(dtype: str, shape: tuple[int, ...], chunks: int) -> Iterator[pb.TensorChunk]:
+        yield pb.TensorChunk(session_id=client.session_id, dtype=dtype, shape=shape,
+                             data=chunk)
+        for _ in range(chunks):
+            sent.append(len(chunk))
+            yield pb.TensorChunk(data=chunk)
+
+    with grpc.insecure_channel(service.address, options=tensors.channel_options()) as channel:
+        raw = pb_grpc.CoordinatorStub(channel)
+        # 1 TiB declared (8 PiB by int64 wrap-around must not pass either), 1 GiB offered
+        for shape in ((1 << 38,), (1 << 31, 1 << 31, 1 << 2)):
+            sent.clear()
+            error, mapped = _raw_error(raw.Put, upload("float32", shape, 1024),
+                                       service.metadata)
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+            assert isinstance(mapped, jaxpod.MessageTooLargeError)
+            assert "declares" in str(mapped) and str(list(shape)) in str(mapped)
+            assert sum(sent) < 256 << 20  # the client stopped long before 1 GiB
+        # More bytes than the dtype and shape hold
+        error, mapped = _raw_error(raw.Put, upload("float32", (4,), 2), service.metadata)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than the 16 bytes" in str(mapped)
+    _assert_serving(strategy)
+
+
 #: Bytes no message parses: a varint cut short, wire type 7, a field declaring 4 GiB
 #: that never arrive, a varint of eleven bytes.
 UNDECODABLE = (b"\x08", b"\x0f", b"\x0a\xff\xff\xff\xff\x0f", b"\xff" * 11)
