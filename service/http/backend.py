@@ -85,6 +85,11 @@ class Backend:
         return models.Sessions(sessions=out)
 
     # ------------------------------------------------------------------ jobs
+    def job_revision(self) -> int:
+        """The job store's revision (0 without one): see ``JobStore.revision``."""
+        jobs = self.service.jobs
+        return jobs.store.revision if jobs is not None else 0
+
     def job_list(self, state: str | None, limit: int, offset: int) -> models.JobList:
         manager = self.jobs
         statuses = manager.statuses(state, limit, offset)

@@ -56,12 +56,20 @@ class Recent:
     read per period, not one per poller, and no poll waits for a read (it gets the
     previous answer while the next is read, unless that one is older than
     ``MAX_STALE_S``). So an answer is at most ``CACHE`` old plus the time of one read,
-    and never older than ``MAX_STALE_S``."""
+    and never older than ``MAX_STALE_S``.
+
+    Read your writes (DESIGN §6): with a ``revision`` (a number that grows with every
+    change a client is told of: a job submitted, cancelled, changing state), an answer
+    whose read started before a change acknowledged before the request is never
+    given; the request waits for a read that started after it, which the requests
+    arriving meanwhile share."""
 
     def __init__(self) -> None:
         self._entries: dict[Any, _Entry] = {}
 
-    async def get(self, key: Any, compute: Callable[[], Any]) -> bytes:
+    async def get(self, key: Any, compute: Callable[[], Any],
+                  revision: Callable[[], int] = lambda: 0) -> bytes:
+        wanted = revision()  # every change acknowledged before this request
         now = time.monotonic()
         entry = self._entries.get(key)
         if entry is None:
@@ -69,29 +77,38 @@ class Recent:
                 self._entries = {k: e for k, e in self._entries.items()
                                  if now - e.at < MAX_STALE_S}
             entry = self._entries[key] = _Entry()
-        if entry.body is not None and now - entry.at < CACHE.seconds():
-            return entry.body
-        if entry.refresh is None:
-            entry.refresh = asyncio.ensure_future(self._refresh(entry, compute))
-            # Read its failure even when no request awaits it (it served a stale answer):
-            # the next request reads again, and asyncio must not warn of it.
-            entry.refresh.add_done_callback(_retrieve)
-        if entry.body is not None and now - entry.at < MAX_STALE_S:
-            return entry.body  # the previous answer; the next one is on its way
-        return await asyncio.shield(entry.refresh)
+        while True:
+            current = entry.body is not None and entry.revision >= wanted
+            if current and now - entry.at < CACHE.seconds():
+                assert entry.body is not None
+                return entry.body
+            if entry.refresh is None:
+                entry.refresh = asyncio.ensure_future(self._refresh(entry, compute,
+                                                                    revision))
+                # Read its failure even when no request awaits it (it served a stale
+                # answer): the next request reads again, and asyncio must not warn.
+                entry.refresh.add_done_callback(_retrieve)
+            if current and now - entry.at < MAX_STALE_S:
+                assert entry.body is not None
+                return entry.body  # the previous answer; the next one is on its way
+            body, read_at = await asyncio.shield(entry.refresh)
+            if read_at >= wanted:
+                return body
+            now = time.monotonic()  # that read started before the change: another
 
     @staticmethod
-    async def _refresh(entry: _Entry, compute: Callable[[], Any]) -> bytes:
+    async def _refresh(entry: _Entry, compute: Callable[[], Any],
+                       revision: Callable[[], int]) -> tuple[bytes, int]:
         try:
-            at = time.monotonic()
+            at, read_at = time.monotonic(), revision()
             body = await _serialized(compute)
-            entry.body, entry.at = body, at
-            return body
+            entry.body, entry.at, entry.revision = body, at, read_at
+            return body, read_at
         finally:
             entry.refresh = None  # a failure is not kept: the next request reads again
 
 
-def _retrieve(future: asyncio.Future[bytes]) -> None:
+def _retrieve(future: asyncio.Future[tuple[bytes, int]]) -> None:
     if not future.cancelled():
         future.exception()
 
@@ -100,7 +117,8 @@ def _retrieve(future: asyncio.Future[bytes]) -> None:
 class _Entry:
     body: bytes | None = None
     at: float = 0.0  # when the read that made ``body`` started (monotonic)
-    refresh: asyncio.Future[bytes] | None = None
+    revision: int = 0  # the revision when that read started
+    refresh: asyncio.Future[tuple[bytes, int]] | None = None
 
 
 async def _serialized(compute: Callable[[], Any]) -> bytes:
@@ -161,7 +179,8 @@ async def list_jobs(backend: BackendDep, recent: RecentDep,
                     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
                     offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0) -> Response:
     return _json(await recent.get(("jobs", state, limit, offset),
-                                  lambda: backend.job_list(state, limit, offset)))
+                                  lambda: backend.job_list(state, limit, offset),
+                                  backend.job_revision))
 
 
 @jobs.get("/jobs/{job_id}", response_model=models.JobDetail, responses=NOT_FOUND,

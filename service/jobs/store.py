@@ -18,6 +18,7 @@ written by a newer jaxpod is refused rather than misread.
 from __future__ import annotations
 
 import builtins
+import itertools
 import math
 import secrets
 import sqlite3
@@ -290,6 +291,9 @@ class JobStore:
         self.path = self.state_dir / "jobs.sqlite"
         self._clock = clock
         self._lock = threading.Lock()
+        # Counts committed submissions and state changes (see :attr:`revision`).
+        self._revisions = itertools.count(1)
+        self._revision = 0
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._conn = _connect(self.path)
         try:
@@ -358,11 +362,13 @@ class JobStore:
                 conn.execute("INSERT INTO transitions (job_id, from_state, to_state, at, reason)"
                              " VALUES (?, NULL, ?, ?, 'submitted')",
                              (job_id, JobState.PENDING.value, now))
-                return self._get(conn, job_id)
+                created = self._get(conn, job_id)
         except BaseException:
             if rel_path is not None:
                 (self.state_dir / rel_path).unlink(missing_ok=True)
             raise
+        self._changed()
+        return created
 
     def _place_payload(self, job_id: str, payload: bytes) -> tuple[bytes | None, str | None]:
         if len(payload) <= INLINE_PAYLOAD_LIMIT:
@@ -413,7 +419,19 @@ class JobStore:
         """
         with self._write() as conn:
             self._transition(conn, job_id, new, reason)
-            return self._get(conn, job_id)
+            changed = self._get(conn, job_id)
+        self._changed()
+        return changed
+
+    @property
+    def revision(self) -> int:
+        """A number that grows with every submission and state change once committed
+        (not with progress, metrics or logs): a read that starts after it was ``r``
+        reflects every such change acknowledged before."""
+        return self._revision
+
+    def _changed(self) -> None:
+        self._revision = next(self._revisions)  # next() of a count is atomic
 
     def _transition(self, conn: sqlite3.Connection, job_id: str, new: JobStateData,
                     reason: str | None) -> None:
@@ -653,6 +671,7 @@ class JobStore:
                                    "ORDER BY seq", (JobState.PENDING.value,
                                                     JobState.RETRYING.value)).fetchall()
             requeue = tuple(_status(conn, r) for r in waiting)
+        self._changed()
         return Recovery(requeue=requeue, resumed=resumed)
 
     def list(self, state: JobState | str | None = None, limit: int | None = None,

@@ -167,6 +167,23 @@ def test_cancel_through_http_is_seen_by_the_sdk(service: Service, client: Any,
     assert 0 < status.step < 100_000
 
 
+def test_the_job_list_reflects_a_submit_and_a_cancel_at_once(client: Any,
+                                                              api: httpx.Client) -> None:
+    def listed(job_id: str) -> dict[str, Any] | None:
+        reply = api.get("/api/v1/jobs", params={"limit": 1000})
+        assert reply.status_code == 200, reply.text
+        return next((j for j in reply.json()["jobs"] if j["id"] == job_id), None)
+
+    listed("none")  # the list is cached now
+    job = submit(client, steps=100_000, steps_per_run=1, paced=True, name="read-your-writes")
+    seen = listed(job.id)
+    assert seen is not None and seen["state"] in ("PENDING", "ALLOCATING", "RUNNING")
+    reply = api.post(f"/api/v1/jobs/{job.id}/cancel")
+    assert reply.status_code == 200 and reply.json()["state"] == "CANCELLED", reply.text
+    seen = listed(job.id)
+    assert seen is not None and seen["state"] == "CANCELLED"
+
+
 def test_sign_in_sets_a_strict_http_only_cookie(service: Service,
                                                 anonymous: httpx.Client) -> None:
     same_origin = {"Origin": service.http_url}

@@ -55,6 +55,27 @@ def test_recent_answers_are_shared_and_refreshed_without_waiting(
     asyncio.run(scenario())
 
 
+def test_recent_answers_reflect_every_acknowledged_change() -> None:
+    revision = [0]
+    reads: list[int] = []  # the revision each read started at
+
+    def compute() -> Model:
+        reads.append(revision[0])
+        return Model(revision[0])
+
+    async def scenario() -> None:
+        recent = Recent()
+        assert await recent.get("k", compute, lambda: revision[0]) == b"0"
+        assert await recent.get("k", compute, lambda: revision[0]) == b"0"  # cached
+        assert reads == [0]
+        revision[0] = 1  # a change acknowledged: within CACHE, yet never the old answer
+        answers = await asyncio.gather(*(recent.get("k", compute, lambda: revision[0])
+                                         for _ in range(5)))
+        assert answers == [b"1"] * 5 and reads == [0, 1]  # one read for all of them
+
+    asyncio.run(scenario())
+
+
 def test_a_failed_read_is_not_kept() -> None:
     outcomes: list[Exception | Model] = [RuntimeError("store gone"), Model(7)]
 
