@@ -36,12 +36,13 @@ logger = logging.getLogger(__name__)
 
 ADDRESS_ENV = "JAXPOD_ADDRESS"
 TOKEN_ENV = "JAXPOD_TOKEN"
+TLS_CA_ENV = "JAXPOD_TLS_CA"
 _embedded_lock = threading.Lock()
 _embedded: list[embedded.EmbeddedService] = []  # this process's, started on first need
 
 
 def connect(address: str | None = None, token: str | None = None, *,
-            lease_s: float | None = None) -> Client:
+            lease_s: float | None = None, tls_ca: str | bytes | None = None) -> Client:
     """Connects to a jaxpod service and opens a session.
 
     Args:
@@ -51,18 +52,36 @@ def connect(address: str | None = None, token: str | None = None, *,
       token: the service's bearer token (default ``$JAXPOD_TOKEN``).
       lease_s: how long the service keeps this session without a heartbeat
         (default: the service's).
+      tls_ca: reach the service over TLS, trusting this CA certificate (a PEM file's
+        path, or its bytes; default ``$JAXPOD_TLS_CA``; unset: plain text).
 
     Returns:
       The client; close it (or use it as a context manager) to release its slices.
     """
     address = address or os.environ.get(ADDRESS_ENV) or None
     source = "jaxpod.connect(token=...)"
+    service = None
     if address is None:
         service = _embedded_service()
         address, token, source = service.address, service.token, "the embedded service"
     elif token is None:
         token, source = os.environ.get(TOKEN_ENV), f"${TOKEN_ENV}"
-    return Client(address, token, lease_s=lease_s, token_source=source)
+    if tls_ca is None and service is None:
+        tls_ca = os.environ.get(TLS_CA_ENV) or None
+    return Client(address, token, lease_s=lease_s, token_source=source,
+                  tls_ca=_read_ca(tls_ca) if tls_ca is not None else None)
+
+
+def _read_ca(tls_ca: str | bytes) -> bytes:
+    if isinstance(tls_ca, bytes):
+        return tls_ca
+    try:
+        with open(os.path.expanduser(tls_ca), "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"tls_ca={tls_ca!r} (or ${TLS_CA_ENV}): cannot read the CA "
+                         f"certificate ({e.strerror}). Give the path of a PEM file, or its "
+                         "bytes.") from None
 
 
 def _embedded_service() -> embedded.EmbeddedService:
@@ -80,16 +99,21 @@ class Client:
       token: bearer token, if the service requires one.
       lease_s: requested session lease (0 or ``None``: the service's default).
       token_source: where ``token`` came from, for the error when it is refused.
+      tls_ca: the CA certificate (PEM bytes) to trust over TLS (``None``: plain text).
     """
 
     def __init__(self, address: str, token: str | None = None,
-                 lease_s: float | None = None, token_source: str = "token=") -> None:
+                 lease_s: float | None = None, token_source: str = "token=",
+                 tls_ca: bytes | None = None) -> None:
         self.address = address
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ())
         # Result streams are read on the calling thread (no hand-off per message).
-        self._channel = grpc.insecure_channel(address, options=[
-            *channel_options(), (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)])
+        options = [*channel_options(),
+                   (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
+        self._channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca),
+                                             options=options) if tls_ca is not None
+                         else grpc.insecure_channel(address, options=options))
         self.stub = _coordinator_stub(self._channel)
         from jaxpod.shipping import runtime_versions
 

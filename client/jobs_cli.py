@@ -86,7 +86,8 @@ def add_commands(sub: Any) -> None:
 def _add_address(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None,
                         help=f"the `jaxpod serve` to talk to (default ${ADDRESS_ENV}); "
-                             f"the token comes from ${TOKEN_ENV}")
+                             f"the token comes from ${TOKEN_ENV}, the CA of a service "
+                             "served over TLS from $JAXPOD_TLS_CA")
 
 
 def _address(args: argparse.Namespace) -> str:
@@ -101,18 +102,19 @@ def _address(args: argparse.Namespace) -> str:
 
 
 def _connect(args: argparse.Namespace) -> Client:
-    from jaxpod.client.client import Client
+    from jaxpod.client.client import connect
     from jaxpod.errors import ServiceUnavailableError
 
     address = _address(args)
     try:
-        return Client(address, os.environ.get(TOKEN_ENV) or None)
+        return connect(address, os.environ.get(TOKEN_ENV) or None)
     except ServiceUnavailableError as e:
         # The generic advice (unset the address for the embedded service) is wrong here.
         raise ServiceUnavailableError(
             f"`jaxpod {args.command}`: no jaxpod service answers at {address}. Check that "
-            "`jaxpod serve` runs there (its JAXPOD_LISTENING line names the address) and "
-            f"that --address or ${ADDRESS_ENV} points at it.") from e
+            "`jaxpod serve` runs there (its JAXPOD_LISTENING line names the address), "
+            f"that --address or ${ADDRESS_ENV} points at it, and, if it serves TLS, that "
+            "$JAXPOD_TLS_CA names the CA that signed its certificate.") from e
 
 
 # ------------------------------------------------------------------------ submit

@@ -79,8 +79,10 @@ def _transport_message(code: grpc.StatusCode, details: str, what: str,
                 "stopping. Connect again once it is back.")
     if code == grpc.StatusCode.UNAVAILABLE:
         return (f"{what}: the jaxpod service is unreachable ({details}). Check that "
-                "`jaxpod serve` runs at that address, or unset JAXPOD_ADDRESS to use the "
-                "embedded local service.")
+                "`jaxpod serve` runs at that address (a service started with --tls-cert "
+                "needs jaxpod.connect(tls_ca=...) or $JAXPOD_TLS_CA, the CA that signed "
+                "its certificate), or unset JAXPOD_ADDRESS to use the embedded local "
+                "service.")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return (f"{what}: {details}. Messages are limited to {MAX_MESSAGE_BYTES} bytes; "
                 "large arrays travel as arguments (uploaded in chunks), not inside "

@@ -20,6 +20,7 @@ STATE_DIR_ENV = "JAXPOD_STATE_DIR"
 
 #: Where job checkpoints go when --checkpoint-dir is not given.
 CHECKPOINT_DIR_ENV = "JAXPOD_CHECKPOINT_DIR"
+TLS_CERT_ENV, TLS_KEY_ENV = "JAXPOD_TLS_CERT", "JAXPOD_TLS_KEY"
 
 
 def default_state_dir() -> str:
@@ -103,6 +104,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, metavar="PORT",
                         help="the HTTP API, /metrics and status page, on the gRPC host "
                              f"(default {DEFAULT_HTTP_PORT}; 0 picks a free one; -1: none)")
+    parser.add_argument("--tls-cert", default=None, metavar="PEM",
+                        help="serve gRPC and HTTP over TLS with this certificate chain "
+                             f"(default ${TLS_CERT_ENV}); needs --tls-key")
+    parser.add_argument("--tls-key", default=None, metavar="PEM",
+                        help=f"the certificate's private key (default ${TLS_KEY_ENV})")
     parser.add_argument("--platform", default="cpu", choices=("cpu", "tpu"),
                         help="what the host workers run JAX on (default cpu: simulated)")
 
@@ -128,19 +134,51 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.getLogger(__name__).debug("malloc tuned for large buffers: %s", tuned)
     token = os.environ.get(TOKEN_ENV) or None
     check_listen_address(address, token)
+    tls = tls_files(args.tls_cert or os.environ.get(TLS_CERT_ENV),
+                    args.tls_key or os.environ.get(TLS_KEY_ENV))
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    if tls is None and not is_loopback(host) and not address.startswith("unix"):
+        logging.getLogger(__name__).warning(
+            "jaxpod serve: listening on %s without TLS: the bearer token and every step "
+            "function travel in clear text to anyone on the network path. Give "
+            "--tls-cert and --tls-key (or $%s and $%s).", address, TLS_CERT_ENV, TLS_KEY_ENV)
     cluster: Any = None
     if args.local:  # first: the simulated hosts start while this process imports
         from jaxpod.service.local_cluster import DEFAULT_SLICES, LocalTPUCluster
 
         cluster = LocalTPUCluster(args.slices or DEFAULT_SLICES).launch()
     try:
-        return _serve(args, address, token, cluster)
+        return _serve(args, address, token, cluster, tls)
     finally:
         if cluster is not None:
             cluster.stop()
 
 
-def _serve(args: argparse.Namespace, address: str, token: str | None, cluster: Any) -> int:
+def tls_files(cert: str | None, key: str | None) -> Any:
+    """The ``TlsFiles`` of ``--tls-cert``/``--tls-key`` (``None`` without either).
+
+    Raises:
+      ValueError: only one was given, or a file cannot be read; the message says which.
+    """
+    if not cert and not key:
+        return None
+    if not cert or not key:
+        given, missing = ("--tls-cert", "--tls-key") if cert else ("--tls-key", "--tls-cert")
+        raise ValueError(f"jaxpod serve: {given} was given without {missing}; TLS needs "
+                         "both the certificate chain and its private key (PEM files).")
+    from pathlib import Path
+
+    from jaxpod.service.server import TlsFiles
+
+    files = TlsFiles(Path(cert).expanduser(), Path(key).expanduser())
+    for flag, path in (("--tls-cert", files.cert), ("--tls-key", files.key)):
+        if not os.access(path, os.R_OK):
+            raise ValueError(f"jaxpod serve: {flag} {str(path)!r} is not a readable file.")
+    return files
+
+
+def _serve(args: argparse.Namespace, address: str, token: str | None, cluster: Any,
+           tls: Any) -> int:
     from jaxpod.service.server import LISTENING, serve
 
     def make_slices() -> Any:
@@ -178,7 +216,7 @@ def _serve(args: argparse.Namespace, address: str, token: str | None, cluster: A
         asyncio.run(serve(address, make_slices, token, args.lease, listening,
                           args.stop_on_stdin_eof, state_dir=state_dir,
                           http_port=None if args.http_port < 0 else args.http_port,
-                          checkpoint_dir=checkpoint_dir))
+                          checkpoint_dir=checkpoint_dir, tls=tls))
     finally:
         import ray
 

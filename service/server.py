@@ -28,6 +28,7 @@ import signal
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -149,9 +150,21 @@ def coordinator_handlers(service: pb_grpc.CoordinatorServicer) -> grpc.GenericRp
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """The service's TLS certificate chain and private key (PEM files)."""
+
+    cert: Path
+    key: Path
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.key.read_bytes(), self.cert.read_bytes())])
+
+
 def create_server(address: str, service: pb_grpc.CoordinatorServicer,
                   token: str | None = None,
-                  interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                  tls: TlsFiles | None = None
                   ) -> tuple[grpc.aio.Server, int, health_async.HealthServicer]:
     """Builds the server with every service on it and binds ``address``.
 
@@ -160,6 +173,7 @@ def create_server(address: str, service: pb_grpc.CoordinatorServicer,
       service: the coordinator.
       token: when set, every coordinator call must carry it as a bearer token.
       interceptors: run before the token check (the RPC timer of ``/metrics``).
+      tls: serve over TLS with this certificate (``None``: plain text).
 
     Returns:
       The (not yet started) server, the bound port and its health servicer (set it
@@ -173,7 +187,8 @@ def create_server(address: str, service: pb_grpc.CoordinatorServicer,
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    port = (server.add_secure_port(address, tls.credentials()) if tls is not None
+            else server.add_insecure_port(address))
     if port == 0:
         raise OSError(f"jaxpod serve: cannot listen on {address}; is the port in use?")
     return server, port, health
@@ -190,7 +205,8 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
                 token: str | None = None, lease_s: float | None = None,
                 on_listening: Callable[..., None] | None = None,
                 stop_on_stdin_eof: bool = False, state_dir: Path | None = None,
-                http_port: int | None = None, checkpoint_dir: str | None = None) -> None:
+                http_port: int | None = None, checkpoint_dir: str | None = None,
+                tls: TlsFiles | None = None) -> None:
     """Runs the coordinator until SIGTERM or SIGINT, then stops gracefully.
 
     Args:
@@ -208,6 +224,7 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
         (0 picks a free one; ``None``: no HTTP), guarded by the same token.
       checkpoint_dir: where the hosts write job checkpoints (``None``:
         ``<state_dir>/checkpoints``).
+      tls: serve gRPC and HTTP over TLS with this certificate.
     """
     sessions = SessionManager(lease_s)
     provider = _DeferredSlices()
@@ -225,7 +242,7 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
                           metrics=ServiceMetrics())
         backend.metrics.watch(backend)
         interceptors.append(backend.metrics.interceptor())
-    server, port, health = create_server(address, service, token, interceptors)
+    server, port, health = create_server(address, service, token, interceptors, tls)
     await _set_serving(health, False)  # the health service starts out SERVING
     await server.start()
     host = address.rsplit(":", 1)[0]
@@ -235,11 +252,12 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
         from jaxpod.service.http.server import start_http
 
         try:
-            http = await start_http(create_app(backend, token), host, http_port)
+            http = await start_http(create_app(backend, token), host, http_port, tls)
         except BaseException:
             await server.stop(None)
             raise
-        logger.info("jaxpod serve: HTTP dashboard on http://%s/", http.address)
+        logger.info("jaxpod serve: HTTP dashboard on %s://%s/",
+                    "https" if tls else "http", http.address)
     if on_listening:
         if http is not None:
             on_listening(f"{host}:{port}", http.address)

@@ -15,6 +15,7 @@ import contextlib
 import socket
 from collections.abc import Generator
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -80,9 +81,10 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def start_http(app: FastAPI, host: str, port: int) -> HttpServer:
+async def start_http(app: FastAPI, host: str, port: int, tls: Any = None) -> HttpServer:
     """Binds ``host:port`` and serves ``app`` there as a task of the running loop; returns
-    once it accepts connections (its lifespan has started).
+    once it accepts connections (its lifespan has started). ``tls``: serve HTTPS with
+    its ``cert`` and ``key`` files (a ``jaxpod.service.server.TlsFiles``).
 
     Raises:
       OSError: the address cannot be bound, or the server failed to start (its lifespan
@@ -93,7 +95,9 @@ async def start_http(app: FastAPI, host: str, port: int) -> HttpServer:
     # own records go to it, warnings and worse only).
     config = uvicorn.Config(app, lifespan="on", log_config=None, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=GRACEFUL_S,
-                            server_header=False)
+                            server_header=False,
+                            ssl_certfile=str(tls.cert) if tls else None,
+                            ssl_keyfile=str(tls.key) if tls else None)
     server = _Server(config)
 
     async def serve() -> None:

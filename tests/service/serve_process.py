@@ -38,10 +38,12 @@ class Service:
     log_path: Path
     #: The HTTP dashboard's ``host:port`` (``JAXPOD_LISTENING``'s ``"http"``).
     http_address: str = ""
+    #: The CA certificate (PEM) of a service started with TLS.
+    tls_ca: bytes | None = None
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.http_address}"
+        return f"{'https' if self.tls_ca else 'http'}://{self.http_address}"
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -54,15 +56,18 @@ class Service:
             return "(no log)"
 
     def connect(self, **kwargs: Any) -> Any:
+        if self.tls_ca is not None:
+            kwargs.setdefault("tls_ca", self.tls_ca)
         return jaxpod.connect(self.address, token=self.token, **kwargs)
 
 
 def start_service(log_path: Path, slices: str | None, lease_s: float | None = None,
                   env: dict[str, str] | None = None, args: tuple[str, ...] = (),
-                  ray_address: str | None = None) -> Service:
+                  ray_address: str | None = None, tls_ca: bytes | None = None) -> Service:
     """Starts the service and waits until it is SERVING: on its own simulated cluster
     of ``slices``, or joining the Ray cluster at ``ray_address`` (which outlives it);
-    ``args`` are added to its command line (e.g. ``--state-dir``)."""
+    ``args`` are added to its command line (e.g. ``--state-dir``; ``--tls-cert`` and
+    ``--tls-key`` with ``tls_ca``, the CA that signed the certificate)."""
     token = secrets.token_hex(16)
     where = ["--local", "--slices", str(slices)] if ray_address is None else []
     # --http-port 0: services of parallel tests must not share a fixed HTTP port.
@@ -78,11 +83,12 @@ def start_service(log_path: Path, slices: str | None, lease_s: float | None = No
     with log_path.open("ab") as log:
         process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    stderr=log, env=full_env, start_new_session=True)
-    service = Service("", token, process, log_path)
+    service = Service("", token, process, log_path, tls_ca=tls_ca)
     try:
         deadline = Deadline(START_TIMEOUT_S)
         service.address, service.http_address = listening_addresses(process, deadline)
-        with grpc.insecure_channel(service.address) as channel:
+        with (grpc.secure_channel(service.address, grpc.ssl_channel_credentials(tls_ca))
+              if tls_ca is not None else grpc.insecure_channel(service.address)) as channel:
             health = health_pb2_grpc.HealthStub(channel)
 
             def serving() -> bool:
