@@ -42,7 +42,8 @@ _embedded: list[embedded.EmbeddedService] = []  # this process's, started on fir
 
 
 def connect(address: str | None = None, token: str | None = None, *,
-            lease_s: float | None = None, tls_ca: str | bytes | None = None) -> Client:
+            lease_s: float | None = None, tls_ca: str | bytes | bool | None = None
+            ) -> Client:
     """Connects to a jaxpod service and opens a session.
 
     Args:
@@ -53,7 +54,8 @@ def connect(address: str | None = None, token: str | None = None, *,
       lease_s: how long the service keeps this session without a heartbeat
         (default: the service's).
       tls_ca: reach the service over TLS, trusting this CA certificate (a PEM file's
-        path, or its bytes; default ``$JAXPOD_TLS_CA``; unset: plain text).
+        path, or its bytes; ``True``: the system's roots; default ``$JAXPOD_TLS_CA``, a
+        path; unset: plain text).
 
     Returns:
       The client; close it (or use it as a context manager) to release its slices.
@@ -69,11 +71,13 @@ def connect(address: str | None = None, token: str | None = None, *,
     if tls_ca is None and service is None:
         tls_ca = os.environ.get(TLS_CA_ENV) or None
     return Client(address, token, lease_s=lease_s, token_source=source,
-                  tls_ca=_read_ca(tls_ca) if tls_ca is not None else None)
+                  tls_ca=_read_ca(tls_ca))
 
 
-def _read_ca(tls_ca: str | bytes) -> bytes:
-    if isinstance(tls_ca, bytes):
+def _read_ca(tls_ca: str | bytes | bool | None) -> bytes | bool | None:
+    if tls_ca is None or tls_ca is False:
+        return None
+    if isinstance(tls_ca, bytes) or tls_ca is True:
         return tls_ca
     try:
         with open(os.path.expanduser(tls_ca), "rb") as f:
@@ -99,21 +103,22 @@ class Client:
       token: bearer token, if the service requires one.
       lease_s: requested session lease (0 or ``None``: the service's default).
       token_source: where ``token`` came from, for the error when it is refused.
-      tls_ca: the CA certificate (PEM bytes) to trust over TLS (``None``: plain text).
+      tls_ca: the CA certificate (PEM bytes) to trust over TLS (``True``: the system's
+        roots; ``None``: plain text).
     """
 
     def __init__(self, address: str, token: str | None = None,
                  lease_s: float | None = None, token_source: str = "token=",
-                 tls_ca: bytes | None = None) -> None:
+                 tls_ca: bytes | bool | None = None) -> None:
         self.address = address
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ())
         # Result streams are read on the calling thread (no hand-off per message).
         options = [*channel_options(),
                    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
-        self._channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca),
-                                             options=options) if tls_ca is not None
-                         else grpc.insecure_channel(address, options=options))
+        self._channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(
+            None if tls_ca is True else tls_ca), options=options) if tls_ca
+            else grpc.insecure_channel(address, options=options))
         self.stub = _coordinator_stub(self._channel)
         from jaxpod.shipping import runtime_versions
 

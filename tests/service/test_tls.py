@@ -112,6 +112,8 @@ def test_the_ca_from_the_environment_in_a_fresh_interpreter(
 def test_clients_without_the_ca_are_refused(service: Service, tmp_path: Path) -> None:
     with pytest.raises(jaxpod.ServiceUnavailableError):
         jaxpod.connect(service.address, token=service.token)  # plain text
+    with pytest.raises(jaxpod.ServiceUnavailableError):  # the system's roots lack our CA
+        jaxpod.connect(service.address, token=service.token, tls_ca=True)
     other_ca = make_ca(tmp_path / "other", "another CA")[0]
     with pytest.raises(jaxpod.ServiceUnavailableError):
         jaxpod.connect(service.address, token=service.token, tls_ca=str(other_ca))
