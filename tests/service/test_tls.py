@@ -2,9 +2,9 @@
 
 A CA and a certificate it signs for 127.0.0.1 are made here (``cryptography``). A
 client trusting the CA (``tls_ca=``, or ``$JAXPOD_TLS_CA`` in a fresh interpreter and
-for ``jaxpod status``) runs a step, compared with numpy; the HTTP API answers over HTTPS; a plain-text client,
-a client trusting another CA and plain HTTP all fail. The CLI refuses half a TLS
-configuration, naming what is missing.
+for ``jaxpod status``) runs a step, compared with numpy; the HTTP API answers over
+HTTPS; a plain-text client, a client trusting another CA or the system's roots, and
+plain HTTP all fail. The CLI refuses half a TLS configuration, naming what is missing.
 """
 
 from __future__ import annotations
