@@ -42,6 +42,7 @@ attempt's ``init_fn`` gives, without running it.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import threading
 from collections.abc import Sequence
@@ -55,6 +56,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpod import trees
+from jaxpod.timeouts import Timeout
 from jaxpod.values import PerReplica, is_per_replica
 from jaxpod.worker.global_view import GlobalValue, is_global
 
@@ -64,6 +66,9 @@ logger = logging.getLogger(__name__)
 STATE, META = "state", "meta"
 #: The meta item's format.
 META_VERSION = 1
+#: How long a host's checkpoint thread waits for the other hosts' input positions (a
+#: lost host resets the slice well before).
+PEER_TIMEOUT = Timeout("JAXPOD_CHECKPOINT_PEER_TIMEOUT_S", 300.0)
 
 
 @dataclass(frozen=True)
@@ -232,6 +237,22 @@ def _global_leaf(value: GlobalValue) -> LeafSpec:
     return LeafSpec(tuple(array.shape), str(array.dtype), (None,) * array.ndim, key_impl)
 
 
+def _exchanged(position: Any, key: str) -> list[Any]:
+    """Every host's ``position`` (JSON), in process order, through the
+    ``jax.distributed`` key-value store: no device collective, so a checkpoint thread
+    may ask while the step loop runs its own."""
+    if jax.process_count() == 1:
+        return [position]
+    from jax._src.distributed import global_state  # the client orbax's barriers use too
+
+    client = global_state.client
+    assert client is not None, "several processes share jax.distributed's client"
+    client.key_value_set(f"{key}/{jax.process_index()}", json.dumps(position))
+    limit_ms = int(PEER_TIMEOUT.seconds() * 1000)
+    return [json.loads(client.blocking_key_value_get(f"{key}/{host}", limit_ms))
+            for host in range(jax.process_count())]
+
+
 @functools.cache
 def _barriers_on_the_coordination_service() -> None:
     """Makes orbax synchronise hosts through ``jax.distributed``'s coordination service
@@ -294,12 +315,13 @@ class HostCheckpoints:
             return manager
 
     def save(self, directory: str, step: int, keep: int, state: Any, mesh: Any,
-             positions: Sequence[Any]) -> None:
+             position: Any, exchange: str) -> None:
         """Starts writing ``state`` (the user's tree of per-replica or global values) as
         step ``step``. Returns once the stored leaves are laid out in their own device
         buffers (per-replica: orbax's save call follows on the checkpoint thread) or
-        off the devices (global values). ``positions``: every host's input position at
-        the step (JSON), in host order."""
+        off the devices (global values). ``position``: this host's input position at
+        the step (JSON), which the hosts exchange under the key ``exchange`` (the same
+        on every host, used once)."""
         import orbax.checkpoint as ocp
 
         values, treedef = jax.tree.flatten(
@@ -315,22 +337,29 @@ class HostCheckpoints:
                       if leaves else [])
         else:
             raise TypeError("A job's state must hold only values on the slice.")
-        meta = {"version": META_VERSION, "leaves": [leaf.as_json() for leaf in leaves],
-                "input": list(positions)}
-        items = {META: ocp.args.JsonSave(meta)}
-        if leaves:  # a job without state keeps only its input positions
-            items[STATE] = ocp.args.PyTreeSave(jax.tree.unflatten(treedef, stored))
+        state_item = (ocp.args.PyTreeSave(jax.tree.unflatten(treedef, stored)) if leaves
+                      else None)  # a job without state keeps only its input positions
         self._settle(directory)
         manager = self._manager(directory, keep)
-        args = ocp.args.Composite(**items)
+        start = functools.partial(self._start, directory, manager, step, leaves, state_item,
+                                  position, exchange)
         if isinstance(values[0] if values else None, GlobalValue):  # the live arrays
-            self._start(directory, manager, step, args)
+            start()
         else:  # fresh buffers: saved beside the next loops
-            self._saving[directory] = self._saver.submit(self._start, directory, manager,
-                                                         step, args)
+            self._saving[directory] = self._saver.submit(start)
 
-    def _start(self, directory: str, manager: Any, step: int, args: Any) -> None:
-        """orbax's save call: returns once the bytes are in host memory."""
+    def _start(self, directory: str, manager: Any, step: int, leaves: Sequence[LeafSpec],
+               state_item: Any, position: Any, exchange: str) -> None:
+        """orbax's save call, with every host's input position: returns once the bytes
+        are in host memory."""
+        import orbax.checkpoint as ocp
+
+        meta = {"version": META_VERSION, "leaves": [leaf.as_json() for leaf in leaves],
+                "input": _exchanged(position, exchange)}
+        items = {META: ocp.args.JsonSave(meta)}
+        if state_item is not None:
+            items[STATE] = state_item
+        args = ocp.args.Composite(**items)
         # orbax writes one step at a time: the previous one is committed first (or
         # its error raised here), and stays the newest committed while this one goes.
         manager.wait_until_finished()

@@ -71,7 +71,7 @@ def test_a_saved_state_reads_back_bit_for_bit(mesh: Mesh, tmp_path: Path,
     positions = [{"at": {"index": 5, "rows": 2}, "batch": 8}]
     host, reader = HostCheckpoints(), HostCheckpoints()
     try:
-        host.save(str(tmp_path), 3, 2, saved, mesh, positions)
+        host.save(str(tmp_path), 3, 2, saved, mesh, positions[0], "test/input")
         assert host.wait(str(tmp_path)) == 3
         assert host.committed(str(tmp_path)) == 3
         plain = ocp.StandardCheckpointer().restore(tmp_path / "3" / "state")
