@@ -94,7 +94,7 @@ def test_a_checkpoint_restores_onto_init_fns_shardings(engine: Engine, tmp_path:
     state, _ = view.run_steps(step_fn, iterator, 2, view.init(init_fn))
     host = HostCheckpoints()
     try:
-        host.save(str(tmp_path), 2, 2, state, engine.mesh, [None])
+        host.save(str(tmp_path), 2, 2, state, engine.mesh, None, "test/input")
         assert host.wait(str(tmp_path)) == 2
     finally:
         host.close()
