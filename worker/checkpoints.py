@@ -237,10 +237,11 @@ def _global_leaf(value: GlobalValue) -> LeafSpec:
     return LeafSpec(tuple(array.shape), str(array.dtype), (None,) * array.ndim, key_impl)
 
 
-def _exchanged(position: Any, key: str) -> list[Any]:
-    """Every host's ``position`` (JSON), in process order, through the
+def _exchanged(position: Any, key: str) -> list[Any] | None:
+    """Every host's ``position`` (JSON), in process order, on process 0 (orbax's primary
+    host, the one that writes the meta item; ``None`` elsewhere), through the
     ``jax.distributed`` key-value store: no device collective, so a checkpoint thread
-    may ask while the step loop runs its own."""
+    may ask while the step loop runs its own, and one read per host, not per pair."""
     if jax.process_count() == 1:
         return [position]
     from jax._src.distributed import global_state  # the client orbax's barriers use too
@@ -248,6 +249,8 @@ def _exchanged(position: Any, key: str) -> list[Any]:
     client = global_state.client
     assert client is not None, "several processes share jax.distributed's client"
     client.key_value_set(f"{key}/{jax.process_index()}", json.dumps(position))
+    if jax.process_index() != 0:
+        return None
     limit_ms = int(PEER_TIMEOUT.seconds() * 1000)
     return [json.loads(client.blocking_key_value_get(f"{key}/{host}", limit_ms))
             for host in range(jax.process_count())]
