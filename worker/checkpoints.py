@@ -241,7 +241,8 @@ def _exchanged(position: Any, key: str) -> list[Any] | None:
     """Every host's ``position`` (JSON), in process order, on process 0 (orbax's primary
     host, the one that writes the meta item; ``None`` elsewhere), through the
     ``jax.distributed`` key-value store: no device collective, so a checkpoint thread
-    may ask while the step loop runs its own, and one read per host, not per pair."""
+    may ask while the step loop runs its own, and one read per host, not per pair.
+    Process 0 deletes the keys once read."""
     if jax.process_count() == 1:
         return [position]
     from jax._src.distributed import global_state  # the client orbax's barriers use too
@@ -252,8 +253,12 @@ def _exchanged(position: Any, key: str) -> list[Any] | None:
     if jax.process_index() != 0:
         return None
     limit_ms = int(PEER_TIMEOUT.seconds() * 1000)
-    return [json.loads(client.blocking_key_value_get(f"{key}/{host}", limit_ms))
-            for host in range(jax.process_count())]
+    positions = [json.loads(client.blocking_key_value_get(f"{key}/{host}", limit_ms))
+                 for host in range(jax.process_count())]
+    # Each key is read once: deleting them keeps the coordination service's store from
+    # growing by hosts x saves over a long job.
+    client.key_value_delete(key)  # the folder: every host's key under it
+    return positions
 
 
 @functools.cache

@@ -84,3 +84,11 @@ def test_cross_process_reduce_and_gather(tmp_path: Path) -> None:
             np.testing.assert_allclose(got["mean0"], all_rows.mean(axis=0), rtol=1e-6)
             np.testing.assert_allclose(got["max0"], all_rows.max(axis=0))
             np.testing.assert_allclose(got["total"], np.concatenate(rows).sum(), rtol=1e-6)
+
+    # Input positions at a save: process 0 gets every host's in order, the others
+    # nothing, and no key outlives its exchange.
+    for proc, res in enumerate(results):
+        want = [[{"host": h, "save": seq} for h in range(2)] if proc == 0 else None
+                for seq in range(3)]
+        assert res["exchanges"] == want
+        assert res["keys_left"] == []

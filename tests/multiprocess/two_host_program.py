@@ -47,9 +47,25 @@ def main(coordinator: str, process_id: int, out_path: str) -> None:
             "max0": strategy.reduce("MAX", out["x"], axis=0).tolist(),
             "total": strategy.reduce("MEAN", out["total"]).tolist(),
         })
+    results["exchanges"], results["keys_left"] = _exchange_positions(process_id)
     with open(out_path, "w") as f:
         json.dump(results, f)
     jax.distributed.shutdown()
+
+
+def _exchange_positions(process_id: int) -> tuple[list, list]:
+    """Three checkpoints' input-position exchanges, then the keys they left in the
+    coordination service's store once both hosts are past them."""
+    from jax._src.distributed import global_state
+
+    from jaxpod.worker.checkpoints import _exchanged
+
+    prefix = "jaxpod/checkpoint-input"
+    got = [_exchanged({"host": process_id, "save": seq}, f"{prefix}/{seq}")
+           for seq in range(3)]
+    client = global_state.client
+    client.wait_at_barrier("exchanges-done", 60_000)
+    return got, [key for key, _ in client.key_value_dir_get(prefix)]
 
 
 if __name__ == "__main__":
