@@ -40,6 +40,7 @@ PREFETCH_DEPTH_ENV = "JAXPOD_INFEED_PREFETCH_DEPTH"
 CLOSE_TIMEOUT = Timeout("JAXPOD_INFEED_CLOSE_TIMEOUT_S", 5.0)
 # How long the producer waits for room in the queue before checking for a stop.
 _PUT_POLL_S = 0.1
+_THREAD_NAME = "jaxpod-infeed"
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class Infeed:
         self._steps = steps
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=_prefetch_depth(depth))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._produce, name="jaxpod-infeed",
+        self._thread = threading.Thread(target=self._produce, name=_THREAD_NAME,
                                         daemon=True)
         self._thread.start()
         _live.add(self)
@@ -302,3 +303,9 @@ def _close_all() -> None:
     for infeed in list(_live):
         infeed.close(CLOSE_TIMEOUT.seconds())
         infeed.settle()
+    # An infeed dropped just before exit is freed by its producer thread as that thread
+    # ends (it holds the last reference), with its chunks' device arrays: gone from
+    # _live already, but still inside JAX.
+    for thread in threading.enumerate():
+        if thread.name == _THREAD_NAME and thread is not threading.current_thread():
+            thread.join(CLOSE_TIMEOUT.seconds())
