@@ -361,16 +361,17 @@ class CreateIterator(Operation[int]):
 
 
 @dataclass(frozen=True)
-class NextInput(Operation[ValueInfos]):
-    """The next step's input of an iterator, kept as new values."""
+class NextInput(Operation[tuple[ValueInfos, int]]):
+    """The next step's input of an iterator, kept as new values, and how many steps
+    after it this host has ready in full (``LocalIterator.full_steps_ahead``)."""
 
     iterator_id: int
 
-    def apply(self, host: Host) -> ValueInfos:
+    def apply(self, host: Host) -> tuple[ValueInfos, int]:
         return host.next_input(self)
 
-    def created(self, result: ValueInfos) -> Dropped:
-        return values_in(result)
+    def created(self, result: tuple[ValueInfos, int]) -> Dropped:
+        return values_in(result[0])
 
     def spoils(self) -> Dropped:
         return Dropped(iterators=(self.iterator_id,))
@@ -596,7 +597,7 @@ class Host(Protocol):
 
     def create_iterator(self, op: CreateIterator) -> int: ...
 
-    def next_input(self, op: NextInput) -> ValueInfos: ...
+    def next_input(self, op: NextInput) -> tuple[ValueInfos, int]: ...
 
     def reduce(self, op: Reduce) -> Any: ...
 

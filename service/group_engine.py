@@ -426,12 +426,16 @@ class GroupIterator(Iterator[Any]):
     def __init__(self, engine: GroupEngine, iterator_id: int) -> None:
         self._engine = engine
         self.id = iterator_id
+        #: After a ``next``: the steps after it that every host has ready in full.
+        self.full_steps_ahead = 0
         # Dropping the iterator stops its infeed threads on the workers.
         weakref.finalize(self, engine.dropped.iterators.append, iterator_id)
 
     def __next__(self) -> Any:
         try:
-            return self._engine._wrap(self._engine._call(ops.NextInput(self.id))[0])
+            replies = self._engine._call(ops.NextInput(self.id))
+            self.full_steps_ahead = min(ahead for _, ahead in replies)
+            return self._engine._wrap(replies[0][0])
         except EndOfDataError:
             raise
         except StopIteration as e:

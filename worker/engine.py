@@ -860,6 +860,22 @@ class LocalIterator(DistributedIterator):
         leaves = [PerReplica(a, batch.valid_rows[:, 0]) for a in self._squeeze_steps(batch)]
         return jax.tree.unflatten(batch.treedef, leaves)
 
+    def full_steps_ahead(self) -> int:
+        """Steps this host has ready, in order, before the first that is not full (a
+        replica short of rows), the input's end or its error: if every host has ``c``,
+        the next ``c`` steps are full everywhere, so a client can take them without
+        waiting to hear whether the input ended."""
+        if self._failure is not None:
+            return 0
+        ready = self._infeed.ready_chunks()
+        count = 0
+        for chunk in ([self._leftover] if self._leftover is not None else []) + ready:
+            for full in (chunk.counts == self._infeed.rows).all(axis=0):
+                if not full:
+                    return count
+                count += 1
+        return count
+
     def _squeeze_steps(self, batch: _StepBatch) -> list[jax.Array]:
         eng = self._engine
         squeeze = eng._cached(("squeeze_steps",), lambda: jax.jit(

@@ -259,8 +259,9 @@ class HostOperations(ops.Host):
     def create_iterator(self, op: ops.CreateIterator) -> int:
         return self._keep(self.iterators, self._dataset(op.dataset_id).iterate(op.steps_per_run))
 
-    def next_input(self, op: ops.NextInput) -> ops.ValueInfos:
-        return self._keep_values(next(self._iterator(op.iterator_id)))
+    def next_input(self, op: ops.NextInput) -> tuple[ops.ValueInfos, int]:
+        iterator = self._iterator(op.iterator_id)
+        return self._keep_values(next(iterator)), iterator.full_steps_ahead()
 
     def reduce(self, op: ops.Reduce) -> Any:
         value = self._resolve(op.value)

@@ -144,8 +144,7 @@ class Infeed:
     @property
     def depth(self) -> int:
         """Chunks prepared and waiting to be taken (at most the prefetch depth)."""
-        with self._queue.mutex:
-            return sum(isinstance(item, Chunk) for item in self._queue.queue)
+        return len(self.ready_chunks())
 
     def get(self) -> Chunk | None:
         """The next chunk; ``None`` once this host's input has ended. Time spent
@@ -168,6 +167,16 @@ class Infeed:
             raise item.error
         assert isinstance(item, Chunk)
         return item
+
+    def ready_chunks(self) -> list[Chunk]:
+        """The chunks prepared and not taken, in order, up to the input's end or error."""
+        ready = []
+        with self._queue.mutex:
+            for item in self._queue.queue:
+                if not isinstance(item, Chunk):
+                    break
+                ready.append(item)
+        return ready
 
     def close(self, timeout_s: float = 0.0) -> None:
         """Stops the producer; waits up to ``timeout_s`` for its thread to end."""

@@ -84,3 +84,33 @@ def test_host_stats_count_input_wait_from_the_slices_current_holder() -> None:
     assert host.stats(ops.Stats()).input_wait_s == 0.0
     host.engine.input_wait.add(10_000_000)
     assert host.stats(ops.Stats()).input_wait_s == 0.01
+
+
+def test_full_steps_ahead_stop_before_a_short_step_and_an_error() -> None:
+    """What a host tells a client it may take without waiting: the steps ready, up to
+    the first one short of rows (the input's last) or the dataset's error."""
+    engine = _engine()
+    short = np.full((ROWS - 1, 3), 9, np.float32)  # the last replica gets one row
+    iterator = engine.experimental_distribute_dataset(
+        [*(_batch(i) for i in range(5)), short]).iterate(steps_per_run=1)
+    next(iterator)
+    # 4 full steps follow the first, then the short one: 2 chunks are ready at first.
+    assert wait_for(lambda: iterator.full_steps_ahead() == 2, 30)
+    next(iterator)
+    assert wait_for(lambda: iterator.full_steps_ahead() == 2, 30)
+    next(iterator), next(iterator)
+    assert wait_for(lambda: iterator.prefetched == 2, 30)  # step 5 and the short one
+    assert iterator.full_steps_ahead() == 1  # not the short one
+    next(iterator)
+    assert iterator.full_steps_ahead() == 0
+
+    class Fails:
+        def __iter__(self) -> Iterator[np.ndarray]:
+            yield _batch(0)
+            yield _batch(1)
+            raise RuntimeError("the dataset's own error")
+
+    failing = engine.experimental_distribute_dataset(Fails()).iterate(steps_per_run=1)
+    next(failing)
+    assert wait_for(lambda: failing.prefetched == 1, 30)
+    assert failing.full_steps_ahead() == 1  # the error behind it does not count
