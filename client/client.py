@@ -25,6 +25,7 @@ from jaxpod import errors
 from jaxpod.client import embedded, rpc
 from jaxpod.client.jobs import Job, build_spec, check_state, status_from, submit_spec
 from jaxpod.client.remote import RemoteStrategy
+from jaxpod.client.stream import OpStream
 from jaxpod.errors import SessionError
 from jaxpod.jobs import JobStatus
 from jaxpod.proto import coordinator_pb2 as pb
@@ -143,9 +144,11 @@ class Client:
         self._heartbeat = threading.Thread(target=self._beat, name="jaxpod-heartbeat",
                                            daemon=True)
         self._heartbeat.start()
+        #: The slices' operation streams, ended before the session closes.
+        self.streams: weakref.WeakSet[OpStream] = weakref.WeakSet()
         self._finalizer = weakref.finalize(self, _close_session, self.stub,
                                            self.session_id, self._metadata, self._closed,
-                                           self._channel)
+                                           self._channel, self.streams)
         atexit.register(self._finalizer)
 
     # ------------------------------------------------------------------- calls
@@ -365,10 +368,12 @@ def _coordinator_stub(channel: grpc.Channel) -> pb_grpc.CoordinatorStub:
 
 
 def _close_session(stub: Any, session_id: str, metadata: Any, closed: threading.Event,
-                   channel: grpc.Channel) -> None:
+                   channel: grpc.Channel, streams: weakref.WeakSet[OpStream]) -> None:
     if closed.is_set():
         return
     closed.set()
+    for stream in list(streams):  # their reader threads end before the channel does
+        stream.close()
     try:
         stub.CloseSession(pb.SessionRequest(session_id=session_id),
                           timeout=rpc.CONTROL_TIMEOUT.seconds(), metadata=metadata)

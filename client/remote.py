@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,14 @@ from google.protobuf.message import Message
 
 from jaxpod import trees
 from jaxpod.client import rpc
-from jaxpod.errors import HandleError, MessageTooLargeError, SessionError, UnknownFunctionError
+from jaxpod.client.stream import OpStream
+from jaxpod.client.templates import signature, value_refs
+from jaxpod.errors import (
+    HandleError,
+    MessageTooLargeError,
+    SessionError,
+    UnknownFunctionError,
+)
 from jaxpod.jobs import check_spmd
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
@@ -173,10 +180,12 @@ class RemoteStrategy(TFCompatMixin):
 
     def __init__(self, client: Client, info: pb.SliceInfo, steps_per_run: int,
                  computation_shape: Sequence[int] | None = None,
-                 owns_slice: bool = True) -> None:
+                 owns_slice: bool = True, ops: OpStream | None = None) -> None:
         self._client = client
         self.info = info
         self.slice_id = info.slice_id
+        # The slice's operation stream and templates, shared with with_steps_per_run's.
+        self._ops = OpStream(client, info.slice_id) if ops is None else ops
         self.steps_per_run = steps_per_run
         self._computation_shape = list(computation_shape or ())
         self._owns_slice = owns_slice
@@ -208,7 +217,7 @@ class RemoteStrategy(TFCompatMixin):
         It does not own the slice: closing it leaves the slice to this strategy.
         """
         return RemoteStrategy(self._client, self.info, steps_per_run,
-                              self._computation_shape, owns_slice=False)
+                              self._computation_shape, owns_slice=False, ops=self._ops)
 
     # ------------------------------------------------------------------- calls
     def _check_open(self, what: str) -> None:
@@ -222,16 +231,62 @@ class RemoteStrategy(TFCompatMixin):
         return self._client.stub
 
     def _call(self, rpc: Any, request: Any, what: str, idempotent: bool = False) -> Any:
-        """Calls ``rpc`` (a method of the client's stub) on behalf of ``what``."""
+        """Calls ``rpc`` (a method of the client's stub) on behalf of ``what``, after
+        the operations sent before it (what it drops may be their inputs)."""
         self._check_open(what)
+        self._ops.drain()
         with self._dropped_riding(request):
             return self._client.call(rpc, request, what=what, idempotent=idempotent)
 
     def _result(self, rpc: Any, request: Any, what: str) -> Any:
-        """Calls the result-streaming ``rpc``; returns the result it streams."""
+        """Calls the result-streaming ``rpc``; returns the result it streams. A
+        synchronising call: a failure of an operation sent before it raises here."""
         self._check_open(what)
+        self._ops.sync(what)
         with self._dropped_riding(request):
             return self._client.stream(rpc, request, _thawed_result, what=what)
+
+    def _dispatch(self, kind: str, request: Any, what: str, key: Hashable | None, *,
+                  may_predict: bool = True,
+                  is_template: Callable[[pb.Tree], bool] = lambda outputs: True,
+                  on_success: Callable[[pb.SliceReply], None] | None = None) -> Any:
+        """Sends a value-making operation (``kind``: a ``SliceOp`` body) on the slice's
+        stream; returns its values. With a template for ``key`` (and asynchronous
+        dispatch on, and ``may_predict``) it returns the predicted handles at once; else
+        it waits, and outputs that pass ``is_template`` become ``key``'s template."""
+        self._check_open(what)
+        ops = self._ops
+        predict = (ops.templates.predictor(key)
+                   if key is not None and may_predict and ops.asynchronous else None)
+
+        def on_failure(failure: Any) -> None:
+            if failure.is_prediction_error():
+                ops.templates.forget(key)
+
+        with self._dropped_riding(request):
+            op, expected = ops.send(kind, request, what, predict, on_failure, on_success)
+        if expected is not None:
+            return self._values(expected)
+        outputs = ops.result(op)
+        if key is not None and is_template(outputs):
+            ops.templates.record(key, outputs)
+        return self._values(outputs)
+
+    def _dispatch_defined(self, fn: Callable[..., Any], kind: str, request: Any, what: str,
+                          key: Callable[[str], Hashable | None]) -> Any:
+        """:meth:`_dispatch` with ``request.function_id`` set to ``fn``'s id (``key``:
+        the template key for that id). The workers keep functions in a bounded cache:
+        if they evicted this one since, it is defined again and the operation sent
+        once more (nothing ran the first time)."""
+        call = _call_name(what, fn)
+        request.function_id = self._define(fn, what)
+        try:
+            return self._dispatch(kind, request, call, key(request.function_id))
+        except UnknownFunctionError:
+            with contextlib.suppress(KeyError, TypeError):
+                del self._functions[fn]
+            request.function_id = self._define(fn, what)
+            return self._dispatch(kind, request, call, key(request.function_id))
 
     def _ids(self) -> Any:  # the two ids every slice request starts with
         return {"session_id": self._client.session_id, "slice_id": self.slice_id}
@@ -251,19 +306,6 @@ class RemoteStrategy(TFCompatMixin):
             self._functions[fn] = reply.function_id
         return str(reply.function_id)
 
-    def _call_defined(self, fn: Callable[..., Any], what: str, rpc: Any, request: Any) -> Any:
-        """Calls ``rpc`` with ``request.function_id`` set to ``fn``'s id. The workers
-        keep functions in a bounded cache: if they evicted this one since, it is
-        defined again and the call made once more (nothing ran the first time)."""
-        request.function_id = self._define(fn, what)
-        try:
-            return self._call(rpc, request, what)
-        except UnknownFunctionError:
-            with contextlib.suppress(KeyError, TypeError):
-                del self._functions[fn]
-            request.function_id = self._define(fn, what)
-            return self._call(rpc, request, what)
-
     def _encode(self, value: Any, path: str) -> tuple[pb.Tree, list[int]]:
         """``value`` as a tree; large arrays uploaded (their blob ids returned)."""
         blobs: list[int] = []
@@ -278,7 +320,14 @@ class RemoteStrategy(TFCompatMixin):
                         f"({self.num_replicas_in_sync} replicas on {self.slice_id}). Values "
                         "cannot move between strategies; fetch it and pass the array "
                         "instead.")
-                return pb.Tree(value=pb.ValueRef(id=x.id, slice_id=self.slice_id))
+                self._ops.check_usable(x.id, where)
+                # Its metadata too: the call's signature (templates) reads it.
+                valid = getattr(x, "valid_rows", None)
+                return pb.Tree(value=pb.ValueRef(
+                    id=x.id, slice_id=self.slice_id, shape=x.shape, dtype=str(x.dtype),
+                    has_valid_rows=valid is not None,
+                    valid_rows=() if valid is None else valid.tolist(),
+                    global_view=isinstance(x, RemoteGlobalValue)))
             if isinstance(x, ReduceOp):
                 return pb.Tree(str_value=x.value)
             if (isinstance(x, np.ndarray) or tensors._is_jax_array(x)) and \
@@ -329,16 +378,24 @@ class RemoteStrategy(TFCompatMixin):
 
     def _run(self, fn: Callable[..., Any], what: str, args: Any, kwargs: Any,
              **fields: Any) -> Any:
-        """The ``Run`` call of ``run`` and of spmd functions (``fields``: the mesh)."""
+        """The ``run`` operation of ``run`` and of spmd functions (``fields``: the mesh)."""
         encoded_args, blobs = self._encode(args, "args")
         try:
             encoded_kwargs, more = self._encode(kwargs, "kwargs")
             blobs += more
-            reply = self._call_defined(fn, what, self._stub.Run, pb.RunRequest(
-                **self._ids(), args=encoded_args, kwargs=encoded_kwargs, **fields))
+            request = pb.RunRequest(**self._ids(), args=encoded_args, kwargs=encoded_kwargs,
+                                    **fields)
+            shape = None if blobs else signature(request.args, request.kwargs,
+                                                 request.batch_sharding)
+
+            def key(function_id: str) -> Hashable | None:
+                return None if shape is None else (
+                    "run", function_id, shape, tuple(request.mesh_axes),
+                    tuple(request.mesh_shape))
+
+            return self._dispatch_defined(fn, "run", request, what, key)
         finally:
             self._release_blobs(blobs)
-        return self._values(reply)
 
     def spmd(self, fn: Callable[..., Any], *, mesh: dict[str, int] | None = None,
              batch_sharding: Any = None) -> SpmdFunction:
@@ -376,6 +433,8 @@ class RemoteStrategy(TFCompatMixin):
             if isinstance(iterator, RemoteIterator) and iterator._strategy.slice_id == \
                     self.slice_id:
                 request.iterator_id = iterator.id
+                if isinstance(k, int):
+                    iterator.took(k)
             else:
                 # Any other iterator of values: take the steps' elements here, as the
                 # in-process engine would (none if ``steps`` is invalid: the engine says so).
@@ -385,10 +444,17 @@ class RemoteStrategy(TFCompatMixin):
                 blobs += more
                 request.has_items = True
                 request.items.CopyFrom(items)
-            reply = self._call_defined(fn, "run_steps", self._stub.RunSteps, request)
+            # Over a remote iterator the outputs depend on how much input is left: the
+            # call waits for its reply.
+            shape = None if blobs or not request.has_items else signature(
+                request.steps, request.initial_state, request.items)
+
+            def key(function_id: str) -> Hashable | None:
+                return None if shape is None else ("run_steps", function_id, shape)
+
+            return self._dispatch_defined(fn, "run_steps", request, "run_steps", key)
         finally:
             self._release_blobs(blobs)
-        return self._values(reply)
 
     # ----------------------------------------------------------------- results
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Any = None, *,
@@ -433,9 +499,10 @@ class RemoteStrategy(TFCompatMixin):
     def experimental_distribute_values_from_function(
             self, value_fn: Callable[..., Any]) -> Any:
         """Calls ``value_fn(ValueContext)`` on the workers, once per replica."""
-        return self._values(self._call_defined(
-            value_fn, "experimental_distribute_values_from_function",
-            self._stub.DistributeValues, pb.DistributeValuesRequest(**self._ids())))
+        what = "experimental_distribute_values_from_function"
+        return self._dispatch_defined(value_fn, "distribute_values",
+                                      pb.DistributeValuesRequest(**self._ids()), what,
+                                      lambda function_id: ("values", function_id))
 
     # ------------------------------------------------------------------- input
     def experimental_distribute_dataset(self, dataset: Iterable[Any],
@@ -466,10 +533,16 @@ class RemoteStrategy(TFCompatMixin):
                                           ) -> RemoteDataset:
         """Calls ``dataset_fn(InputContext)`` on each host of the slice."""
         what = "distribute_datasets_from_function"
-        reply = self._call_defined(dataset_fn, what, self._stub.DistributeDataset,
-                                   pb.DistributeDatasetRequest(
-                                       **self._ids(), options=self._options(options),
-                                       runtime_versions=self._client.runtime_versions))
+        request = pb.DistributeDatasetRequest(**self._ids(), options=self._options(options),
+                                              runtime_versions=self._client.runtime_versions)
+        request.function_id = self._define(dataset_fn, what)
+        try:
+            reply = self._call(self._stub.DistributeDataset, request, what)
+        except UnknownFunctionError:  # evicted since defined: define it again
+            with contextlib.suppress(KeyError, TypeError):
+                del self._functions[dataset_fn]
+            request.function_id = self._define(dataset_fn, what)
+            reply = self._call(self._stub.DistributeDataset, request, what)
         return RemoteDataset(self, int(reply.dataset_id))
 
     def _options(self, options: InputOptions | None) -> bytes:
@@ -548,20 +621,39 @@ class RemoteStrategy(TFCompatMixin):
                 for h in reply.hosts]
 
     def close(self) -> None:
-        """Releases the slice (every value on it goes with it). Idempotent."""
+        """Waits for the operations sent, releases the slice (every value on it goes
+        with it), then raises the failure of an asynchronous operation not raised yet,
+        if any. Idempotent."""
         if self._closed:
             return
+        deferred: BaseException | None = None
+        if not self._client.closed:
+            try:
+                self._ops.sync("close")
+            except Exception as e:  # raised once the slice is released
+                deferred = e
         self._closed = True
-        if self._owns_slice and not self._client.closed:
-            self._client.call(self._client.stub.ReleaseSlice,
-                              pb.SliceRequest(**self._ids()), what="close", idempotent=True)
+        if self._owns_slice:
+            self._ops.close()
+            if not self._client.closed:
+                self._client.call(self._client.stub.ReleaseSlice,
+                                  pb.SliceRequest(**self._ids()), what="close",
+                                  idempotent=True)
+        if deferred is not None:
+            raise deferred
 
     def __enter__(self) -> RemoteStrategy:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.close()
+        if exc is None:
+            self.close()
+            return
+        try:  # the exception in flight stays the one raised
+            self.close()
+        except Exception as e:
+            exc.add_note(f"jaxpod: closing the strategy also raised {type(e).__name__}: {e}")
 
     def __reduce__(self) -> Any:
         # A step function that captured this strategy gets the worker's engine.
@@ -572,6 +664,11 @@ class RemoteStrategy(TFCompatMixin):
         return (f"RemoteStrategy({self.info.accelerator_type}, "
                 f"replicas={self.num_replicas_in_sync}, hosts={self.num_hosts}, "
                 f"steps_per_run={self.steps_per_run}, {state})")
+
+
+def _call_name(what: str, fn: Any) -> str:
+    """``strategy.run(train_step)``: the call, for messages about it."""
+    return f"strategy.{what}({getattr(fn, '__qualname__', type(fn).__name__)})"
 
 
 def _check_size(shipped: ShippedFunction, what: str) -> None:
@@ -598,11 +695,20 @@ class RemoteDataset(DistributedDataset):
 
 
 class RemoteIterator(DistributedIterator):
-    """Yields one step of input per ``next``; its infeeds run on the workers."""
+    """Yields one step of input per ``next``; its infeeds run on the workers.
+
+    ``next`` returns at once while the workers have said that the step is ready in
+    full (each answer says how many full steps follow it): such a step cannot end
+    the input, and its handles are those of any full step. Past that it waits for
+    its answer, so the end of the input raises ``EndOfDataError`` at the ``next``
+    that ran past it, as the dataset's own error does.
+    """
 
     def __init__(self, strategy: RemoteStrategy, iterator_id: int) -> None:
         self._strategy = strategy
         self.id = iterator_id
+        self._taken = 0  # steps asked for, by next and run_steps
+        self._full_until = 0  # steps up to this count are known ready in full
         weakref.finalize(self, strategy._release, "iterator_ids", iterator_id)
 
     def __iter__(self) -> RemoteIterator:
@@ -610,6 +716,25 @@ class RemoteIterator(DistributedIterator):
 
     def __next__(self) -> Any:
         s = self._strategy  # at the end, the call raises EndOfDataError (a StopIteration)
-        return s._values(s._call(s._stub.IteratorNext, pb.IteratorRequest(**s._ids(), id=self.id),
-                                 "next(iterator)"))
+        self._taken += 1
+        step = self._taken
+
+        def ready(reply: pb.SliceReply) -> None:  # on the stream's reader thread
+            self._full_until = max(self._full_until, step + reply.full_steps_ahead)
+
+        return s._dispatch("next", pb.IteratorRequest(**s._ids(), id=self.id),
+                           "next(iterator)", ("next", self.id),
+                           may_predict=step <= self._full_until, is_template=_is_full,
+                           on_success=ready)
+
+    def took(self, steps: int) -> None:
+        """Counts steps that ``run_steps`` asked for (up to ``steps`` were taken)."""
+        self._taken += steps
+
+
+def _is_full(outputs: pb.Tree) -> bool:
+    """Whether a step's input has every row of every replica (what a step that the
+    workers reported ready in full looks like)."""
+    return not any(ref.has_valid_rows and any(v != ref.shape[0] for v in ref.valid_rows)
+                   for ref in value_refs(outputs))
 

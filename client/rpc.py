@@ -53,10 +53,17 @@ def error_from(e: grpc.RpcError, what: str, timeout: Timeout = CALL_TIMEOUT
     """
     call: Any = e
     trailers = dict(call.trailing_metadata() or ())
-    code: grpc.StatusCode = call.code()
-    details = call.details() or ""
+    return error_from_parts(call.code(), call.details() or "", trailers.get(ERROR_TRAILER),
+                            trailers.get(TRACEBACK_TRAILER), what, timeout)
+
+
+def error_from_parts(code: grpc.StatusCode, details: str, payload: bytes | None,
+                     traceback: bytes | None, what: str, timeout: Timeout = CALL_TIMEOUT
+                     ) -> BaseException:
+    """The exception a failure stands for: the pickled one the service sent
+    (``payload``) with the workers' ``traceback`` as a note, or one made from the
+    status code and details."""
     error: BaseException | None = None
-    payload = trailers.get(ERROR_TRAILER)
     if payload:
         try:
             error = cloudpickle.loads(payload)
@@ -65,7 +72,6 @@ def error_from(e: grpc.RpcError, what: str, timeout: Timeout = CALL_TIMEOUT
     if error is None:
         message = _transport_message(code, details, what, timeout)
         error = _BY_CODE.get(code, errors.JaxpodError)(message)
-    traceback = trailers.get(TRACEBACK_TRAILER)
     if traceback:
         error.add_note("Remote traceback (from the jaxpod workers):\n"
                        + traceback.decode(errors="replace"))

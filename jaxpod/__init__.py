@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING, Any
 from jaxpod.errors import (
     AllocationCancelledError,
     AllocationTimeoutError,
+    AsyncPredictionError,
     AuthenticationError,
     DeadlineExceededError,
+    DependencyFailedError,
     EndOfDataError,
     HandleError,
     JaxpodError,
@@ -46,10 +48,12 @@ __version__ = "0.1.0"
 __all__ = [
     "AllocationCancelledError",
     "AllocationTimeoutError",
+    "AsyncPredictionError",
     "AuthenticationError",
     "AutoShardPolicy",
     "Client",
     "DeadlineExceededError",
+    "DependencyFailedError",
     "DeviceAssignment",
     "DistributedDataset",
     "DistributedIterator",

@@ -98,6 +98,25 @@ class SliceResetError(JaxpodError):
     slice itself works again."""
 
 
+class DependencyFailedError(JaxpodError):
+    """An operation that was not run because it uses a result of an earlier operation
+    that failed (asynchronous dispatch: both were sent before the failure was known).
+    ``op`` is the failed operation's number on its slice."""
+
+    def __init__(self, message: str, op: int) -> None:
+        super().__init__(message, op)
+        self.op = op
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class AsyncPredictionError(JaxpodError):
+    """An asynchronously dispatched operation's outputs differed from those of its
+    earlier calls with the same argument shapes (its function's trace-time Python
+    depends on more than them), so the handles already returned were wrong."""
+
+
 class UnknownHandleError(HandleError, KeyError):
     """A value id that a worker never issued, or has freed (or lost with a reset)."""
 

@@ -379,6 +379,52 @@ class IteratorResponse(_message.Message):
     iterator_id: int
     def __init__(self, iterator_id: _Optional[int] = ...) -> None: ...
 
+class SliceOp(_message.Message):
+    __slots__ = ("op", "predicted", "expect", "run", "run_steps", "distribute_values", "next")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    RUN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DISTRIBUTE_VALUES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
+    op: int
+    predicted: bool
+    expect: Tree
+    run: RunRequest
+    run_steps: RunStepsRequest
+    distribute_values: DistributeValuesRequest
+    next: IteratorRequest
+    def __init__(self, op: _Optional[int] = ..., predicted: _Optional[bool] = ..., expect: _Optional[_Union[Tree, _Mapping]] = ..., run: _Optional[_Union[RunRequest, _Mapping]] = ..., run_steps: _Optional[_Union[RunStepsRequest, _Mapping]] = ..., distribute_values: _Optional[_Union[DistributeValuesRequest, _Mapping]] = ..., next: _Optional[_Union[IteratorRequest, _Mapping]] = ...) -> None: ...
+
+class OpFailure(_message.Message):
+    __slots__ = ("code", "details", "error", "traceback", "caused_by")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    CAUSED_BY_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    error: bytes
+    traceback: bytes
+    caused_by: int
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., error: _Optional[bytes] = ..., traceback: _Optional[bytes] = ..., caused_by: _Optional[int] = ...) -> None: ...
+
+class SliceReply(_message.Message):
+    __slots__ = ("op", "tree", "done", "failure", "full_steps_ahead")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    FULL_STEPS_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    op: int
+    tree: Tree
+    done: bool
+    failure: OpFailure
+    full_steps_ahead: int
+    def __init__(self, op: _Optional[int] = ..., tree: _Optional[_Union[Tree, _Mapping]] = ..., done: _Optional[bool] = ..., failure: _Optional[_Union[OpFailure, _Mapping]] = ..., full_steps_ahead: _Optional[int] = ...) -> None: ...
+
 class ReduceRequest(_message.Message):
     __slots__ = ("session_id", "slice_id", "reduce_op", "value", "axis", "dropped")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

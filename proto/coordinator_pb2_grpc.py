@@ -69,21 +69,6 @@ class CoordinatorStub:
                 request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.TensorChunk.SerializeToString,
                 response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.PutResponse.FromString,
                 _registered_method=True)
-        self.Run = channel.unary_unary(
-                '/jaxpod.v1.Coordinator/Run',
-                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.RunRequest.SerializeToString,
-                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.Tree.FromString,
-                _registered_method=True)
-        self.RunSteps = channel.unary_unary(
-                '/jaxpod.v1.Coordinator/RunSteps',
-                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.RunStepsRequest.SerializeToString,
-                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.Tree.FromString,
-                _registered_method=True)
-        self.DistributeValues = channel.unary_unary(
-                '/jaxpod.v1.Coordinator/DistributeValues',
-                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.DistributeValuesRequest.SerializeToString,
-                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.Tree.FromString,
-                _registered_method=True)
         self.DistributeDataset = channel.unary_unary(
                 '/jaxpod.v1.Coordinator/DistributeDataset',
                 request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.DistributeDatasetRequest.SerializeToString,
@@ -94,10 +79,10 @@ class CoordinatorStub:
                 request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.IteratorRequest.SerializeToString,
                 response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.IteratorResponse.FromString,
                 _registered_method=True)
-        self.IteratorNext = channel.unary_unary(
-                '/jaxpod.v1.Coordinator/IteratorNext',
-                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.IteratorRequest.SerializeToString,
-                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.Tree.FromString,
+        self.Stream = channel.stream_stream(
+                '/jaxpod.v1.Coordinator/Stream',
+                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.SliceOp.SerializeToString,
+                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.SliceReply.FromString,
                 _registered_method=True)
         self.Reduce = channel.unary_stream(
                 '/jaxpod.v1.Coordinator/Reduce',
@@ -226,24 +211,6 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Run(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def RunSteps(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def DistributeValues(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def DistributeDataset(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -256,8 +223,9 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def IteratorNext(self, request, context):
-        """OUT_OF_RANGE at the end of data
+    def Stream(self, request_iterator, context):
+        """The operations that make values (run, run_steps, distribute values, next), one
+        client's on one slice, in order: each reply answers the operation of its number.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -398,21 +366,6 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.TensorChunk.FromString,
                     response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.PutResponse.SerializeToString,
             ),
-            'Run': grpc.unary_unary_rpc_method_handler(
-                    servicer.Run,
-                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.RunRequest.FromString,
-                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.Tree.SerializeToString,
-            ),
-            'RunSteps': grpc.unary_unary_rpc_method_handler(
-                    servicer.RunSteps,
-                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.RunStepsRequest.FromString,
-                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.Tree.SerializeToString,
-            ),
-            'DistributeValues': grpc.unary_unary_rpc_method_handler(
-                    servicer.DistributeValues,
-                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.DistributeValuesRequest.FromString,
-                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.Tree.SerializeToString,
-            ),
             'DistributeDataset': grpc.unary_unary_rpc_method_handler(
                     servicer.DistributeDataset,
                     request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.DistributeDatasetRequest.FromString,
@@ -423,10 +376,10 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.IteratorRequest.FromString,
                     response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.IteratorResponse.SerializeToString,
             ),
-            'IteratorNext': grpc.unary_unary_rpc_method_handler(
-                    servicer.IteratorNext,
-                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.IteratorRequest.FromString,
-                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.Tree.SerializeToString,
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.SliceOp.FromString,
+                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.SliceReply.SerializeToString,
             ),
             'Reduce': grpc.unary_stream_rpc_method_handler(
                     servicer.Reduce,
@@ -704,87 +657,6 @@ class Coordinator:
             _registered_method=True)
 
     @staticmethod
-    def Run(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/jaxpod.v1.Coordinator/Run',
-            jaxpod_dot_proto_dot_coordinator__pb2.RunRequest.SerializeToString,
-            jaxpod_dot_proto_dot_coordinator__pb2.Tree.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def RunSteps(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/jaxpod.v1.Coordinator/RunSteps',
-            jaxpod_dot_proto_dot_coordinator__pb2.RunStepsRequest.SerializeToString,
-            jaxpod_dot_proto_dot_coordinator__pb2.Tree.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def DistributeValues(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/jaxpod.v1.Coordinator/DistributeValues',
-            jaxpod_dot_proto_dot_coordinator__pb2.DistributeValuesRequest.SerializeToString,
-            jaxpod_dot_proto_dot_coordinator__pb2.Tree.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def DistributeDataset(request,
             target,
             options=(),
@@ -839,7 +711,7 @@ class Coordinator:
             _registered_method=True)
 
     @staticmethod
-    def IteratorNext(request,
+    def Stream(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -849,12 +721,12 @@ class Coordinator:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/jaxpod.v1.Coordinator/IteratorNext',
-            jaxpod_dot_proto_dot_coordinator__pb2.IteratorRequest.SerializeToString,
-            jaxpod_dot_proto_dot_coordinator__pb2.Tree.FromString,
+            '/jaxpod.v1.Coordinator/Stream',
+            jaxpod_dot_proto_dot_coordinator__pb2.SliceOp.SerializeToString,
+            jaxpod_dot_proto_dot_coordinator__pb2.SliceReply.FromString,
             options,
             channel_credentials,
             insecure,

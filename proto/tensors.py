@@ -25,7 +25,9 @@ from jaxpod.pieces import PieceLayout, Pieces, little_endian
 from jaxpod.proto import coordinator_pb2 as pb
 
 #: Version of the protocol; a client and a service must agree on it.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+#: A stream operation's n-th output value has the id ``op << OUTPUT_BITS | n``.
+OUTPUT_BITS = 20
 #: The largest message either side accepts; larger tensors go through ``Put`` or
 #: result streams in chunks of ``CHUNK_BYTES``.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024

@@ -17,13 +17,15 @@ import math
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import grpc
 import jax
 
 import jaxpod
 from jaxpod.errors import (
+    AsyncPredictionError,
+    DependencyFailedError,
     EndOfDataError,
     HandleError,
     MalformedRequestError,
@@ -208,73 +210,6 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
                                               data=b"".join(parts)))
         return pb.PutResponse(blob=session.add_blob(array))
 
-    def _args(self, session: Session, held: HeldSlice, tree: pb.Tree) -> Any:
-        def leaf(node: pb.Tree) -> Any:
-            kind = node.WhichOneof("node")
-            if kind == "blob":
-                return session.blob(node.blob)
-            if kind == "value":
-                if node.value.slice_id != held.id:
-                    raise HandleError(
-                        f"Value #{node.value.id} lives on slice {node.value.slice_id}, not on "
-                        f"this strategy's slice {held.id}; values cannot move between "
-                        "strategies. Gather it and pass the array instead.")
-                return held.value(node.value.id)
-            raise ValueError(f"A {kind} node cannot be an argument.")
-
-        return tensors.decode(tree, leaf)
-
-    def _refs(self, held: HeldSlice, result: Any) -> pb.Tree:
-        """Keeps the new values in the slice's table; encodes them as ValueRefs."""
-        kept: list[GroupValue] = []
-
-        def leaf(x: Any, path: str) -> Any:
-            if isinstance(x, GroupValue):
-                kept.append(x)
-                valid = x.info.valid_rows
-                return pb.Tree(value=pb.ValueRef(
-                    id=x.info.id, slice_id=held.id, shape=x.info.shape, dtype=x.info.dtype,
-                    has_valid_rows=valid is not None, valid_rows=valid or (),
-                    global_view=x.info.global_view))
-            return tensors.NOT_HANDLED
-
-        tree = tensors.encode(result, leaf, "result")
-        held.keep_values(kept)
-        return tree
-
-    async def Run(self, request: pb.RunRequest, context: Any) -> pb.Tree:
-        session, held = self._slice(request)
-        args = self._args(session, held, request.args)
-        kwargs = self._args(session, held, request.kwargs)
-        fn = DefinedFunction(request.function_id)
-        if request.mesh_axes:  # strategy.spmd
-            mesh = list(zip(request.mesh_axes, request.mesh_shape, strict=True))
-            sharding = tensors.decode(request.batch_sharding)
-            result = await self._blocking(held.engine.run_spmd, fn, mesh, sharding, args,
-                                          kwargs)
-        else:
-            result = await self._blocking(held.engine.run, fn, args, kwargs)
-        return self._refs(held, result)
-
-    async def RunSteps(self, request: pb.RunStepsRequest, context: Any) -> pb.Tree:
-        session, held = self._slice(request)
-        iterator = (StepItems(self._args(session, held, request.items)) if request.has_items
-                    else held.iterator(request.iterator_id))
-        state = self._args(session, held, request.initial_state)
-        steps = tensors.decode(request.steps)
-        result = await self._blocking(held.engine.run_steps,
-                                      DefinedFunction(request.function_id), iterator, steps,
-                                      state)
-        return self._refs(held, result)
-
-    async def DistributeValues(self, request: pb.DistributeValuesRequest, context: Any
-                               ) -> pb.Tree:
-        _, held = self._slice(request)
-        result = await self._blocking(
-            held.engine.experimental_distribute_values_from_function,
-            DefinedFunction(request.function_id))
-        return self._refs(held, result)
-
     async def DistributeDataset(self, request: pb.DistributeDatasetRequest, context: Any
                                 ) -> pb.DatasetResponse:
         session, held = self._slice(request)
@@ -300,10 +235,110 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
         held.iterators[iterator.id] = iterator
         return pb.IteratorResponse(iterator_id=iterator.id)
 
-    async def IteratorNext(self, request: pb.IteratorRequest, context: Any) -> pb.Tree:
-        _, held = self._slice(request)
-        iterator = held.iterator(request.id)
-        return self._refs(held, await self._blocking(next, iterator))
+    def _args(self, session: Session, held: HeldSlice, tree: pb.Tree) -> Any:
+        def leaf(node: pb.Tree) -> Any:
+            kind = node.WhichOneof("node")
+            if kind == "blob":
+                return session.blob(node.blob)
+            if kind == "value":
+                if node.value.slice_id != held.id:
+                    raise HandleError(
+                        f"Value #{node.value.id} lives on slice {node.value.slice_id}, not on "
+                        f"this strategy's slice {held.id}; values cannot move between "
+                        "strategies. Gather it and pass the array instead.")
+                return held.value(node.value.id)
+            raise ValueError(f"A {kind} node cannot be an argument.")
+
+        return tensors.decode(tree, leaf)
+
+    def _refs(self, held: HeldSlice, result: Any, op: int
+              ) -> tuple[pb.Tree, dict[int, GroupValue]]:
+        """The new values as ValueRefs, numbered for operation ``op`` (``SliceOp``), and
+        the values by those ids (not yet kept)."""
+        made: dict[int, GroupValue] = {}
+
+        def leaf(x: Any, path: str) -> Any:
+            if isinstance(x, GroupValue):
+                value_id = held.output_id(op, len(made))
+                made[value_id] = x
+                valid = x.info.valid_rows
+                return pb.Tree(value=pb.ValueRef(
+                    id=value_id, slice_id=held.id, shape=x.info.shape, dtype=x.info.dtype,
+                    has_valid_rows=valid is not None, valid_rows=valid or (),
+                    global_view=x.info.global_view))
+            return tensors.NOT_HANDLED
+
+        return tensors.encode(result, leaf, "result"), made
+
+    # ---------------------------------------------------------- the op stream
+    async def Stream(self, request_iterator: AsyncIterator[pb.SliceOp], context: Any
+                     ) -> AsyncIterator[pb.SliceReply]:
+        # One operation at a time, in the order sent: each may use the values of the
+        # ones before it, and the replica group keeps that order on every host.
+        async for op in request_iterator:
+            yield await self._blocking(self._apply, op)
+
+    def _apply(self, op: pb.SliceOp) -> pb.SliceReply:
+        """Runs one stream operation; its failure becomes the reply's, not the stream's."""
+        kind = op.WhichOneof("body")
+        held: HeldSlice | None = None
+        try:
+            if kind is None:
+                raise ValueError(f"Stream: operation #{op.op} has no body.")
+            request = getattr(op, kind)
+            session, held = self._slice(request)
+            result = self._OPERATIONS[kind](self, session, held, request)
+            tree, made = self._refs(held, result, op.op)
+            if op.predicted and tree != op.expect:
+                raise AsyncPredictionError(
+                    f"Operation #{op.op} ({kind}) made outputs other than its earlier calls "
+                    "with the same argument shapes, so the handles it returned were wrong "
+                    f"({_difference(op.expect, tree)}): its function's Python code depends "
+                    "on more than those shapes when traced (global state, a random "
+                    "choice). Make it depend only on its arguments, or set "
+                    "JAXPOD_ASYNC_DISPATCH=0.")
+            held.keep_values(made)
+            reply = (pb.SliceReply(op=op.op, done=True) if op.predicted
+                     else pb.SliceReply(op=op.op, tree=tree))
+            if kind == "next":
+                reply.full_steps_ahead = held.iterator(request.id).full_steps_ahead
+            return reply
+        except Exception as e:
+            if held is not None:
+                held.failed(op.op)
+            return pb.SliceReply(op=op.op, failure=_failure(e))
+
+    def _run(self, session: Session, held: HeldSlice, request: pb.RunRequest) -> Any:
+        args = self._args(session, held, request.args)
+        kwargs = self._args(session, held, request.kwargs)
+        fn = DefinedFunction(request.function_id)
+        if request.mesh_axes:  # strategy.spmd
+            mesh = list(zip(request.mesh_axes, request.mesh_shape, strict=True))
+            sharding = tensors.decode(request.batch_sharding)
+            return held.engine.run_spmd(fn, mesh, sharding, args, kwargs)
+        return held.engine.run(fn, args, kwargs)
+
+    def _run_steps(self, session: Session, held: HeldSlice, request: pb.RunStepsRequest
+                   ) -> Any:
+        iterator = (StepItems(self._args(session, held, request.items)) if request.has_items
+                    else held.iterator(request.iterator_id))
+        state = self._args(session, held, request.initial_state)
+        steps = tensors.decode(request.steps)
+        return held.engine.run_steps(DefinedFunction(request.function_id), iterator, steps,
+                                     state)
+
+    def _distribute_values(self, session: Session, held: HeldSlice,
+                           request: pb.DistributeValuesRequest) -> Any:
+        return held.engine.experimental_distribute_values_from_function(
+            DefinedFunction(request.function_id))
+
+    def _next(self, session: Session, held: HeldSlice, request: pb.IteratorRequest) -> Any:
+        return _no_stop(next, held.iterator(request.id))
+
+    _OPERATIONS: ClassVar[dict[str, Callable[[CoordinatorService, Session, HeldSlice, Any],
+                                             Any]]] = {
+        "run": _run, "run_steps": _run_steps, "distribute_values": _distribute_values,
+        "next": _next}
 
     # ------------------------------------------------------------------- results
     async def _stream(self, compute: Callable[[], Any]) -> ResultStream:
@@ -398,6 +433,32 @@ def _no_stop(fn: Callable[..., _T], *args: Any) -> _T:
         if not isinstance(e, EndOfDataError):
             e = EndOfDataError(str(e) or "The distributed dataset has no more input.")
         raise _Stopped(e.with_traceback(None)) from None  # frames would pin the iterator
+
+
+def _difference(expected: pb.Tree, made: pb.Tree) -> str:
+    """The first difference between predicted and real outputs, for the message."""
+    from google.protobuf import text_format
+
+    want = text_format.MessageToString(expected, as_one_line=True)
+    got = text_format.MessageToString(made, as_one_line=True)
+    at = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
+              min(len(want), len(got)))
+    start = max(0, at - 60)
+    return f"predicted ...{want[start:at + 60]}..., made ...{got[start:at + 60]}..."
+
+
+def _failure(error: Exception) -> pb.OpFailure:
+    """A stream operation's failure, as a failed call's status would carry it."""
+    if isinstance(error, _Stopped):
+        error = error.error
+    code, details, trailers = status_of(error)
+    if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
+        logger.info("a stream operation failed: %s", details)
+    parts = dict(trailers)
+    return pb.OpFailure(code=code.value[0], details=details,
+                        error=parts.get(tensors.ERROR_TRAILER, b""),
+                        traceback=parts.get(tensors.TRACEBACK_TRAILER, b""),
+                        caused_by=error.op if isinstance(error, DependencyFailedError) else 0)
 
 
 @dataclass(frozen=True)

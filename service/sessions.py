@@ -8,6 +8,7 @@ whose lease ran out, which releases their slices and so their device memory.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import secrets
 import threading
@@ -18,13 +19,17 @@ from typing import Any
 
 import numpy as np
 
-from jaxpod.errors import HandleError, SessionError
+from jaxpod.errors import DependencyFailedError, HandleError, SessionError
 from jaxpod.proto import coordinator_pb2 as pb
+from jaxpod.proto.tensors import OUTPUT_BITS
 from jaxpod.service.group_engine import GroupDataset, GroupEngine, GroupIterator, GroupValue
 from jaxpod.timeouts import Timeout
 
 #: How long a session survives without hearing from its client.
 SESSION_LEASE = Timeout("JAXPOD_SESSION_LEASE_S", 30.0)
+#: Failed operations a slice remembers, to say why a later one using their outputs
+#: was not run.
+MAX_FAILED_OPS = 4096
 
 
 @dataclass(eq=False)
@@ -45,10 +50,34 @@ class HeldSlice:
     values: dict[int, GroupValue] = field(default_factory=dict)
     datasets: dict[int, GroupDataset] = field(default_factory=dict)
     iterators: dict[int, GroupIterator] = field(default_factory=dict)
+    #: Numbers of the stream's operations that failed (their outputs never existed),
+    #: the most recent ``MAX_FAILED_OPS``.
+    failed_ops: collections.OrderedDict[int, None] = field(
+        default_factory=collections.OrderedDict)
 
     def value(self, value_id: int) -> GroupValue:
+        try:
+            return self.values[value_id]
+        except KeyError:
+            op = value_id >> OUTPUT_BITS
+            if op in self.failed_ops:
+                raise DependencyFailedError(
+                    f"Not run: it uses value #{value_id}, an output of operation #{op} "
+                    "on this slice, which failed.", op) from None
         return _lookup(self.values, value_id, "Value", self.id,
                        " Use values returned by this strategy while it is open.")
+
+    def output_id(self, op: int, index: int) -> int:
+        """The id of operation ``op``'s ``index``-th output value (``SliceOp``)."""
+        if index >= 1 << OUTPUT_BITS:
+            raise ValueError(f"An operation may make at most {1 << OUTPUT_BITS} values; "
+                             "return fewer leaves.")
+        return op << OUTPUT_BITS | index
+
+    def failed(self, op: int) -> None:
+        self.failed_ops[op] = None
+        if len(self.failed_ops) > MAX_FAILED_OPS:
+            self.failed_ops.popitem(last=False)
 
     def dataset(self, dataset_id: int) -> GroupDataset:
         return _lookup(self.datasets, dataset_id, "Dataset", self.id)
@@ -56,9 +85,14 @@ class HeldSlice:
     def iterator(self, iterator_id: int) -> GroupIterator:
         return _lookup(self.iterators, iterator_id, "Iterator", self.id)
 
-    def keep_values(self, values: list[GroupValue]) -> None:
-        for v in values:
-            self.values[v.info.id] = v
+    def keep_values(self, values: dict[int, GroupValue]) -> None:
+        """Keeps new values by the ids the client gave them; an id in use is refused
+        before any is kept."""
+        taken = self.values.keys() & values.keys()
+        if taken:
+            raise HandleError(f"Value ids {sorted(taken)[:5]} are already in use on slice "
+                              f"{self.id}: each operation number may be used once.")
+        self.values.update(values)
 
     def drop(self, dropped: pb.Dropped) -> None:
         """Forgets what the client dropped; the workers free it with the slice's next

@@ -103,6 +103,8 @@ class RpcTimer(grpc.aio.ServerInterceptor):
         method = details.method or ""
         if handler is None or not method.startswith(TIMED_PREFIX):
             return handler
+        if handler.request_streaming and handler.response_streaming:
+            return handler  # the op stream lives as long as its strategy: no call time
         return _timed(handler, method[len(TIMED_PREFIX):], self._histogram)
 
 
@@ -136,8 +138,7 @@ def _timed(handler: Any, name: str, histogram: Histogram) -> Any:
     kinds: dict[tuple[bool, bool], tuple[str, Any, Any]] = {
         (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler, unary),
         (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler, streaming),
-        (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler, unary),
-        (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler, streaming)}
+        (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler, unary)}
     attribute, make, wrap = kinds[(handler.request_streaming, handler.response_streaming)]
     return make(wrap(getattr(handler, attribute)),
                 request_deserializer=handler.request_deserializer,

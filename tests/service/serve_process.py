@@ -12,6 +12,7 @@ import secrets
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,16 @@ def all_gone(tree: dict[int, str], timeout_s: float) -> list[int]:
     """Pids of ``tree`` still running after ``timeout_s`` (empty: all exited)."""
     wait_for(lambda: not any(is_running(p, s) for p, s in tree.items()), timeout_s)
     return [p for p, s in tree.items() if is_running(p, s)]
+
+
+@contextlib.contextmanager
+def running_service(log_path: Path, slices: str | None, **kwargs: Any) -> Iterator[Service]:
+    """:func:`start_service` (same arguments), stopped by :func:`stop_service` on exit."""
+    service = start_service(log_path, slices, **kwargs)
+    try:
+        yield service
+    finally:
+        stop_service(service)
 
 
 def stop_service(service: Service) -> None:

@@ -20,6 +20,7 @@ import subprocess
 import threading
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,8 @@ from serve_process import (
     Service,
     all_gone,
     kill_service,
+    running_service,
     start_service,
-    stop_service,
 )
 
 import jaxpod
@@ -60,11 +61,8 @@ SERVICE_NAME = "jaxpod.v1.Coordinator"
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     log = tmp_path_factory.mktemp("coordinator") / "serve.log"
-    running = start_service(log, SLICES, lease_s=DEFAULT_LEASE_S)
-    try:
+    with running_service(log, SLICES, lease_s=DEFAULT_LEASE_S) as running:
         yield running
-    finally:
-        stop_service(running)
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +95,34 @@ def _raw_error(call: Any, request: Any, metadata: Any, what: str = "call") -> An
     with pytest.raises(grpc.RpcError) as info:
         call(request, timeout=60, metadata=metadata)
     return info.value, rpc.error_from(info.value, what)
+
+
+_RAW_OPS = itertools.count(1 << 40)  # op numbers no client of these tests reaches
+
+
+@dataclass(frozen=True)
+class _OpError:
+    """A failed stream operation, read like a failed call's ``grpc.RpcError``."""
+
+    failure: pb.OpFailure
+
+    def code(self) -> grpc.StatusCode:
+        return next(c for c in grpc.StatusCode if c.value[0] == self.failure.code)
+
+    def details(self) -> str:
+        return self.failure.details
+
+
+def _raw_run(stub: Any, request: pb.RunRequest, metadata: Any) -> Any:
+    """Sends one raw ``run`` operation that must fail on a stream of its own; returns
+    its failure and the exception it stands for."""
+    replies = list(stub.Stream(iter([pb.SliceOp(op=next(_RAW_OPS), run=request)]),
+                               timeout=60, metadata=metadata))
+    assert len(replies) == 1 and replies[0].HasField("failure"), replies
+    failure = replies[0].failure
+    error = _OpError(failure)
+    return error, rpc.error_from_parts(error.code(), failure.details, failure.error,
+                                       failure.traceback, "run")
 
 
 # ---------------------------------------------------------------- step functions
@@ -257,7 +283,7 @@ def test_health_and_reflection(service: Service) -> None:
         described = descriptor_pool.DescriptorPool(database).FindServiceByName(SERVICE_NAME)
         ours = pb.DESCRIPTOR.services_by_name["Coordinator"]
         assert sorted(described.methods_by_name) == sorted(ours.methods_by_name)
-        assert described.methods_by_name["Run"].output_type.full_name == "jaxpod.v1.Tree"
+        assert described.methods_by_name["Stream"].output_type.full_name == "jaxpod.v1.SliceReply"
 
 
 def test_token_is_required(service: Service, monkeypatch: pytest.MonkeyPatch,
@@ -332,13 +358,13 @@ def test_concurrent_clients_are_isolated(service: Service, client: Any,
         # The service checks too, whatever a client sends.
         foreign = pb.Tree(tuple=pb.Sequence(items=[
             pb.Tree(value=pb.ValueRef(id=vb.id, slice_id=sb.slice_id))]))
-        error, mapped = _raw_error(ca.stub.Run, pb.RunRequest(
+        error, mapped = _raw_run(ca.stub, pb.RunRequest(
             session_id=ca.session_id, slice_id=sa.slice_id, function_id="x",
             args=foreign, kwargs=tensors.encode({})), ca.metadata)
         assert error.code() == grpc.StatusCode.NOT_FOUND
         assert isinstance(mapped, jaxpod.HandleError)
         assert f"lives on slice {sb.slice_id}" in str(mapped)
-        error, mapped = _raw_error(ca.stub.Run, pb.RunRequest(
+        error, mapped = _raw_run(ca.stub, pb.RunRequest(
             session_id=ca.session_id, slice_id=sb.slice_id, function_id="x",
             args=tensors.encode(()), kwargs=tensors.encode({})), ca.metadata)
         assert error.code() == grpc.StatusCode.NOT_FOUND
@@ -427,7 +453,7 @@ def test_unsupported_arguments_name_their_path(strategy: RemoteStrategy,
                 dtype="float32", shape=[4], data=b"\0" * 12))])), "needs 16 bytes"),
             (pb.Tree(tuple=pb.Sequence(items=[pb.Tree(blob=999)])),
              "Uploaded tensor #999 is not held")):
-        error, mapped = _raw_error(client.stub.Run, pb.RunRequest(
+        error, mapped = _raw_run(client.stub, pb.RunRequest(
             **ids, function_id="f", args=tree, kwargs=tensors.encode({})), client.metadata)
         assert message in error.details()
         assert isinstance(mapped, ValueError), mapped
@@ -464,7 +490,7 @@ def test_calls_after_close(service: Service, client: Any, strategy: RemoteStrate
     with pytest.raises(jaxpod.SessionError):
         s.reduce("SUM", value)
     # The service refuses the released slice too, not only the client.
-    error, mapped = _raw_error(c.stub.Run, pb.RunRequest(
+    error, mapped = _raw_run(c.stub, pb.RunRequest(
         session_id=session_id, slice_id=slice_id, function_id="f",
         args=tensors.encode(()), kwargs=tensors.encode({})), c.metadata)
     assert isinstance(mapped, jaxpod.HandleError) and "was released" in str(mapped)
@@ -554,8 +580,9 @@ def test_undecodable_requests_are_invalid_arguments_naming_their_method(
         for method, data in itertools.product(methods, UNDECODABLE):
             path = f"/{SERVICE_NAME}/{method.name}"
             kind = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
-                    (True, False): channel.stream_unary}[(method.client_streaming,
-                                                         method.server_streaming)]
+                    (True, False): channel.stream_unary,
+                    (True, True): channel.stream_stream}[(method.client_streaming,
+                                                          method.server_streaming)]
             call = kind(path)
             with pytest.raises(grpc.RpcError) as info:
                 reply = call(iter([data]) if method.client_streaming else data, timeout=60,

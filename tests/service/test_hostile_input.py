@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serve_process import Service, start_service, stop_service
+from serve_process import Service, running_service
 
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
@@ -34,11 +34,8 @@ UNEXPLAINED = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    running = start_service(tmp_path_factory.mktemp("hostile") / "serve.log", "v6e-8")
-    try:
-        yield running
-    finally:
-        stop_service(running)
+    with running_service(tmp_path_factory.mktemp("hostile") / "serve.log", "v6e-8") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +77,24 @@ def requests(draw: st.DrawFn) -> tuple[Any, bytes]:
     return method, data
 
 
-def _call(channel: grpc.Channel, method: Any, data: bytes, metadata: Any) -> None:
+def _call(channel: grpc.Channel, method: Any, data: bytes, metadata: Any
+          ) -> grpc.StatusCode:
+    """Sends ``data``; returns the status (an operation's failure code on the op
+    stream, whose call itself succeeds)."""
     path = f"/{SERVICE_NAME}/{method.name}"
+    if method.client_streaming and method.server_streaming:
+        replies = list(channel.stream_stream(path, response_deserializer=pb.SliceReply.FromString)(
+            iter([data]), timeout=60, metadata=metadata))
+        failed = [r.failure.code for r in replies if r.HasField("failure")]
+        return next((c for c in grpc.StatusCode if failed and c.value[0] == failed[0]),
+                    grpc.StatusCode.OK)
     if method.client_streaming:
         channel.stream_unary(path)(iter([data]), timeout=60, metadata=metadata)
     elif method.server_streaming:
         list(channel.unary_stream(path)(data, timeout=60, metadata=metadata))
     else:
         channel.unary_unary(path)(data, timeout=60, metadata=metadata)
+    return grpc.StatusCode.OK
 
 
 def test_generated_hostile_messages_get_explained_refusals(
@@ -100,8 +107,8 @@ def test_generated_hostile_messages_get_explained_refusals(
     def send(request: tuple[Any, bytes]) -> None:
         method, data = request
         try:
-            _call(channel, method, data, service.metadata)
-            code = grpc.StatusCode.OK
+            code = _call(channel, method, data, service.metadata)
+            assert code not in UNEXPLAINED, (method.name, data, code)
         except grpc.RpcError as e:
             code = e.code()  # type: ignore[attr-defined]
             assert code not in UNEXPLAINED, (method.name, data, e)
