@@ -239,12 +239,20 @@ class RemoteStrategy(TFCompatMixin):
             return self._client.call(rpc, request, what=what, idempotent=idempotent)
 
     def _result(self, rpc: Any, request: Any, what: str) -> Any:
-        """Calls the result-streaming ``rpc``; returns the result it streams. A
-        synchronising call: a failure of an operation sent before it raises here."""
+        """Calls the result-streaming ``rpc``; returns the result it streams. The
+        service runs it after the operations sent before it (``after_op``), so it goes
+        without waiting for their answers. A synchronising call: a failure of an
+        operation sent before it raises here, in place of its own result or error."""
         self._check_open(what)
+        request.after_op = self._ops.last_op
+        try:
+            with self._dropped_riding(request):
+                result = self._client.stream(rpc, request, _thawed_result, what=what)
+        except Exception:
+            self._ops.sync(what)  # the failure that caused this one, if any, first
+            raise
         self._ops.sync(what)
-        with self._dropped_riding(request):
-            return self._client.stream(rpc, request, _thawed_result, what=what)
+        return result
 
     def _dispatch(self, kind: str, request: Any, what: str, key: Hashable | None, *,
                   may_predict: bool = True,

@@ -182,7 +182,7 @@ class OpStream:
         (the caller holds ``_lock``; numbering goes on across streams)."""
         if self._requests is None:
             requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
-            call = self._client.stub.Stream(iter(requests.get, _END),
+            call = self._client.stub.Stream(_batches(requests),
                                             metadata=self._client.metadata)
             self._requests = requests
             self._reader = threading.Thread(target=self._read, args=(call, requests),
@@ -192,11 +192,12 @@ class OpStream:
         return self._requests
 
     # ------------------------------------------------------------------ replies
-    def _read(self, call: Iterator[pb.SliceReply], requests: queue.SimpleQueue[Any]) -> None:
+    def _read(self, call: Iterator[pb.SliceReplies], requests: queue.SimpleQueue[Any]
+              ) -> None:
         error: BaseException | None = None
         try:
-            for reply in call:
-                self._on_reply(reply)
+            for replies in call:
+                self._on_replies(replies)
         except grpc.RpcError as e:
             error = rpc.error_from(e, f"the operations sent to slice {self.slice_id}")
         with self._lock:
@@ -211,10 +212,11 @@ class OpStream:
                     code=grpc.StatusCode.UNAVAILABLE.value[0], details=str(lost))), lost)
             self._replied.notify_all()
 
-    def _on_reply(self, reply: pb.SliceReply) -> None:
+    def _on_replies(self, replies: pb.SliceReplies) -> None:
         with self._lock:
-            if reply.op in self._pending:
-                self._answer(reply.op, reply, None)
+            for reply in replies.replies:
+                if reply.op in self._pending:
+                    self._answer(reply.op, reply, None)
             self._replied.notify_all()
 
     def _answer(self, op: int, reply: pb.SliceReply, error: BaseException | None) -> None:
@@ -243,6 +245,11 @@ class OpStream:
                 self._failures.append(record)
         if pending.on_failure is not None and root is None:
             pending.on_failure(record)
+
+    @property
+    def last_op(self) -> int:
+        """The number of the last operation sent (0: none)."""
+        return self._next_op - 1
 
     # ------------------------------------------------------------------ waiting
     def result(self, op: int) -> pb.Tree:
@@ -326,6 +333,27 @@ class OpStream:
             requests.put(_END)
         if reader is not None and reader is not threading.current_thread():
             reader.join(timeout_s)
+
+
+def _batches(requests: queue.SimpleQueue[Any]) -> Iterator[pb.SliceOps]:
+    """The stream's messages: every operation queued by the time the previous message
+    left goes in the next one (a client ahead of the service sends fewer, larger
+    messages), until ``_END``."""
+    while True:
+        first = requests.get()
+        if first is _END:
+            return
+        batch = [first]
+        while True:
+            try:
+                more = requests.get_nowait()
+            except queue.Empty:
+                break
+            if more is _END:
+                yield pb.SliceOps(ops=batch)
+                return
+            batch.append(more)
+        yield pb.SliceOps(ops=batch)
 
 
 def _code(number: int) -> grpc.StatusCode:

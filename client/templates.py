@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import threading
 from collections.abc import Hashable
 from typing import Any
 
@@ -74,14 +75,16 @@ class Templates:
 
     def __init__(self) -> None:
         self._by_key: collections.OrderedDict[Hashable, pb.Tree] = collections.OrderedDict()
+        self._lock = threading.Lock()  # the stream's reader thread forgets templates
 
     def predictor(self, key: Hashable) -> Any:
         """A function of an operation's number giving its predicted outputs, or
         ``None`` where no call with ``key`` has succeeded yet."""
-        template = self._by_key.get(key)
-        if template is None:
-            return None
-        self._by_key.move_to_end(key)
+        with self._lock:
+            template = self._by_key.get(key)
+            if template is None:
+                return None
+            self._by_key.move_to_end(key)
 
         def predict(op: int) -> pb.Tree:
             tree = pb.Tree()
@@ -97,13 +100,15 @@ class Templates:
         template.CopyFrom(outputs)
         for ref in value_refs(template):
             ref.id &= _OUTPUT_MASK
-        self._by_key[key] = template
-        self._by_key.move_to_end(key)
-        if len(self._by_key) > MAX_TEMPLATES:
-            self._by_key.popitem(last=False)
+        with self._lock:
+            self._by_key[key] = template
+            self._by_key.move_to_end(key)
+            if len(self._by_key) > MAX_TEMPLATES:
+                self._by_key.popitem(last=False)
 
     def forget(self, key: Hashable) -> None:
-        self._by_key.pop(key, None)
+        with self._lock:
+            self._by_key.pop(key, None)
 
 
 def value_refs(tree: pb.Tree) -> list[pb.ValueRef]:

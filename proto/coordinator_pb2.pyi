@@ -397,6 +397,18 @@ class SliceOp(_message.Message):
     next: IteratorRequest
     def __init__(self, op: _Optional[int] = ..., predicted: _Optional[bool] = ..., expect: _Optional[_Union[Tree, _Mapping]] = ..., run: _Optional[_Union[RunRequest, _Mapping]] = ..., run_steps: _Optional[_Union[RunStepsRequest, _Mapping]] = ..., distribute_values: _Optional[_Union[DistributeValuesRequest, _Mapping]] = ..., next: _Optional[_Union[IteratorRequest, _Mapping]] = ...) -> None: ...
 
+class SliceOps(_message.Message):
+    __slots__ = ("ops",)
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    ops: _containers.RepeatedCompositeFieldContainer[SliceOp]
+    def __init__(self, ops: _Optional[_Iterable[_Union[SliceOp, _Mapping]]] = ...) -> None: ...
+
+class SliceReplies(_message.Message):
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[SliceReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[SliceReply, _Mapping]]] = ...) -> None: ...
+
 class OpFailure(_message.Message):
     __slots__ = ("code", "details", "error", "traceback", "caused_by")
     CODE_FIELD_NUMBER: _ClassVar[int]
@@ -426,46 +438,52 @@ class SliceReply(_message.Message):
     def __init__(self, op: _Optional[int] = ..., tree: _Optional[_Union[Tree, _Mapping]] = ..., done: _Optional[bool] = ..., failure: _Optional[_Union[OpFailure, _Mapping]] = ..., full_steps_ahead: _Optional[int] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
-    __slots__ = ("session_id", "slice_id", "reduce_op", "value", "axis", "dropped")
+    __slots__ = ("session_id", "slice_id", "reduce_op", "value", "axis", "after_op", "dropped")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     REDUCE_OP_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     AXIS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_OP_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slice_id: str
     reduce_op: Tree
     value: Tree
     axis: Tree
+    after_op: int
     dropped: Dropped
-    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., reduce_op: _Optional[_Union[Tree, _Mapping]] = ..., value: _Optional[_Union[Tree, _Mapping]] = ..., axis: _Optional[_Union[Tree, _Mapping]] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., reduce_op: _Optional[_Union[Tree, _Mapping]] = ..., value: _Optional[_Union[Tree, _Mapping]] = ..., axis: _Optional[_Union[Tree, _Mapping]] = ..., after_op: _Optional[int] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
 
 class GatherRequest(_message.Message):
-    __slots__ = ("session_id", "slice_id", "value", "axis", "dropped")
+    __slots__ = ("session_id", "slice_id", "value", "axis", "after_op", "dropped")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     AXIS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_OP_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slice_id: str
     value: Tree
     axis: Tree
+    after_op: int
     dropped: Dropped
-    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., value: _Optional[_Union[Tree, _Mapping]] = ..., axis: _Optional[_Union[Tree, _Mapping]] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., value: _Optional[_Union[Tree, _Mapping]] = ..., axis: _Optional[_Union[Tree, _Mapping]] = ..., after_op: _Optional[int] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
 
 class ValueRequest(_message.Message):
-    __slots__ = ("session_id", "slice_id", "value", "dropped")
+    __slots__ = ("session_id", "slice_id", "value", "after_op", "dropped")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_OP_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slice_id: str
     value: Tree
+    after_op: int
     dropped: Dropped
-    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., value: _Optional[_Union[Tree, _Mapping]] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., value: _Optional[_Union[Tree, _Mapping]] = ..., after_op: _Optional[int] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
     __slots__ = ("session_id", "slice_id", "blobs", "dropped")

@@ -81,8 +81,8 @@ class CoordinatorStub:
                 _registered_method=True)
         self.Stream = channel.stream_stream(
                 '/jaxpod.v1.Coordinator/Stream',
-                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.SliceOp.SerializeToString,
-                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.SliceReply.FromString,
+                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.SliceOps.SerializeToString,
+                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.SliceReplies.FromString,
                 _registered_method=True)
         self.Reduce = channel.unary_stream(
                 '/jaxpod.v1.Coordinator/Reduce',
@@ -226,6 +226,7 @@ class CoordinatorServicer:
     def Stream(self, request_iterator, context):
         """The operations that make values (run, run_steps, distribute values, next), one
         client's on one slice, in order: each reply answers the operation of its number.
+        Operations queued together travel in one message, and their replies too.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -378,8 +379,8 @@ def add_CoordinatorServicer_to_server(servicer, server):
             ),
             'Stream': grpc.stream_stream_rpc_method_handler(
                     servicer.Stream,
-                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.SliceOp.FromString,
-                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.SliceReply.SerializeToString,
+                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.SliceOps.FromString,
+                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.SliceReplies.SerializeToString,
             ),
             'Reduce': grpc.unary_stream_rpc_method_handler(
                     servicer.Reduce,
@@ -725,8 +726,8 @@ class Coordinator:
             request_iterator,
             target,
             '/jaxpod.v1.Coordinator/Stream',
-            jaxpod_dot_proto_dot_coordinator__pb2.SliceOp.SerializeToString,
-            jaxpod_dot_proto_dot_coordinator__pb2.SliceReply.FromString,
+            jaxpod_dot_proto_dot_coordinator__pb2.SliceOps.SerializeToString,
+            jaxpod_dot_proto_dot_coordinator__pb2.SliceReplies.FromString,
             options,
             channel_credentials,
             insecure,

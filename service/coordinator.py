@@ -40,6 +40,7 @@ from jaxpod.proto import tensors
 from jaxpod.service.group_engine import DefinedFunction, GatherParts, GroupValue
 from jaxpod.service.jobs.handlers import JobsServicer
 from jaxpod.service.jobs.manager import JobManager
+from jaxpod.service.replica_group import OPERATION_TIMEOUT
 from jaxpod.service.sessions import HeldSlice, Session, SessionManager
 from jaxpod.service.status import status_of
 from jaxpod.shipping import ShippedFunction, runtime_versions
@@ -170,11 +171,20 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
         await self._release(held)
         return pb.Empty()
 
-    def _slice(self, request: Any) -> tuple[Session, HeldSlice]:
-        """The session and slice a request names; what the client dropped is let go
-        first (the workers free it with the slice's next operation)."""
+    def _slice(self, request: Any, drop: bool = True) -> tuple[Session, HeldSlice]:
+        """The session and slice a request names; with ``drop``, what the client
+        dropped is let go first (the workers free it with the slice's next operation)."""
         session = self.sessions.get(request.session_id)
         held = session.slice(request.slice_id)
+        if drop and request.HasField("dropped"):
+            held.drop(request.dropped)
+        return session, held
+
+    def _after(self, request: Any) -> tuple[Session, HeldSlice]:
+        """:meth:`_slice` for a call that follows stream operation ``after_op``: waits
+        for it (in a worker thread), then lets go of what was dropped."""
+        session, held = self._slice(request, drop=False)
+        held.wait_applied(request.after_op, OPERATION_TIMEOUT.seconds())
         if request.HasField("dropped"):
             held.drop(request.dropped)
         return session, held
@@ -271,14 +281,23 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
         return tensors.encode(result, leaf, "result"), made
 
     # ---------------------------------------------------------- the op stream
-    async def Stream(self, request_iterator: AsyncIterator[pb.SliceOp], context: Any
-                     ) -> AsyncIterator[pb.SliceReply]:
+    async def Stream(self, request_iterator: AsyncIterator[pb.SliceOps], context: Any
+                     ) -> AsyncIterator[pb.SliceReplies]:
         # One operation at a time, in the order sent: each may use the values of the
-        # ones before it, and the replica group keeps that order on every host.
-        async for op in request_iterator:
-            yield await self._blocking(self._apply, op)
+        # ones before it, and the replica group keeps that order on every host. What
+        # arrived together runs in one hand-off to a thread.
+        joined: set[HeldSlice] = set()  # the slices this stream counts as open on
+        try:
+            async for batch in request_iterator:
+                yield await self._blocking(self._apply_all, batch, joined)
+        finally:
+            for held in joined:
+                held.advanced(streams=-1)
 
-    def _apply(self, op: pb.SliceOp) -> pb.SliceReply:
+    def _apply_all(self, batch: pb.SliceOps, joined: set[HeldSlice]) -> pb.SliceReplies:
+        return pb.SliceReplies(replies=[self._apply(op, joined) for op in batch.ops])
+
+    def _apply(self, op: pb.SliceOp, joined: set[HeldSlice]) -> pb.SliceReply:
         """Runs one stream operation; its failure becomes the reply's, not the stream's."""
         kind = op.WhichOneof("body")
         held: HeldSlice | None = None
@@ -286,7 +305,12 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
             if kind is None:
                 raise ValueError(f"Stream: operation #{op.op} has no body.")
             request = getattr(op, kind)
-            session, held = self._slice(request)
+            session, held = self._slice(request, drop=False)
+            if held not in joined:
+                joined.add(held)
+                held.advanced(streams=1)
+            held.advanced(received=op.op)
+            held.drop(request.dropped)
             result = self._OPERATIONS[kind](self, session, held, request)
             tree, made = self._refs(held, result, op.op)
             if op.predicted and tree != op.expect:
@@ -307,6 +331,9 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
             if held is not None:
                 held.failed(op.op)
             return pb.SliceReply(op=op.op, failure=_failure(e))
+        finally:
+            if held is not None:
+                held.advanced(applied=op.op)
 
     def _run(self, session: Session, held: HeldSlice, request: pb.RunRequest) -> Any:
         args = self._args(session, held, request.args)
@@ -351,35 +378,42 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
                 yield chunk
 
     def Reduce(self, request: pb.ReduceRequest, context: Any) -> ResultStream:
-        session, held = self._slice(request)
-        value = self._args(session, held, request.value)
-        op, axis = tensors.decode(request.reduce_op), tensors.decode(request.axis)
-        return self._stream(lambda: held.engine.reduce(op, value, axis))
+        def reduce() -> Any:
+            session, held = self._after(request)
+            value = self._args(session, held, request.value)
+            op, axis = tensors.decode(request.reduce_op), tensors.decode(request.axis)
+            return held.engine.reduce(op, value, axis)
+
+        return self._stream(reduce)
 
     def Gather(self, request: pb.GatherRequest, context: Any) -> ResultStream:
-        session, held = self._slice(request)
-        value = self._args(session, held, request.value)
-        axis = tensors.decode(request.axis)
-
         def gather() -> Any:  # rows stream part by part; other axes must be joined
+            session, held = self._after(request)
+            value = self._args(session, held, request.value)
             return jax.tree.map(
                 lambda g: tensors.RowParts(g.shape, g.dtype, g.parts) if g.axis == 0
                 else g.join(),
-                held.engine.gather_parts(value, axis, tensors.DATA_PIECES),
+                held.engine.gather_parts(value, tensors.decode(request.axis),
+                                         tensors.DATA_PIECES),
                 is_leaf=lambda x: isinstance(x, GatherParts))
 
         return self._stream(gather)
 
     def LocalResults(self, request: pb.ValueRequest, context: Any
                      ) -> ResultStream:
-        session, held = self._slice(request)
-        value = self._args(session, held, request.value)
-        return self._stream(lambda: held.engine.experimental_local_results(value))
+        def local_results() -> Any:
+            session, held = self._after(request)
+            value = self._args(session, held, request.value)
+            return held.engine.experimental_local_results(value)
+
+        return self._stream(local_results)
 
     def Fetch(self, request: pb.ValueRequest, context: Any) -> ResultStream:
-        session, held = self._slice(request)
-        value = self._args(session, held, request.value)
-        return self._stream(lambda: held.engine.fetch(value))
+        def fetch() -> Any:
+            session, held = self._after(request)
+            return held.engine.fetch(self._args(session, held, request.value))
+
+        return self._stream(fetch)
 
     async def Free(self, request: pb.FreeRequest, context: Any) -> pb.Empty:
         session = self.sessions.get(request.session_id)

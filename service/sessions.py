@@ -19,7 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from jaxpod.errors import DependencyFailedError, HandleError, SessionError
+from jaxpod.errors import (
+    DeadlineExceededError,
+    DependencyFailedError,
+    HandleError,
+    SessionError,
+)
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto.tensors import OUTPUT_BITS
 from jaxpod.service.group_engine import GroupDataset, GroupEngine, GroupIterator, GroupValue
@@ -27,6 +32,8 @@ from jaxpod.timeouts import Timeout
 
 #: How long a session survives without hearing from its client.
 SESSION_LEASE = Timeout("JAXPOD_SESSION_LEASE_S", 30.0)
+#: How long a call that follows a stream operation waits for a stream to bring it.
+STREAM_JOIN_GRACE = Timeout("JAXPOD_STREAM_JOIN_GRACE_S", 5.0)
 #: Failed operations a slice remembers, to say why a later one using their outputs
 #: was not run.
 MAX_FAILED_OPS = 4096
@@ -54,6 +61,44 @@ class HeldSlice:
     #: the most recent ``MAX_FAILED_OPS``.
     failed_ops: collections.OrderedDict[int, None] = field(
         default_factory=collections.OrderedDict)
+    #: The stream's progress: the last operation received and applied, and the
+    #: streams open; ``progress`` is notified as they change.
+    received_op: int = 0
+    applied_op: int = 0
+    open_streams: int = 0
+    progress: threading.Condition = field(default_factory=threading.Condition)
+
+    def wait_applied(self, op: int, timeout_s: float) -> None:
+        """Waits until the stream has applied operation ``op``.
+
+        Raises:
+          HandleError: ``op`` never reached the service and no stream is open to bring it.
+          DeadlineExceededError: it did not apply within ``timeout_s``.
+        """
+        start = time.monotonic()
+        deadline = start + timeout_s
+        with self.progress:
+            while self.applied_op < op:
+                # A stream's first message may arrive after the call that follows it.
+                if self.received_op < op and self.open_streams == 0 and \
+                        time.monotonic() - start > STREAM_JOIN_GRACE.seconds():
+                    raise HandleError(
+                        f"Operation #{op} on slice {self.id} never reached the service "
+                        "(its stream ended first), so this call cannot follow it. Call "
+                        "again.")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DeadlineExceededError(
+                        f"Operation #{op} on slice {self.id} was not applied within "
+                        f"{timeout_s:g}s; this call waits for it.")
+                self.progress.wait(min(left, 0.5) if self.open_streams == 0 else left)
+
+    def advanced(self, *, received: int = 0, applied: int = 0, streams: int = 0) -> None:
+        with self.progress:
+            self.received_op = max(self.received_op, received)
+            self.applied_op = max(self.applied_op, applied)
+            self.open_streams += streams
+            self.progress.notify_all()
 
     def value(self, value_id: int) -> GroupValue:
         try:

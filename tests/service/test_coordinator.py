@@ -97,9 +97,6 @@ def _raw_error(call: Any, request: Any, metadata: Any, what: str = "call") -> An
     return info.value, rpc.error_from(info.value, what)
 
 
-_RAW_OPS = itertools.count(1 << 40)  # op numbers no client of these tests reaches
-
-
 @dataclass(frozen=True)
 class _OpError:
     """A failed stream operation, read like a failed call's ``grpc.RpcError``."""
@@ -115,9 +112,12 @@ class _OpError:
 
 def _raw_run(stub: Any, request: pb.RunRequest, metadata: Any) -> Any:
     """Sends one raw ``run`` operation that must fail on a stream of its own; returns
-    its failure and the exception it stands for."""
-    replies = list(stub.Stream(iter([pb.SliceOp(op=next(_RAW_OPS), run=request)]),
-                               timeout=60, metadata=metadata))
+    its failure and the exception it stands for. Its number is 0, below the client's
+    (which start at 1): the service waits for a slice's operations by number, so a
+    number beyond the client's would let its calls run before their operations."""
+    op = pb.SliceOp(op=0, run=request)
+    replies = [r for batch in stub.Stream(iter([pb.SliceOps(ops=[op])]), timeout=60,
+                                          metadata=metadata) for r in batch.replies]
     assert len(replies) == 1 and replies[0].HasField("failure"), replies
     failure = replies[0].failure
     error = _OpError(failure)
@@ -283,7 +283,7 @@ def test_health_and_reflection(service: Service) -> None:
         described = descriptor_pool.DescriptorPool(database).FindServiceByName(SERVICE_NAME)
         ours = pb.DESCRIPTOR.services_by_name["Coordinator"]
         assert sorted(described.methods_by_name) == sorted(ours.methods_by_name)
-        assert described.methods_by_name["Stream"].output_type.full_name == "jaxpod.v1.SliceReply"
+        assert described.methods_by_name["Stream"].output_type.full_name == "jaxpod.v1.SliceReplies"
 
 
 def test_token_is_required(service: Service, monkeypatch: pytest.MonkeyPatch,

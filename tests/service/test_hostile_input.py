@@ -83,9 +83,10 @@ def _call(channel: grpc.Channel, method: Any, data: bytes, metadata: Any
     stream, whose call itself succeeds)."""
     path = f"/{SERVICE_NAME}/{method.name}"
     if method.client_streaming and method.server_streaming:
-        replies = list(channel.stream_stream(path, response_deserializer=pb.SliceReply.FromString)(
+        batches = list(channel.stream_stream(
+            path, response_deserializer=pb.SliceReplies.FromString)(
             iter([data]), timeout=60, metadata=metadata))
-        failed = [r.failure.code for r in replies if r.HasField("failure")]
+        failed = [r.failure.code for b in batches for r in b.replies if r.HasField("failure")]
         return next((c for c in grpc.StatusCode if failed and c.value[0] == failed[0]),
                     grpc.StatusCode.OK)
     if method.client_streaming:
