@@ -63,6 +63,17 @@ def machine_cpu_s() -> float:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds process ``pid`` has used so far (user and system, all its threads;
+    0 once it is gone), from ``/proc/<pid>/stat``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def with_machine_cpu(fn: Callable[[], Any], spent: list[float]) -> Callable[[], Any]:
     """``fn``, appending to ``spent`` the machine's CPU seconds each call used: with
     several processes on one call's path, the work that the wall time alone hides."""

@@ -9,7 +9,10 @@ Three figures, in one run:
    (the embedded service simulating one v6e-8 host) over the same loop on an
    in-process ``jaxpod.TPUStrategy`` with the same 8 CPU devices (a child process,
    as a single-host worker runs it). Loops of both alternate, never concurrent;
-   medians.
+   medians. ``loop_cpu_<role>_ms_per_step`` says where the CPU goes: the client, the
+   coordinator, the host workers and Ray's daemons in the remote loop, against the
+   in-process loop's (``inprocess``); on a 2-core machine their sum bounds the
+   remote loop's wall time from below.
 2. ``trivial_run_reduce_p50_ms`` (target <= 1.0): a synchronous ``run`` of an identity
    on a small ``PerReplica`` and ``reduce`` of its result, remote, p50 over many
    calls (the in-process figure for context).
@@ -38,7 +41,14 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import CommandChild, call_times, report, target, use_cpu_devices
+from _common import (
+    CommandChild,
+    call_times,
+    process_cpu_s,
+    report,
+    target,
+    use_cpu_devices,
+)
 
 from service import RepeatingDataset, identity, make_inputs, replica_vector, train_step
 
@@ -160,20 +170,44 @@ def measure_cold(runs: int, slices: str | None = None) -> dict[str, float]:
 
 
 def measure_loop(remote: Loop, child: Child, steps: int, rounds: int) -> dict[str, float]:
-    """Median seconds per step of the custom loop, remote and in-process alternating;
-    both losses must agree (the same program on the same data)."""
+    """Median seconds per step of the custom loop, remote and in-process alternating
+    (both losses must agree: the same program on the same data), and the CPU seconds
+    per step each process spent in them: ``cpu_<role>`` (:func:`_roles`)."""
     for _ in range(2):  # warm-up: compiles, starts the infeeds
         remote.steps(steps)
         child.ask(f"loop {steps}")
     times: dict[str, list[float]] = {"remote": [], "inprocess": []}
+    cpu: dict[str, float] = {}
+    roles = {**_roles(), child.proc.pid: "inprocess"}
     for _ in range(rounds):
+        before = {pid: process_cpu_s(pid) for pid in roles}
         times["remote"].append(remote.steps(steps) / steps)
         elapsed, loss = child.ask(f"loop {steps}")
         times["inprocess"].append(elapsed / steps)
+        for pid, role in roles.items():
+            cpu[role] = cpu.get(role, 0.0) + process_cpu_s(pid) - before[pid]
         if abs(loss - remote.loss) > 1e-4 * max(1.0, abs(loss)):
             raise RuntimeError(f"the remote loop's loss {remote.loss} differs from the "
                                f"in-process loop's {loss}")
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {**{name: statistics.median(t) for name, t in times.items()},
+            **{f"cpu_{role}": spent / (rounds * steps) for role, spent in cpu.items()}}
+
+
+def _roles() -> dict[int, str]:
+    """This process and the embedded service's, by role: ``client``, ``coordinator``,
+    ``hosts`` (the host workers), ``ray`` (Ray's own daemons)."""
+    from jaxpod.service.local_cluster import descendants
+
+    roles = {os.getpid(): "client"}
+    for pid in descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        roles[pid] = ("coordinator" if b"jaxpod.cli" in command else
+                      "hosts" if b"HostWorker" in command else "ray")
+    return roles
 
 
 # ------------------------------------------------------------------------- main
@@ -210,6 +244,9 @@ def main() -> None:
         "loop_remote_ms_per_step": 1e3 * per_step["remote"],
         "loop_inprocess_ms_per_step": 1e3 * per_step["inprocess"],
         "loop_remote_vs_inprocess": ratio,
+        # Where the remote loop's CPU goes, per step, against the in-process loop's.
+        **{f"loop_{key}_ms_per_step": 1e3 * value for key, value in per_step.items()
+           if key.startswith("cpu_")},
         "trivial_run_reduce_p50_ms": 1e3 * trivial,
         "inprocess_trivial_run_reduce_p50_ms": 1e3 * local_trivial,
         "trivial_calls": calls, "cold_runs": cold_runs,
