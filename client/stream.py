@@ -34,7 +34,7 @@ from jaxpod.errors import (
     ServiceUnavailableError,
 )
 from jaxpod.proto import coordinator_pb2 as pb
-from jaxpod.proto.tensors import OUTPUT_BITS
+from jaxpod.proto.tensors import op_of
 
 if TYPE_CHECKING:
     from jaxpod.client.client import Client
@@ -315,7 +315,7 @@ class OpStream:
 
     def check_usable(self, value_id: int, where: str) -> None:
         """Refuses at once a handle made by a failed operation whose failure was raised."""
-        record = self._failed.get(value_id >> OUTPUT_BITS)
+        record = self._failed.get(op_of(value_id))
         if record is not None and record.op in self._raised:
             raise HandleError(
                 f"{where} is an output of a call that never produced it: {record.what} "

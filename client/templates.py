@@ -19,9 +19,8 @@ from collections.abc import Hashable
 from typing import Any
 
 from jaxpod.proto import coordinator_pb2 as pb
-from jaxpod.proto.tensors import OUTPUT_BITS
+from jaxpod.proto.tensors import output_id, output_index
 
-_OUTPUT_MASK = (1 << OUTPUT_BITS) - 1
 #: Templates kept per slice.
 MAX_TEMPLATES = 1024
 
@@ -90,7 +89,7 @@ class Templates:
             tree = pb.Tree()
             tree.CopyFrom(template)
             for ref in value_refs(tree):
-                ref.id = op << OUTPUT_BITS | ref.id
+                ref.id = output_id(op, ref.id)
             return tree
 
         return predict
@@ -99,7 +98,7 @@ class Templates:
         template = pb.Tree()
         template.CopyFrom(outputs)
         for ref in value_refs(template):
-            ref.id &= _OUTPUT_MASK
+            ref.id = output_index(ref.id)
         with self._lock:
             self._by_key[key] = template
             self._by_key.move_to_end(key)

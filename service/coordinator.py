@@ -269,7 +269,7 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
 
         def leaf(x: Any, path: str) -> Any:
             if isinstance(x, GroupValue):
-                value_id = held.output_id(op, len(made))
+                value_id = tensors.output_id(op, len(made))
                 made[value_id] = x
                 valid = x.info.valid_rows
                 return pb.Tree(value=pb.ValueRef(

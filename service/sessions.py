@@ -26,7 +26,7 @@ from jaxpod.errors import (
     SessionError,
 )
 from jaxpod.proto import coordinator_pb2 as pb
-from jaxpod.proto.tensors import OUTPUT_BITS
+from jaxpod.proto.tensors import op_of
 from jaxpod.service.group_engine import GroupDataset, GroupEngine, GroupIterator, GroupValue
 from jaxpod.timeouts import Timeout
 
@@ -104,20 +104,13 @@ class HeldSlice:
         try:
             return self.values[value_id]
         except KeyError:
-            op = value_id >> OUTPUT_BITS
+            op = op_of(value_id)
             if op in self.failed_ops:
                 raise DependencyFailedError(
                     f"Not run: it uses value #{value_id}, an output of operation #{op} "
                     "on this slice, which failed.", op) from None
         return _lookup(self.values, value_id, "Value", self.id,
                        " Use values returned by this strategy while it is open.")
-
-    def output_id(self, op: int, index: int) -> int:
-        """The id of operation ``op``'s ``index``-th output value (``SliceOp``)."""
-        if index >= 1 << OUTPUT_BITS:
-            raise ValueError(f"An operation may make at most {1 << OUTPUT_BITS} values; "
-                             "return fewer leaves.")
-        return op << OUTPUT_BITS | index
 
     def failed(self, op: int) -> None:
         self.failed_ops[op] = None
