@@ -19,7 +19,7 @@ import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from google.protobuf.message import Message
@@ -45,6 +45,8 @@ from jaxpod.values import DistributedDataset, DistributedIterator, PerReplica, p
 
 if TYPE_CHECKING:
     from jaxpod.client.client import Client
+
+_T = TypeVar("_T")
 
 #: Arrays larger than this are uploaded with ``Put`` instead of travelling inline.
 UPLOAD_BYTES = 1024 * 1024
@@ -283,18 +285,26 @@ class RemoteStrategy(TFCompatMixin):
     def _dispatch_defined(self, fn: Callable[..., Any], kind: str, request: Any, what: str,
                           key: Callable[[str], Hashable | None]) -> Any:
         """:meth:`_dispatch` with ``request.function_id`` set to ``fn``'s id (``key``:
-        the template key for that id). The workers keep functions in a bounded cache:
-        if they evicted this one since, it is defined again and the operation sent
-        once more (nothing ran the first time)."""
+        the template key for that id), through :meth:`_with_defined`."""
         call = _call_name(what, fn)
-        request.function_id = self._define(fn, what)
+
+        def dispatch(function_id: str) -> Any:
+            request.function_id = function_id
+            return self._dispatch(kind, request, call, key(function_id))
+
+        return self._with_defined(fn, what, dispatch)
+
+    def _with_defined(self, fn: Callable[..., Any], what: str,
+                      use: Callable[[str], _T]) -> _T:
+        """``use(fn's id)``. The workers keep functions in a bounded cache: if they
+        evicted this one since it was defined, it is defined again and ``use`` called
+        once more (nothing ran the first time)."""
         try:
-            return self._dispatch(kind, request, call, key(request.function_id))
+            return use(self._define(fn, what))
         except UnknownFunctionError:
             with contextlib.suppress(KeyError, TypeError):
                 del self._functions[fn]
-            request.function_id = self._define(fn, what)
-            return self._dispatch(kind, request, call, key(request.function_id))
+            return use(self._define(fn, what))
 
     def _ids(self) -> Any:  # the two ids every slice request starts with
         return {"session_id": self._client.session_id, "slice_id": self.slice_id}
@@ -543,14 +553,12 @@ class RemoteStrategy(TFCompatMixin):
         what = "distribute_datasets_from_function"
         request = pb.DistributeDatasetRequest(**self._ids(), options=self._options(options),
                                               runtime_versions=self._client.runtime_versions)
-        request.function_id = self._define(dataset_fn, what)
-        try:
-            reply = self._call(self._stub.DistributeDataset, request, what)
-        except UnknownFunctionError:  # evicted since defined: define it again
-            with contextlib.suppress(KeyError, TypeError):
-                del self._functions[dataset_fn]
-            request.function_id = self._define(dataset_fn, what)
-            reply = self._call(self._stub.DistributeDataset, request, what)
+
+        def distribute(function_id: str) -> Any:
+            request.function_id = function_id
+            return self._call(self._stub.DistributeDataset, request, what)
+
+        reply = self._with_defined(dataset_fn, what, distribute)
         return RemoteDataset(self, int(reply.dataset_id))
 
     def _options(self, options: InputOptions | None) -> bytes:
