@@ -324,8 +324,11 @@ class RemoteStrategy(TFCompatMixin):
             self._functions[fn] = reply.function_id
         return str(reply.function_id)
 
-    def _encode(self, value: Any, path: str) -> tuple[pb.Tree, list[int]]:
-        """``value`` as a tree; large arrays uploaded (their blob ids returned)."""
+    def _encode(self, value: Any, path: str, handles: list[Hashable] | None = None
+                ) -> tuple[pb.Tree, list[int]]:
+        """``value`` as a tree; large arrays uploaded (their blob ids returned). Each
+        handle in it travels as its id alone; ``handles`` gets what else of it shapes
+        a call's outputs (:func:`_handle_signature`), in the tree's order."""
         blobs: list[int] = []
 
         def leaf(x: Any, where: str) -> Any:
@@ -339,13 +342,9 @@ class RemoteStrategy(TFCompatMixin):
                         "cannot move between strategies; fetch it and pass the array "
                         "instead.")
                 self._ops.check_usable(x.id, where)
-                # Its metadata too: the call's signature (templates) reads it.
-                valid = getattr(x, "valid_rows", None)
-                return pb.Tree(value=pb.ValueRef(
-                    id=x.id, slice_id=self.slice_id, shape=x.shape, dtype=str(x.dtype),
-                    has_valid_rows=valid is not None,
-                    valid_rows=() if valid is None else valid.tolist(),
-                    global_view=isinstance(x, RemoteGlobalValue)))
+                if handles is not None:
+                    handles.append(_handle_signature(x))
+                return pb.Tree(value=pb.ValueRef(id=x.id, slice_id=self.slice_id))
             if isinstance(x, ReduceOp):
                 return pb.Tree(str_value=x.value)
             if (isinstance(x, np.ndarray) or tensors._is_jax_array(x)) and \
@@ -397,14 +396,15 @@ class RemoteStrategy(TFCompatMixin):
     def _run(self, fn: Callable[..., Any], what: str, args: Any, kwargs: Any,
              **fields: Any) -> Any:
         """The ``run`` operation of ``run`` and of spmd functions (``fields``: the mesh)."""
-        encoded_args, blobs = self._encode(args, "args")
+        handles: list[Hashable] = []
+        encoded_args, blobs = self._encode(args, "args", handles)
         try:
-            encoded_kwargs, more = self._encode(kwargs, "kwargs")
+            encoded_kwargs, more = self._encode(kwargs, "kwargs", handles)
             blobs += more
             request = pb.RunRequest(**self._ids(), args=encoded_args, kwargs=encoded_kwargs,
                                     **fields)
             shape = None if blobs else signature(request.args, request.kwargs,
-                                                 request.batch_sharding)
+                                                 request.batch_sharding, handles=handles)
 
             def key(function_id: str) -> Hashable | None:
                 return None if shape is None else (
@@ -444,7 +444,8 @@ class RemoteStrategy(TFCompatMixin):
         """Runs ``steps`` (default ``steps_per_run``) steps in one on-device loop."""
         k = self.steps_per_run if steps is None else steps
         self._define(fn, "run_steps")  # the function's errors first
-        state, blobs = self._encode(initial_state, "initial_state")
+        handles: list[Hashable] = []
+        state, blobs = self._encode(initial_state, "initial_state", handles)
         request = pb.RunStepsRequest(**self._ids(), steps=tensors.encode(k, path="steps"),
                                      initial_state=state)
         try:
@@ -458,14 +459,14 @@ class RemoteStrategy(TFCompatMixin):
                 # in-process engine would (none if ``steps`` is invalid: the engine says so).
                 valid = isinstance(k, int) and not isinstance(k, bool) and k > 0
                 items, more = self._encode(list(itertools.islice(iterator, k if valid else 0)),
-                                           "iterator")
+                                           "iterator", handles)
                 blobs += more
                 request.has_items = True
                 request.items.CopyFrom(items)
             # Over a remote iterator the outputs depend on how much input is left: the
             # call waits for its reply.
             shape = None if blobs or not request.has_items else signature(
-                request.steps, request.initial_state, request.items)
+                request.steps, request.initial_state, request.items, handles=handles)
 
             def key(function_id: str) -> Hashable | None:
                 return None if shape is None else ("run_steps", function_id, shape)
@@ -680,6 +681,15 @@ class RemoteStrategy(TFCompatMixin):
         return (f"RemoteStrategy({self.info.accelerator_type}, "
                 f"replicas={self.num_replicas_in_sync}, hosts={self.num_hosts}, "
                 f"steps_per_run={self.steps_per_run}, {state})")
+
+
+def _handle_signature(x: RemotePerReplica | RemoteGlobalValue) -> Hashable:
+    """What of a handle argument shapes a call's outputs: its kind, shape, dtype and
+    valid rows (kept here: the wire carries only its id)."""
+    if isinstance(x, RemoteGlobalValue):
+        return ("global", x.shape, str(x.dtype))
+    valid = None if x.valid_rows is None else tuple(x.valid_rows.tolist())
+    return ("per_replica", x.shape, str(x.dtype), valid)
 
 
 def _call_name(what: str, fn: Any) -> str:

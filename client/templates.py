@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from jaxpod.proto import coordinator_pb2 as pb
@@ -30,11 +30,12 @@ class _Unpredictable(Exception):
     uploaded tensor, a leaf of an unknown kind): the call waits for its reply."""
 
 
-def signature(*trees: pb.Tree) -> Hashable | None:
-    """What of ``trees`` (encoded arguments) decides a call's outputs; ``None``: not
-    predictable."""
+def signature(*trees: pb.Tree, handles: Sequence[Hashable] = ()) -> Hashable | None:
+    """What of ``trees`` (encoded arguments) decides a call's outputs, with
+    ``handles``, the signatures of the handles in them (their nodes carry only ids);
+    ``None``: not predictable."""
     try:
-        return tuple(_node(t) for t in trees)
+        return (*(_node(t) for t in trees), tuple(handles))
     except _Unpredictable:
         return None
 
@@ -44,9 +45,7 @@ def _node(tree: pb.Tree) -> Hashable:
     if kind == "tensor":
         return ("t", tree.tensor.dtype, tuple(tree.tensor.shape))
     if kind == "value":
-        v = tree.value
-        return ("v", v.dtype, tuple(v.shape), v.has_valid_rows, tuple(v.valid_rows),
-                v.global_view)
+        return ("v",)  # its shape and rows come in ``handles``
     if kind in ("float_value", "int_value", "bool_value"):
         return ("s", kind)  # traced: only its type shapes the program
     if kind == "str_value":
