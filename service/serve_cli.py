@@ -48,6 +48,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def network_host(address: str) -> str | None:
+    """The host of a listen ``address`` that others on the network can reach; ``None``
+    for a loopback host or a ``unix:`` socket."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return None
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return None if is_loopback(host) else host
+
+
 def check_listen_address(address: str, token: str | None) -> None:
     """Refuses to serve beyond loopback without a token.
 
@@ -63,10 +72,8 @@ def check_listen_address(address: str, token: str | None) -> None:
       ValueError: ``address`` is not a loopback one and there is no token; the message
         says what was received and how to fix it.
     """
-    if token or address.startswith(("unix:", "unix-abstract:")):
-        return
-    host = address.rsplit(":", 1)[0] if ":" in address else address
-    if is_loopback(host):
+    host = network_host(address)
+    if token or host is None:
         return
     raise ValueError(
         f"jaxpod serve: refusing to listen on {address!r} without a token. The host "
@@ -136,8 +143,7 @@ def run_serve(args: argparse.Namespace) -> int:
     check_listen_address(address, token)
     tls = tls_files(args.tls_cert or os.environ.get(TLS_CERT_ENV),
                     args.tls_key or os.environ.get(TLS_KEY_ENV))
-    host = address.rsplit(":", 1)[0] if ":" in address else address
-    if tls is None and not is_loopback(host) and not address.startswith("unix"):
+    if tls is None and network_host(address) is not None:
         logging.getLogger(__name__).warning(
             "jaxpod serve: listening on %s without TLS: the bearer token and every step "
             "function travel in clear text to anyone on the network path. Give "
