@@ -57,6 +57,15 @@ def error_from(e: grpc.RpcError, what: str, timeout: Timeout = CALL_TIMEOUT
                             trailers.get(TRACEBACK_TRAILER), what, timeout)
 
 
+_CODES_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The status code numbered ``number`` (an ``OpFailure.code``); ``UNKNOWN`` for a
+    number gRPC does not define."""
+    return _CODES_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
 def error_from_parts(code: grpc.StatusCode, details: str, payload: bytes | None,
                      traceback: bytes | None, what: str, timeout: Timeout = CALL_TIMEOUT
                      ) -> BaseException:

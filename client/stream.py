@@ -102,7 +102,7 @@ class _Failure:
         value changes how they pickle, and so the ids of functions defined later."""
         if self._error is None:
             self._error = self.known or rpc.error_from_parts(
-                _code(self.failure.code), self.failure.details, self.failure.error,
+                rpc.status_code(self.failure.code), self.failure.details, self.failure.error,
                 self.failure.traceback, self.what)
         return self._error
 
@@ -266,7 +266,7 @@ class OpStream:
                 raise record.error()
             if record in self._failures:  # skipped, for a failure not yet raised
                 self._raise(f"the call at {call_site()}")
-            raise rpc.error_from_parts(_code(reply.failure.code), reply.failure.details,
+            raise rpc.error_from_parts(rpc.status_code(reply.failure.code), reply.failure.details,
                                        reply.failure.error, b"", record.what)
         return reply.tree
 
@@ -356,6 +356,3 @@ def _batches(requests: queue.SimpleQueue[Any]) -> Iterator[pb.SliceOps]:
         yield pb.SliceOps(ops=batch)
 
 
-def _code(number: int) -> grpc.StatusCode:
-    return next((c for c in grpc.StatusCode if c.value[0] == number),
-                grpc.StatusCode.UNKNOWN)

@@ -104,7 +104,7 @@ class _OpError:
     failure: pb.OpFailure
 
     def code(self) -> grpc.StatusCode:
-        return next(c for c in grpc.StatusCode if c.value[0] == self.failure.code)
+        return rpc.status_code(self.failure.code)
 
     def details(self) -> str:
         return self.failure.details

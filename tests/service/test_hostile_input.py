@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serve_process import Service, running_service
 
+from jaxpod.client import rpc
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
 
@@ -87,8 +88,7 @@ def _call(channel: grpc.Channel, method: Any, data: bytes, metadata: Any
             path, response_deserializer=pb.SliceReplies.FromString)(
             iter([data]), timeout=60, metadata=metadata))
         failed = [r.failure.code for b in batches for r in b.replies if r.HasField("failure")]
-        return next((c for c in grpc.StatusCode if failed and c.value[0] == failed[0]),
-                    grpc.StatusCode.OK)
+        return rpc.status_code(failed[0]) if failed else grpc.StatusCode.OK
     if method.client_streaming:
         channel.stream_unary(path)(iter([data]), timeout=60, metadata=metadata)
     elif method.server_streaming:
