@@ -48,31 +48,11 @@ class StepFailedError(Exception):
     """The step's own error type: it must reach the user unchanged."""
 
 
-class FailsOnItsTrace:
-    """``state + 1``, raising on its ``fail_at``-th call. Unhashable, so the workers
-    trace it on every call, and its Python runs each time (a hashable function is
-    traced once per argument signature)."""
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __init__(self, fail_at: int) -> None:
-        self.fail_at = fail_at
-        self.calls = 0
-        # The workers keep functions by content: each instance must be a new one.
-        self.serial = next(_SERIALS)
-
-    def __eq__(self, other: object) -> bool:
-        return self is other
-
-    def __call__(self, state: Any) -> Any:
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise StepFailedError(f"failed on call {self.calls}")
-        return state + 1.0
-
-
-class GrowsEachCall:
-    """Returns one more output each call: outputs no earlier call predicts."""
+class TracedEachCall:
+    """A step function the workers trace on every call, so its Python runs each time
+    and counts the calls (a hashable function is traced once per argument
+    signature): unhashable, and a new one each time (the workers keep functions by
+    content)."""
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -82,6 +62,24 @@ class GrowsEachCall:
 
     def __eq__(self, other: object) -> bool:
         return self is other
+
+
+class FailsOnItsTrace(TracedEachCall):
+    """``state + 1``, raising on its ``fail_at``-th call."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+
+    def __call__(self, state: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise StepFailedError(f"failed on call {self.calls}")
+        return state + 1.0
+
+
+class GrowsEachCall(TracedEachCall):
+    """Returns one more output each call: outputs no earlier call predicts."""
 
     def __call__(self, x: Any) -> Any:
         self.calls += 1
