@@ -23,6 +23,7 @@ import grpc.experimental  # not loaded by ``import grpc``; ChannelOptions lives 
 import jaxpod
 from jaxpod import errors
 from jaxpod.client import embedded, rpc
+from jaxpod.client.embedded import ADDRESS_ENV
 from jaxpod.client.jobs import Job, build_spec, check_state, status_from, submit_spec
 from jaxpod.client.remote import RemoteStrategy
 from jaxpod.client.stream import OpStream
@@ -35,37 +36,20 @@ from jaxpod.timeouts import Timeout
 
 logger = logging.getLogger(__name__)
 
-ADDRESS_ENV = "JAXPOD_ADDRESS"
 TOKEN_ENV = "JAXPOD_TOKEN"
 TLS_CA_ENV = "JAXPOD_TLS_CA"
-_embedded_lock = threading.Lock()
-_embedded: list[embedded.EmbeddedService] = []  # this process's, started on first need
 
 
 def connect(address: str | None = None, token: str | None = None, *,
             lease_s: float | None = None, tls_ca: str | bytes | bool | None = None
             ) -> Client:
-    """Connects to a jaxpod service and opens a session.
-
-    Args:
-      address: ``host:port`` of ``jaxpod serve``. ``None``: ``$JAXPOD_ADDRESS``; if
-        that is unset too, the embedded local service (started once per process as
-        a child, on a simulated cluster, and stopped when this process exits).
-      token: the service's bearer token (default ``$JAXPOD_TOKEN``).
-      lease_s: how long the service keeps this session without a heartbeat
-        (default: the service's).
-      tls_ca: reach the service over TLS, trusting this CA certificate (a PEM file's
-        path, or its bytes; ``True``: the system's roots; default ``$JAXPOD_TLS_CA``, a
-        path; unset: plain text).
-
-    Returns:
-      The client; close it (or use it as a context manager) to release its slices.
-    """
+    """Opens a session: :func:`jaxpod.client.connect` (the public entry point, which
+    starts the embedded service early), once the SDK is loaded."""
     address = address or os.environ.get(ADDRESS_ENV) or None
     source = "jaxpod.connect(token=...)"
     service = None
     if address is None:
-        service = _embedded_service()
+        service = embedded.shared()
         address, token, source = service.address, service.token, "the embedded service"
     elif token is None:
         token, source = os.environ.get(TOKEN_ENV), f"${TOKEN_ENV}"
@@ -87,13 +71,6 @@ def _read_ca(tls_ca: str | bytes | bool | None) -> bytes | bool | None:
         raise ValueError(f"tls_ca={tls_ca!r} (or ${TLS_CA_ENV}): cannot read the CA "
                          f"certificate ({e.strerror}). Give the path of a PEM file, or its "
                          "bytes.") from None
-
-
-def _embedded_service() -> embedded.EmbeddedService:
-    with _embedded_lock:
-        if not _embedded or _embedded[0].process.poll() is not None:
-            _embedded[:] = [embedded.start()]
-        return _embedded[0]
 
 
 class Client:

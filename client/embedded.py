@@ -22,9 +22,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from jaxpod.errors import ServiceUnavailableError
 from jaxpod.timeouts import Deadline, Timeout, wait_for
 
@@ -32,19 +29,52 @@ START_TIMEOUT = Timeout("JAXPOD_EMBEDDED_START_TIMEOUT_S", 300.0)
 STOP_TIMEOUT = Timeout("JAXPOD_EMBEDDED_STOP_TIMEOUT_S", 60.0)
 #: The simulated slices of the embedded service (``jaxpod serve --local --slices``).
 SLICES_ENV = "JAXPOD_LOCAL_SLICES"
+#: The service ``jaxpod.connect()`` reaches when given no address; unset: the embedded one.
+ADDRESS_ENV = "JAXPOD_ADDRESS"
 _LISTENING = "JAXPOD_LISTENING"
 
 
 @dataclass
 class EmbeddedService:
-    """A running embedded service: where it listens and how to stop it."""
+    """An embedded service: its process, and, once :meth:`wait_ready` saw it, where it
+    listens."""
 
-    address: str
     token: str
     process: subprocess.Popen[bytes]
+    deadline: Deadline
+    log_path: str
     state_dir: str | None = None
+    quiet: bool = False
+    address: str = ""
+    _serving: bool = field(default=False, repr=False)
     _stopped: bool = field(default=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _ready_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def wait_ready(self, serving: bool = True) -> EmbeddedService:
+        """Waits until it listens and, with ``serving``, until it is ``SERVING``; the
+        start time-out counts from :func:`launch`. Idempotent.
+
+        Raises:
+          ServiceUnavailableError: it exited or did not become ready in time (it is
+            stopped); the message ends with the tail of its log.
+        """
+        with self._ready_lock:
+            if self._serving or (self.address and not serving):
+                return self
+            try:
+                if not self.address:
+                    self.address = _read_address(self.process, self.deadline, self.log_path)
+                if serving:
+                    _wait_serving(self, self.deadline, self.log_path)
+                    self._serving = True
+            except BaseException:
+                self.stop(timeout_s=10)
+                raise
+        if not self.quiet:
+            print(f"jaxpod: embedded service {'ready' if serving else 'listening'} at "
+                  f"{self.address}", file=sys.stderr, flush=True)
+        return self
 
     def stop(self, timeout_s: float | None = None) -> None:
         """SIGTERM (graceful: sessions closed, slices released), then kill."""
@@ -86,8 +116,14 @@ def start(slices: str | None = None, log_path: str | None = None,
       ServiceUnavailableError: it exited or did not become ready in time; the message
         ends with the tail of its log.
     """
-    limit = START_TIMEOUT.resolve(timeout_s)
-    deadline = Deadline(limit)
+    return launch(slices, log_path, timeout_s, quiet).wait_ready(serving=wait_serving)
+
+
+def launch(slices: str | None = None, log_path: str | None = None,
+           timeout_s: float | None = None, quiet: bool = False) -> EmbeddedService:
+    """Starts ``jaxpod serve --local`` and returns at once (arguments as :func:`start`);
+    :meth:`EmbeddedService.wait_ready` waits for it."""
+    deadline = Deadline(START_TIMEOUT.resolve(timeout_s))
     token = secrets.token_hex(16)
     slices = slices or os.environ.get(SLICES_ENV)
     import tempfile
@@ -106,23 +142,31 @@ def start(slices: str | None = None, log_path: str | None = None,
         print(f"jaxpod: starting the embedded local service (simulated "
               f"{slices or 'v4-16'}; log {log_path})...", file=sys.stderr, flush=True)
     env = {**os.environ, "JAXPOD_TOKEN": token}
-    env.pop("JAXPOD_ADDRESS", None)
+    env.pop(ADDRESS_ENV, None)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=log, env=env, start_new_session=True)
-    service = EmbeddedService("", token, proc, state_dir)
+    service = EmbeddedService(token, proc, deadline, log_path, state_dir, quiet)
     atexit.register(service.stop)
-    try:
-        service.address = _read_address(proc, deadline, log_path)
-        if wait_serving:
-            _wait_serving(service, deadline, log_path)
-    except BaseException:
-        service.stop(timeout_s=10)
-        raise
-    if not quiet:
-        print(f"jaxpod: embedded service {'ready' if wait_serving else 'listening'} at "
-              f"{service.address}", file=sys.stderr, flush=True)
     return service
+
+
+_shared_lock = threading.Lock()
+_shared: list[EmbeddedService] = []  # this process's, started on first need
+
+
+def shared(wait: bool = True) -> EmbeddedService:
+    """This process's embedded service, started on first need (again if it died);
+    ``wait=False`` returns while it starts.
+
+    Raises:
+      ServiceUnavailableError: waiting, it exited or did not become ready in time.
+    """
+    with _shared_lock:
+        if not _shared or _shared[0].process.poll() is not None:
+            _shared[:] = [launch()]
+        service = _shared[0]
+    return service.wait_ready() if wait else service
 
 
 def _read_address(proc: subprocess.Popen[bytes], deadline: Deadline, log_path: str) -> str:
@@ -162,6 +206,9 @@ def read_announcement(proc: subprocess.Popen[bytes], deadline: Deadline
 def _wait_serving(service: EmbeddedService, deadline: Deadline, log_path: str) -> None:
     """Follows the service's health (``Watch``: told the moment it changes, no polling
     interval) until it is ``SERVING``, it exits, or ``deadline`` passes."""
+    import grpc  # here: the service is launched before gRPC loads
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     serving = health_pb2.HealthCheckResponse.SERVING
     with grpc.insecure_channel(service.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)

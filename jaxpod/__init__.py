@@ -32,13 +32,13 @@ from jaxpod.errors import (
 )
 from jaxpod.jobs import JobAttempt, JobCheckpoint, JobResult, JobStatus, JobTransition
 from jaxpod.scope import get_strategy, mesh
-from jaxpod.tf_compat import InputReplicationMode, MultiStepContext, StrategyExtended
 from jaxpod.types import AutoShardPolicy, InputContext, InputOptions, ReduceOp, ValueContext
-from jaxpod.values import DistributedDataset, DistributedIterator, PerReplica
 
 if TYPE_CHECKING:
     from jaxpod.client import Client, Job, RemoteStrategy, connect
     from jaxpod.service.resolvers import TPUClusterResolver
+    from jaxpod.tf_compat import InputReplicationMode, MultiStepContext, StrategyExtended
+    from jaxpod.values import DistributedDataset, DistributedIterator, PerReplica
     from jaxpod.worker.device_assignment import DeviceAssignment, Topology
     from jaxpod.worker.replica_context import ReplicaContext, get_replica_context
     from jaxpod.worker.strategy import TPUStrategy
@@ -100,8 +100,13 @@ __all__ = [
 ]
 
 # Re-exported lazily, so that each part loads only what it uses: a client never loads
-# the engine (``jaxpod.worker``) or Ray (the resolvers, in ``jaxpod.service``).
-_LAZY = {"TPUClusterResolver": "jaxpod.service.resolvers",
+# the engine (``jaxpod.worker``) or Ray (the resolvers, in ``jaxpod.service``), and
+# ``import jaxpod`` does not load JAX (``jaxpod serve --local`` starts its simulated
+# cluster first, ``jaxpod.connect()`` its embedded service).
+_LAZY = {"InputReplicationMode": "jaxpod.tf_compat", "MultiStepContext": "jaxpod.tf_compat",
+         "StrategyExtended": "jaxpod.tf_compat", "DistributedDataset": "jaxpod.values",
+         "DistributedIterator": "jaxpod.values", "PerReplica": "jaxpod.values",
+         "TPUClusterResolver": "jaxpod.service.resolvers",
          "connect": "jaxpod.client", "Client": "jaxpod.client", "Job": "jaxpod.client",
          "RemoteStrategy": "jaxpod.client",
          "TPUStrategy": "jaxpod.worker.strategy",

@@ -51,7 +51,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from jaxpod.service.resolvers.ray import LOOPBACK_ENV
+from jaxpod.service.resolvers.base import LOOPBACK_ENV
 from jaxpod.service.topology import SliceShape, slice_shape
 from jaxpod.timeouts import Deadline, Timeout, wait_for
 

@@ -22,6 +22,9 @@ from jaxpod.service.topology import SliceShape
 DEFAULT_COORDINATOR_PORT = 8482
 #: Port of the multi-slice (MegaScale) coordinator; Ray's default as well.
 DEFAULT_MEGASCALE_PORT = 8081
+#: Makes Ray use the loopback address on Linux: only for the simulated local cluster.
+#: Here, not in ``resolvers.ray``, so the cluster's launcher starts before Ray loads.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 _HOSTNAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
 

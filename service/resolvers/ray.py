@@ -24,7 +24,7 @@ from typing import Any
 
 import ray
 
-from jaxpod.service.resolvers.base import ClusterInfo, HostInfo, SliceInfo
+from jaxpod.service.resolvers.base import LOOPBACK_ENV, ClusterInfo, HostInfo, SliceInfo
 from jaxpod.service.topology import SliceShape, slice_shape
 
 SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
@@ -33,8 +33,6 @@ POD_TYPE_LABEL = "ray.io/tpu-pod-type"
 TOPOLOGY_LABEL = "ray.io/tpu-topology"
 ACCELERATOR_TYPE_LABEL = "ray.io/accelerator-type"
 TPU_RESOURCE = "TPU"
-#: Makes Ray use the loopback address on Linux: only for the simulated local cluster.
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 #: The Ray namespace jaxpod's drivers join: its placement groups and named actors live
 #: there, apart from other users' names (see :mod:`jaxpod.service.orphans`).
 RAY_NAMESPACE = "jaxpod"

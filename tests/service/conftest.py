@@ -18,11 +18,11 @@ import pytest
 from jaxpod.service.allocator import SliceAllocator
 from jaxpod.service.group_engine import GroupEngine
 from jaxpod.service.local_cluster import (
-    LOOPBACK_ENV,
     LocalTPUCluster,
     descendants,
     is_running,
 )
+from jaxpod.service.resolvers.base import LOOPBACK_ENV
 from jaxpod.service.workers import start_replica_group
 
 
