@@ -35,6 +35,7 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.JaxpodError]] = {
     grpc.StatusCode.UNAVAILABLE: errors.ServiceUnavailableError,
     grpc.StatusCode.CANCELLED: errors.ServiceUnavailableError,  # e.g. the service stopping
     grpc.StatusCode.UNAUTHENTICATED: errors.AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDeniedError,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.MessageTooLargeError,
     grpc.StatusCode.NOT_FOUND: errors.HandleError,

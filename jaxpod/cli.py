@@ -44,6 +44,22 @@ def _build_parser() -> argparse.ArgumentParser:
     add_arguments(serve)
     serve.set_defaults(handler=_run_serve)
 
+    token = sub.add_parser("token", help="named tokens with roles for `jaxpod serve "
+                                         "--tokens-file`")
+    token_sub = token.add_subparsers(dest="token_command", required=True, metavar="ACTION")
+    new = token_sub.add_parser(
+        "new", help="append a token to the tokens file (only its SHA-256 is kept) and "
+                    "print the token, once")
+    new.add_argument("name", help="who holds it; recorded as the owner of what it creates")
+    new.add_argument("--role", required=True, choices=("viewer", "submitter", "admin"),
+                     help="viewer: read status; submitter: also run strategies and jobs, "
+                          "its own; admin: everything")
+    new.add_argument("--tokens-file", required=True, metavar="TOML",
+                     help="the file `jaxpod serve --tokens-file` reads (created if missing)")
+    new.add_argument("--max-slices", type=int, default=None, metavar="N",
+                     help="slices its strategies and jobs may hold at once (default: no cap)")
+    new.set_defaults(handler=_run_token_new)
+
     deploy = sub.add_parser("deploy", help="GKE manifests for TPU node pools")
     deploy_sub = deploy.add_subparsers(dest="deploy_command", required=True, metavar="ACTION")
     render = deploy_sub.add_parser(
@@ -82,6 +98,16 @@ def _run_deploy_render(args: argparse.Namespace) -> int:
     from jaxpod.service.deploy_render import run_render
 
     return run_render(args)
+
+
+def _run_token_new(args: argparse.Namespace) -> int:
+    from jaxpod.service.tokens import new_token
+
+    token = new_token(args.tokens_file, args.name, args.role, args.max_slices)
+    print(f"jaxpod: added {args.role} token {args.name!r} to {args.tokens_file}; give it to "
+          "its holder (as JAXPOD_TOKEN). It is shown only now:", file=sys.stderr)
+    print(token)
+    return 0
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -71,6 +71,11 @@ class AuthenticationError(JaxpodError, PermissionError):
     """The service refused the client's token."""
 
 
+class PermissionDeniedError(JaxpodError, PermissionError):
+    """The service knows the client's token, but its role (or ownership) does not
+    allow the call; the message names the role needed."""
+
+
 class DeadlineExceededError(JaxpodError, TimeoutError):
     """A call to the service did not finish within its deadline."""
 

@@ -85,6 +85,8 @@ class JobStatus:
       steps_per_s: steps per wall-clock second: the running attempt's over its recent
         loops (what a progress bar shows), else the last attempt's over its running
         time (``None``: no steps ran yet).
+      owner: the name of the token that submitted it (``"local"`` on a service without
+        tokens; ``""`` for jobs recorded before owners were).
     """
 
     id: str
@@ -102,6 +104,7 @@ class JobStatus:
     finished_at: float | None
     accelerator_type: str = ""
     steps_per_s: float | None = None
+    owner: str = ""
 
     @property
     def done(self) -> bool:

@@ -634,7 +634,7 @@ class JobAttempt(_message.Message):
     def __init__(self, number: _Optional[int] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., cause: _Optional[str] = ..., step_reached: _Optional[int] = ..., running_at: _Optional[float] = ..., start_step: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "goodput", "steps_per_s")
+    __slots__ = ("id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "goodput", "steps_per_s", "owner")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -664,6 +664,7 @@ class JobStatus(_message.Message):
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     GOODPUT_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: str
     name: str
@@ -679,7 +680,8 @@ class JobStatus(_message.Message):
     finished_at: float
     goodput: _containers.ScalarMap[str, float]
     steps_per_s: float
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., attempts: _Optional[int] = ..., queue_position: _Optional[int] = ..., error: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., goodput: _Optional[_Mapping[str, float]] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
+    owner: str
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., attempts: _Optional[int] = ..., queue_position: _Optional[int] = ..., error: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., goodput: _Optional[_Mapping[str, float]] = ..., steps_per_s: _Optional[float] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class HostInput(_message.Message):
     __slots__ = ("host", "input_wait_s", "input_queue_depth")

@@ -25,6 +25,7 @@ import jax
 import jaxpod
 from jaxpod.errors import (
     AsyncPredictionError,
+    AuthenticationError,
     DependencyFailedError,
     EndOfDataError,
     HandleError,
@@ -43,6 +44,7 @@ from jaxpod.service.jobs.manager import JobManager
 from jaxpod.service.replica_group import OPERATION_TIMEOUT
 from jaxpod.service.sessions import HeldSlice, Session, SessionManager
 from jaxpod.service.status import status_of
+from jaxpod.service.tokens import LOCAL, Principal, TokenBook
 from jaxpod.shipping import ShippedFunction, runtime_versions
 
 logger = logging.getLogger(__name__)
@@ -80,9 +82,11 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
     """
 
     def __init__(self, slices: SliceProvider, sessions: SessionManager | None = None,
-                 max_workers: int = 32, jobs: JobManager | None = None) -> None:
+                 max_workers: int = 32, jobs: JobManager | None = None,
+                 tokens: TokenBook | None = None) -> None:
         self.slices = slices
         self.jobs = jobs
+        self.tokens = tokens
         self.sessions = sessions if sessions is not None else SessionManager()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers, thread_name_prefix="jaxpod-slice")
@@ -90,6 +94,23 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
     async def _blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(_no_stop, fn, *args))
+
+    def caller(self, context: Any) -> Principal:
+        """Who made this call: its token's principal (:data:`LOCAL` without tokens). The
+        interceptor already refused unknown tokens and roles too low for the method."""
+        if self.tokens is None:
+            return LOCAL
+        metadata = dict(context.invocation_metadata() or ())
+        who = self.tokens.identify_bearer(metadata.get("authorization"))
+        if who is None:
+            raise AuthenticationError("The call carried no token this service knows.")
+        return who
+
+    def check_session(self, request: Any, context: Any) -> None:
+        """Refuses a request naming a session its caller did not open (admins pass)."""
+        session_id = getattr(request, "session_id", "")
+        if session_id and self.tokens is not None:
+            self.sessions.check_owner(session_id, self.caller(context))
 
     # ------------------------------------------------------------------ sessions
     async def OpenSession(self, request: pb.OpenSessionRequest, context: Any
@@ -108,8 +129,10 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
             raise VersionMismatchError(
                 f"Step functions travel as cloudpickle, which needs the same runtime on "
                 f"both ends ({detail}). Use the service's versions on the client.")
-        session = self.sessions.open(request.lease_s)
-        logger.info("session %s opened (lease %.1fs)", session.id, session.lease_s)
+        caller = self.caller(context)
+        session = self.sessions.open(request.lease_s, caller.name)
+        logger.info("session %s opened by %s (lease %.1fs)", session.id, caller.name,
+                    session.lease_s)
         return pb.OpenSessionResponse(session_id=session.id, lease_s=session.lease_s,
                                       server_version=jaxpod.__version__,
                                       protocol_version=tensors.PROTOCOL_VERSION)
@@ -205,6 +228,7 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
         async for chunk in request_iterator:
             if first is None:  # refused before any more of it is read
                 first = chunk
+                self.check_session(first, context)
                 self.sessions.get(first.session_id)
                 declared = _upload_size(first)
             size += len(chunk.data)
@@ -287,17 +311,20 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
         # ones before it, and the replica group keeps that order on every host. What
         # arrived together runs in one hand-off to a thread.
         joined: set[HeldSlice] = set()  # the slices this stream counts as open on
+        caller = self.caller(context) if self.tokens is not None else None
         try:
             async for batch in request_iterator:
-                yield await self._blocking(self._apply_all, batch, joined)
+                yield await self._blocking(self._apply_all, batch, joined, caller)
         finally:
             for held in joined:
                 held.advanced(streams=-1)
 
-    def _apply_all(self, batch: pb.SliceOps, joined: set[HeldSlice]) -> pb.SliceReplies:
-        return pb.SliceReplies(replies=[self._apply(op, joined) for op in batch.ops])
+    def _apply_all(self, batch: pb.SliceOps, joined: set[HeldSlice],
+                   caller: Principal | None) -> pb.SliceReplies:
+        return pb.SliceReplies(replies=[self._apply(op, joined, caller) for op in batch.ops])
 
-    def _apply(self, op: pb.SliceOp, joined: set[HeldSlice]) -> pb.SliceReply:
+    def _apply(self, op: pb.SliceOp, joined: set[HeldSlice], caller: Principal | None
+               ) -> pb.SliceReply:
         """Runs one stream operation; its failure becomes the reply's, not the stream's."""
         kind = op.WhichOneof("body")
         held: HeldSlice | None = None
@@ -305,6 +332,8 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
             if kind is None:
                 raise ValueError(f"Stream: operation #{op.op} has no body.")
             request = getattr(op, kind)
+            if caller is not None:
+                self.sessions.check_owner(request.session_id, caller)
             session, held = self._slice(request, drop=False)
             if held not in joined:
                 joined.add(held)
@@ -561,7 +590,9 @@ def _unary(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[An
     @functools.wraps(handler)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await handler(self, _checked(request), context)
+            request = _checked(request)
+            self.check_session(request, context)
+            return await handler(self, request, context)
         except Exception as e:
             await _abort(context, e, handler.__name__)
 
@@ -573,7 +604,9 @@ def _streaming(handler: Callable[..., Any]) -> Callable[..., Any]:
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[Any]:
         try:
-            stream = handler(self, _checked(request), context)
+            request = _checked(request)
+            self.check_session(request, context)
+            stream = handler(self, request, context)
             async for item in stream:
                 yield item
         except Exception as e:

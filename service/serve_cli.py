@@ -15,6 +15,7 @@ from typing import Any
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_HTTP_PORT = 8080
 TOKEN_ENV = "JAXPOD_TOKEN"
+TOKENS_FILE_ENV = "JAXPOD_TOKENS_FILE"
 STATE_DIR_ENV = "JAXPOD_STATE_DIR"
 
 
@@ -61,12 +62,12 @@ def check_listen_address(address: str, token: str | None) -> None:
     """Refuses to serve beyond loopback without a token.
 
     Anyone who can reach the service can run code on its cluster (step functions are
-    pickled Python), so without ``$JAXPOD_TOKEN`` it may listen only on 127.0.0.0/8,
-    ``::1`` or ``localhost`` (or a ``unix:`` socket).
+    pickled Python), so without ``$JAXPOD_TOKEN`` or a tokens file it may listen only on
+    127.0.0.0/8, ``::1`` or ``localhost`` (or a ``unix:`` socket).
 
     Args:
       address: ``host:port`` to listen on.
-      token: the bearer token the service will require, if any.
+      token: a token the service will require (or the tokens file's path), if any.
 
     Raises:
       ValueError: ``address`` is not a loopback one and there is no token; the message
@@ -111,6 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, metavar="PORT",
                         help="the HTTP API, /metrics and status page, on the gRPC host "
                              f"(default {DEFAULT_HTTP_PORT}; 0 picks a free one; -1: none)")
+    parser.add_argument("--tokens-file", default=None, metavar="TOML",
+                        help=f"named tokens with roles (${TOKENS_FILE_ENV}; `jaxpod token "
+                             f"new` writes them); without it, ${TOKEN_ENV} is one admin "
+                             "token")
     parser.add_argument("--tls-cert", default=None, metavar="PEM",
                         help="serve gRPC and HTTP over TLS with this certificate chain "
                              f"(default ${TLS_CERT_ENV}); needs --tls-key")
@@ -139,8 +144,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.slices and not args.local:
         raise ValueError("--slices needs --local (it describes the simulated cluster).")
     logging.getLogger(__name__).debug("malloc tuned for large buffers: %s", tuned)
-    token = os.environ.get(TOKEN_ENV) or None
-    check_listen_address(address, token)
+    tokens_file = args.tokens_file or os.environ.get(TOKENS_FILE_ENV) or None
+    tokens = token_book(tokens_file, os.environ.get(TOKEN_ENV) or None)
+    check_listen_address(address, tokens_file or os.environ.get(TOKEN_ENV) or None)
     tls = tls_files(args.tls_cert or os.environ.get(TLS_CERT_ENV),
                     args.tls_key or os.environ.get(TLS_KEY_ENV))
     if tls is None and network_host(address) is not None:
@@ -154,7 +160,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         cluster = LocalTPUCluster(args.slices or DEFAULT_SLICES).launch()
     try:
-        return _serve(args, address, token, cluster, tls)
+        return _serve(args, address, tokens, cluster, tls)
     finally:
         if cluster is not None:
             cluster.stop()
@@ -183,7 +189,24 @@ def tls_files(cert: str | None, key: str | None) -> Any:
     return files
 
 
-def _serve(args: argparse.Namespace, address: str, token: str | None, cluster: Any,
+def token_book(tokens_file: str | None, token: str | None) -> Any:
+    """The service's :class:`~jaxpod.service.tokens.TokenBook`: the tokens file's, else
+    ``token`` as one admin, else ``None`` (open, loopback only).
+
+    Raises:
+      ValueError: the tokens file cannot be read or is wrong (the message says where).
+    """
+    from jaxpod.service.tokens import TokenBook
+
+    if tokens_file:
+        book = TokenBook.load(tokens_file)
+        logging.getLogger(__name__).info("jaxpod serve: tokens %s from %s",
+                                         ", ".join(book.names), tokens_file)
+        return book
+    return TokenBook.single(token) if token else None
+
+
+def _serve(args: argparse.Namespace, address: str, tokens: Any, cluster: Any,
            tls: Any) -> int:
     from jaxpod.service.server import LISTENING, serve
 
@@ -219,7 +242,7 @@ def _serve(args: argparse.Namespace, address: str, token: str | None, cluster: A
             "--checkpoint-dir gs://BUCKET/PATH (or $%s).",
             checkpoint_dir or state_dir / "checkpoints", CHECKPOINT_DIR_ENV)
     try:
-        asyncio.run(serve(address, make_slices, token, args.lease, listening,
+        asyncio.run(serve(address, make_slices, tokens, args.lease, listening,
                           args.stop_on_stdin_eof, state_dir=state_dir,
                           http_port=None if args.http_port < 0 else args.http_port,
                           checkpoint_dir=checkpoint_dir, tls=tls))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hmac
 import logging
 import os
 import signal
@@ -42,12 +41,14 @@ from jaxpod.errors import (
     AllocationTimeoutError,
     AuthenticationError,
     JaxpodError,
+    PermissionDeniedError,
     ServiceUnavailableError,
 )
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
 from jaxpod.proto import tensors
 from jaxpod.proto.tensors import channel_options
+from jaxpod.service import roles
 from jaxpod.service.coordinator import (
     CoordinatorService,
     SliceProvider,
@@ -57,6 +58,7 @@ from jaxpod.service.jobs.manager import JobManager
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.sessions import SessionManager
 from jaxpod.service.status import status_of
+from jaxpod.service.tokens import TokenBook, denial
 from jaxpod.timeouts import Deadline, Timeout
 
 logger = logging.getLogger(__name__)
@@ -71,34 +73,40 @@ SHUTDOWN_GRACE = Timeout("JAXPOD_SHUTDOWN_GRACE_S", 10.0)
 CLUSTER_READY_TIMEOUT = Timeout("JAXPOD_CLUSTER_READY_TIMEOUT_S", 20.0)
 
 
-class _TokenCheck(grpc.aio.ServerInterceptor):
-    """Refuses calls without ``authorization: Bearer <token>`` (health is open).
+class _Authorize(grpc.aio.ServerInterceptor):
+    """Identifies each call's token and refuses it before any handler runs:
+    ``UNAUTHENTICATED`` without a known token, ``PERMISSION_DENIED`` when its role is
+    below the one :data:`jaxpod.service.roles.RPC_ROLES` names for the method (or the
+    method is not in that table). Health and reflection are open.
 
-    The comparison takes the same time wherever the first wrong byte is
-    (:func:`hmac.compare_digest`), so response times do not leak the token.
+    Tokens are compared in constant time (:meth:`TokenBook.identify`), so response
+    times do not leak them.
     """
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, tokens: TokenBook) -> None:
+        self._tokens = tokens
 
     async def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
             details: grpc.HandlerCallDetails) -> Any:
         method = details.method or ""
-        if method.startswith(("/grpc.health.", "/grpc.reflection.")):
+        try:
+            needed = roles.rpc_role(method)
+        except KeyError:
+            return _refuse(await continuation(details), PermissionDeniedError(
+                f"{method} has no role in this service's role table, so no token may call "
+                "it."))
+        if needed is None:
             return await continuation(details)
         metadata = dict(details.invocation_metadata or ())
         given = metadata.get("authorization")
-        if hmac.compare_digest(_as_bytes(given), self._expected):
-            return await continuation(details)
-        handler = await continuation(details)
-        return _refuse(handler, given is not None)
-
-
-def _as_bytes(value: str | bytes | None) -> bytes:
-    if value is None:
-        return b""
-    return value.encode() if isinstance(value, str) else bytes(value)
+        who = self._tokens.identify_bearer(given)
+        if who is None:
+            return _refuse(await continuation(details), _unknown_token(given is not None))
+        if not who.may(needed):
+            return _refuse(await continuation(details), PermissionDeniedError(
+                denial(who, needed, method.rsplit("/", 1)[-1])))
+        return await continuation(details)
 
 
 #: gRPC's method handler factory by (request streaming, response streaming).
@@ -108,14 +116,16 @@ _HANDLER_KINDS = {(False, False): grpc.unary_unary_rpc_method_handler,
                   (True, True): grpc.stream_stream_rpc_method_handler}
 
 
-def _refuse(handler: Any, token_given: bool) -> Any:
-    error = AuthenticationError(
-        "The jaxpod service refused the token this call carried: it is not the token the "
-        "service was started with. Pass that one to jaxpod.connect(token=...) or set "
-        "JAXPOD_TOKEN to it." if token_given else
+def _unknown_token(token_given: bool) -> AuthenticationError:
+    return AuthenticationError(
+        "The jaxpod service refused the token this call carried: it is none of the tokens "
+        "the service accepts. Pass yours to jaxpod.connect(token=...) or set JAXPOD_TOKEN "
+        "to it." if token_given else
         "The jaxpod service requires a token and this call carried none: pass "
-        "jaxpod.connect(token=...) or set JAXPOD_TOKEN to the token the service was "
-        "started with.")
+        "jaxpod.connect(token=...) or set JAXPOD_TOKEN to your token.")
+
+
+def _refuse(handler: Any, error: Exception) -> Any:
     code, details, trailers = status_of(error)
 
     async def abort(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -162,7 +172,7 @@ class TlsFiles:
 
 
 def create_server(address: str, service: pb_grpc.CoordinatorServicer,
-                  token: str | None = None,
+                  tokens: TokenBook | None = None,
                   interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                   tls: TlsFiles | None = None
                   ) -> tuple[grpc.aio.Server, int, health_async.HealthServicer]:
@@ -171,7 +181,8 @@ def create_server(address: str, service: pb_grpc.CoordinatorServicer,
     Args:
       address: ``host:port``; port 0 picks a free one.
       service: the coordinator.
-      token: when set, every coordinator call must carry it as a bearer token.
+      tokens: when set, every coordinator call must carry one of them as a bearer
+        token, of a role its method allows (``None``: open, loopback only).
       interceptors: run before the token check (the RPC timer of ``/metrics``).
       tls: serve over TLS with this certificate (``None``: plain text).
 
@@ -179,7 +190,7 @@ def create_server(address: str, service: pb_grpc.CoordinatorServicer,
       The (not yet started) server, the bound port and its health servicer (set it
       ``NOT_SERVING`` until the cluster is reachable: it starts out ``SERVING``).
     """
-    chain = [*interceptors, *([_TokenCheck(token)] if token else [])]
+    chain = [*interceptors, *([_Authorize(tokens)] if tokens is not None else [])]
     server = grpc.aio.server(options=channel_options(), interceptors=chain)
     server.add_generic_rpc_handlers((coordinator_handlers(service),))
     health = health_async.HealthServicer()
@@ -202,7 +213,7 @@ async def _set_serving(health: health_async.HealthServicer, serving: bool) -> No
 
 
 async def serve(address: str, make_slices: Callable[[], SliceProvider],
-                token: str | None = None, lease_s: float | None = None,
+                tokens: TokenBook | None = None, lease_s: float | None = None,
                 on_listening: Callable[..., None] | None = None,
                 stop_on_stdin_eof: bool = False, state_dir: Path | None = None,
                 http_port: int | None = None, checkpoint_dir: str | None = None,
@@ -213,7 +224,7 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
       address: where to listen.
       make_slices: connects to the cluster (may take a while: the health service says
         ``NOT_SERVING`` until it returns).
-      token: required bearer token, if any.
+      tokens: the tokens it accepts and their roles (``None``: open, loopback only).
       lease_s: the default session lease (else ``JAXPOD_SESSION_LEASE_S``).
       on_listening: called once bound with the gRPC ``host:port`` and, when HTTP is
         served, the HTTP one as its second argument.
@@ -230,7 +241,7 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
     provider = _DeferredSlices()
     store = JobStore(state_dir) if state_dir is not None else None
     jobs = JobManager(store, provider, checkpoint_dir) if store is not None else None
-    service = CoordinatorService(provider, sessions, jobs=jobs)
+    service = CoordinatorService(provider, sessions, jobs=jobs, tokens=tokens)
     grpc_serving = False
     backend = None
     interceptors: list[grpc.aio.ServerInterceptor] = []
@@ -242,7 +253,7 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
                           metrics=ServiceMetrics())
         backend.metrics.watch(backend)
         interceptors.append(backend.metrics.interceptor())
-    server, port, health = create_server(address, service, token, interceptors, tls)
+    server, port, health = create_server(address, service, tokens, interceptors, tls)
     await _set_serving(health, False)  # the health service starts out SERVING
     await server.start()
     host = address.rsplit(":", 1)[0]
@@ -252,7 +263,7 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
         from jaxpod.service.http.server import start_http
 
         try:
-            http = await start_http(create_app(backend, token), host, http_port, tls)
+            http = await start_http(create_app(backend, tokens), host, http_port, tls)
         except BaseException:
             await server.stop(None)
             raise

@@ -23,11 +23,13 @@ from jaxpod.errors import (
     DeadlineExceededError,
     DependencyFailedError,
     HandleError,
+    PermissionDeniedError,
     SessionError,
 )
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto.tensors import op_of
 from jaxpod.service.group_engine import GroupDataset, GroupEngine, GroupIterator, GroupValue
+from jaxpod.service.tokens import LOCAL, Principal
 from jaxpod.timeouts import Timeout
 
 #: How long a session survives without hearing from its client.
@@ -157,9 +159,10 @@ def _lookup(table: dict[int, Any], key: int, what: str, slice_id: str,
 class Session:
     """One client's slices and uploads; every access renews its lease."""
 
-    def __init__(self, session_id: str, lease_s: float) -> None:
+    def __init__(self, session_id: str, lease_s: float, owner: str = LOCAL.name) -> None:
         self.id = session_id
         self.lease_s = lease_s
+        self.owner = owner  # the name of the token that opened it
         self.slices: dict[str, HeldSlice] = {}
         self.blobs: dict[int, np.ndarray] = {}
         self.closed = False
@@ -228,10 +231,10 @@ class SessionManager:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def open(self, lease_s: float = 0.0) -> Session:
+    def open(self, lease_s: float = 0.0, owner: str = LOCAL.name) -> Session:
         if lease_s < 0:
             raise ValueError(f"lease_s must be >= 0 (0: the service default). Got {lease_s}.")
-        session = Session(secrets.token_hex(16), lease_s or self.default_lease_s)
+        session = Session(secrets.token_hex(16), lease_s or self.default_lease_s, owner)
         with self._lock:
             self._sessions[session.id] = session
         return session
@@ -244,6 +247,16 @@ class SessionManager:
                 "lease expired (no heartbeat), or the service restarted. Connect again.")
         session.touch()
         return session
+
+    def check_owner(self, session_id: str, caller: Principal) -> None:
+        """Raises :class:`PermissionDeniedError` if the session is open and ``caller``
+        neither opened it nor is an admin (an unknown id is left to :meth:`get`)."""
+        session = self._sessions.get(session_id)
+        if session is not None and not caller.owns(session.owner):
+            raise PermissionDeniedError(
+                f"Session {session_id!r} was opened by another token; the token "
+                f"{caller.name!r} ({caller.role}) may use only the sessions it opened. "
+                "Open your own with jaxpod.connect().")
 
     def close(self, session_id: str) -> list[HeldSlice]:
         with self._lock:

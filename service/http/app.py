@@ -16,10 +16,12 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 import jaxpod
-from jaxpod.errors import JobNotFoundError
+from jaxpod.errors import JobNotFoundError, PermissionDeniedError
 from jaxpod.service.http import auth, page, routes
 from jaxpod.service.http.auth import Auth
 from jaxpod.service.http.backend import Backend, NoJobsError
+from jaxpod.service.roles import ROUTE_ROLES
+from jaxpod.service.tokens import TokenBook, denial
 
 #: Where the committed OpenAPI document lives (a test fails when it drifts).
 OPENAPI_PATH = Path(__file__).resolve().parent.parent / "openapi.json"
@@ -30,27 +32,41 @@ class Unauthorized(Exception):
 
 
 class Forbidden(Exception):
-    """A state change from another origin (answered 403)."""
+    """A role too low for the route, or a state change from another origin (answered
+    403); the message says which and what to do."""
 
 
 async def check_access(request: Request) -> None:
-    """The dependency every route has: the token check of :mod:`.auth`. A coroutine,
-    as it never blocks: FastAPI runs a plain ``def`` dependency in its thread pool, a
-    thread hand-off per request that cost more than the rest of a cached answer."""
+    """The dependency every route has: who the caller is (:mod:`.auth`) and whether its
+    role allows the route (:data:`~jaxpod.service.roles.ROUTE_ROLES`); the caller is
+    left in ``request.state.principal``. A coroutine, as it never blocks: FastAPI runs a
+    plain ``def`` dependency in its thread pool, a thread hand-off per request that cost
+    more than the rest of a cached answer."""
     checker: Auth = request.app.state.auth
-    if auth.is_open(request.url.path):
+    method = "GET" if request.method == "HEAD" else request.method
+    template = getattr(request.scope.get("route"), "path", request.url.path)
+    if (method, template) not in ROUTE_ROLES:
+        raise Forbidden(f"{method} {template} has no role in this service's role table, "
+                        "so no token may call it")
+    needed = ROUTE_ROLES[(method, template)]
+    if needed is None:
         return
-    how = checker.how(request)
-    if how is None:
+    found = checker.identify(request)
+    if found is None:
         raise Unauthorized()
+    how, who = found
     problem = auth.origin_problem(request, how)
     if problem:
-        raise Forbidden(problem)
+        raise Forbidden(f"Refused: {problem}. Use the dashboard's own page, or a bearer "
+                        "token from a non-browser client")
+    if not who.may(needed):
+        raise Forbidden(denial(who, needed, f"{method} {template}"))
+    request.state.principal = who
 
 
-def create_app(backend: Backend | None, token: str | None = None) -> FastAPI:
+def create_app(backend: Backend | None, tokens: TokenBook | None = None) -> FastAPI:
     """The dashboard app over ``backend`` (``None``: routes that read it fail; for the
-    OpenAPI document), guarded by ``token`` (``None``: open)."""
+    OpenAPI document), guarded by ``tokens`` (``None``: open)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -65,12 +81,14 @@ def create_app(backend: Backend | None, token: str | None = None) -> FastAPI:
     app = FastAPI(title="jaxpod", version=jaxpod.__version__,
                   description="The jaxpod coordinator's status API: cluster, sessions and "
                               "jobs. Every route but /healthz and /readyz needs "
-                              "`Authorization: Bearer <JAXPOD_TOKEN>` (or the cookie of the "
-                              "/login form) when the service has a token.",
+                              "`Authorization: Bearer <token>` (or the cookie of the /login "
+                              "form) when the service has tokens: reads need the viewer "
+                              "role, cancelling a job the submitter role (its own jobs) "
+                              "or admin.",
                   lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   dependencies=[Depends(check_access)])
     app.state.backend = backend
-    app.state.auth = Auth(token)
+    app.state.auth = Auth(tokens)
     app.state.recent = routes.Recent()
     if backend is not None and backend.metrics is not None:
         from jaxpod.service.http.metrics import HttpTimer
@@ -89,14 +107,17 @@ def create_app(backend: Backend | None, token: str | None = None) -> FastAPI:
         if request.method == "GET" and "text/html" in request.headers.get("accept", ""):
             return RedirectResponse("/login", status_code=303)
         return _error(401, "unauthorized",
-                      "This jaxpod service requires its token: send `Authorization: Bearer "
-                      "<token>` (the JAXPOD_TOKEN it was started with), or sign in at "
-                      "/login in a browser.", {"WWW-Authenticate": "Bearer"})
+                      "This jaxpod service requires a token: send `Authorization: Bearer "
+                      "<token>` (your JAXPOD_TOKEN), or sign in at /login in a browser.",
+                      {"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(Forbidden)
     async def forbidden(request: Request, exc: Forbidden) -> Response:
-        return _error(403, "forbidden", f"Refused: {exc}. Use the dashboard's own page, or "
-                                        "a bearer token from a non-browser client.")
+        return _error(403, "forbidden", f"{exc}.")
+
+    @app.exception_handler(PermissionDeniedError)
+    async def not_owner(request: Request, exc: PermissionDeniedError) -> Response:
+        return _error(403, "forbidden", str(exc))
 
     @app.exception_handler(JobNotFoundError)
     async def not_found(request: Request, exc: JobNotFoundError) -> Response:

@@ -1,12 +1,14 @@
-"""Who may use the HTTP side: the service's bearer token, or a session cookie from
-``/login``.
+"""Who may use the HTTP side: a bearer token of the service's token book, or a session
+cookie from ``/login``; what each route needs is :data:`jaxpod.service.roles.ROUTE_ROLES`.
 
-* With no token configured the service listens on loopback only
-  (:func:`jaxpod.service.serve_cli.check_listen_address`) and every route is open.
-* Else every route but ``/healthz`` and ``/readyz`` (and the sign-in form itself)
-  needs ``Authorization: Bearer <token>`` or the cookie the form sets. The cookie holds
-  an HMAC of the token, not the token: it is HttpOnly (no script reads it) and
-  SameSite=Strict (no other site's page sends it). Comparisons take constant time.
+* With no tokens the service listens on loopback only
+  (:func:`jaxpod.service.serve_cli.check_listen_address`) and every caller is the admin
+  :data:`~jaxpod.service.tokens.LOCAL`.
+* Else a route that needs a role needs ``Authorization: Bearer <token>`` or the cookie
+  the form sets. The cookie holds the token's name and an HMAC keyed by the token's
+  SHA-256, not the token: it is HttpOnly (no script reads it) and SameSite=Strict (no
+  other site's page sends it), and it stops working when the token leaves the tokens
+  file. Comparisons take constant time.
 * State-changing requests (anything but GET/HEAD/OPTIONS) that carry an ``Origin``
   must come from the dashboard's own origin; with the cookie they must carry one (a
   browser always does), so another site cannot cancel jobs through a signed-in browser.
@@ -20,47 +22,54 @@ from urllib.parse import urlsplit
 
 from fastapi import Request
 
+from jaxpod.service.tokens import LOCAL, Principal, TokenBook
+
 COOKIE = "jaxpod_session"
-#: Routes anyone may reach: the probes and the sign-in form.
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/login", "/logout"})
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_COOKIE_MESSAGE = b"jaxpod-dashboard-session"
 
 
 class Auth:
-    """The checks for one token (``None``: open)."""
+    """Who a request comes from, for one token book (``None``: open)."""
 
-    def __init__(self, token: str | None) -> None:
-        self.token = token
-        self._bearer = f"Bearer {token}".encode() if token else b""
-        # What the cookie holds: a digest of the token, so a leaked cookie jar does not
-        # leak the token gRPC clients use (the cookie works only here).
-        self.cookie_value = (hmac.new(token.encode(), b"jaxpod-dashboard-session",
-                                      hashlib.sha256).hexdigest() if token else "")
+    def __init__(self, tokens: TokenBook | None) -> None:
+        self.tokens = tokens
 
     @property
     def enabled(self) -> bool:
-        return bool(self.token)
+        return self.tokens is not None
 
-    def token_matches(self, given: str) -> bool:
-        return bool(self.token) and hmac.compare_digest(given.encode(),
-                                                        str(self.token).encode())
+    def identify(self, request: Request) -> tuple[str, Principal] | None:
+        """How the request proved who it is (``"bearer"``, ``"cookie"`` or ``"open"``)
+        and who that is; ``None`` when it did not."""
+        if self.tokens is None:
+            return "open", LOCAL
+        who = self.tokens.identify_bearer(request.headers.get("authorization"))
+        if who is not None:
+            return "bearer", who
+        who = self.from_cookie(request.cookies.get(COOKIE, ""))
+        return ("cookie", who) if who is not None else None
 
-    def how(self, request: Request) -> str | None:
-        """``"bearer"``, ``"cookie"`` or ``"open"`` when the request may go on, else
-        ``None``."""
-        if not self.enabled:
-            return "open"
-        header = request.headers.get("authorization", "")
-        if header and hmac.compare_digest(header.encode(), self._bearer):
-            return "bearer"
-        cookie = request.cookies.get(COOKIE, "")
-        if cookie and hmac.compare_digest(cookie.encode(), self.cookie_value.encode()):
-            return "cookie"
-        return None
+    def login(self, token: str) -> Principal | None:
+        """Who ``token`` (typed into the sign-in form) belongs to."""
+        return LOCAL if self.tokens is None else self.tokens.identify(token)
 
+    def cookie_for(self, who: Principal) -> str:
+        """The session cookie of ``who``: its name and a MAC keyed by its token's hash."""
+        return f"{who.name}.{self._mac(who.name)}"
 
-def is_open(path: str) -> bool:
-    return path in OPEN_PATHS
+    def from_cookie(self, value: str) -> Principal | None:
+        name, _, mac = value.rpartition(".")
+        expected = self._mac(name) if name else ""
+        if not expected or not hmac.compare_digest(mac.encode(), expected.encode()):
+            return None
+        return self.tokens.principal(name) if self.tokens is not None else None
+
+    def _mac(self, name: str) -> str:
+        digest = self.tokens.digest_of(name) if self.tokens is not None else None
+        if digest is None:
+            return ""
+        return hmac.new(digest, _COOKIE_MESSAGE, hashlib.sha256).hexdigest()
 
 
 def origin_problem(request: Request, how: str) -> str | None:

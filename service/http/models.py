@@ -19,6 +19,7 @@ from jaxpod.jobs import (
     JobStatus,
     Transition,
 )
+from jaxpod.service.tokens import Principal
 
 _P = TypeVar("_P")
 
@@ -33,6 +34,19 @@ class ErrorBody(BaseModel):
     error: str = Field(description="kind: unauthorized, forbidden, not_found, bad_request, "
                                    "unavailable")
     message: str = Field(description="what was wrong and how to fix it")
+
+
+class Caller(BaseModel):
+    """The token a request came with (``local``, an admin, on a service without tokens)."""
+
+    name: str = Field(description="the token's name; owner of what it creates")
+    role: Literal["viewer", "submitter", "admin"]
+    max_slices: int | None = Field(description="slices it may hold at once (null: no cap)")
+
+
+def caller_of(who: Principal) -> Caller:
+    return Caller.model_validate({"name": who.name, "role": str(who.role),
+                                  "max_slices": who.max_slices})
 
 
 class Host(BaseModel):

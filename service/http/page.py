@@ -53,7 +53,7 @@ def static(name: str) -> Response:
 @router.get("/login")
 def login_form(request: Request, failed: Annotated[int, Query()] = 0) -> HTMLResponse:
     checker: auth.Auth = request.app.state.auth
-    note = ("<p class=bad>That is not the service's token.</p>" if failed else "")
+    note = ("<p class=bad>That is none of the service's tokens.</p>" if failed else "")
     if not checker.enabled:
         note = "<p>This service has no token: the dashboard is open (loopback only).</p>"
     body = f"""<!doctype html><html lang=en><head><meta charset=utf-8>
@@ -63,7 +63,8 @@ def login_form(request: Request, failed: Annotated[int, Query()] = 0) -> HTMLRes
 <form method=post action="/login">
 <label>Token <input type=password name=token autocomplete=current-password autofocus
  required></label> <button type=submit>Sign in</button></form>
-<p class=hint>The token is the <code>JAXPOD_TOKEN</code> the service was started with.</p>
+<p class=hint>Your token: the one <code>jaxpod token new</code> printed for you (or the
+<code>JAXPOD_TOKEN</code> the service was started with).</p>
 </main></body></html>"""
     return HTMLResponse(body, headers=_HEADERS)
 
@@ -78,10 +79,11 @@ async def login(request: Request) -> Response:
     token = (form.get("token") or [""])[0]
     if not checker.enabled:
         return RedirectResponse("/", status_code=303)
-    if not checker.token_matches(token):
+    who = checker.login(token)
+    if who is None:
         return RedirectResponse("/login?failed=1", status_code=303)
     response = RedirectResponse("/", status_code=303)
-    response.set_cookie(auth.COOKIE, checker.cookie_value, httponly=True, samesite="strict",
+    response.set_cookie(auth.COOKIE, checker.cookie_for(who), httponly=True, samesite="strict",
                         secure=request.url.scheme == "https", path="/")
     return response
 
@@ -96,8 +98,10 @@ async def logout(request: Request) -> Response:
 # ---------------------------------------------------------------------- the page
 class PageData(BaseModel):
     """What the page's script draws first: the answers it would fetch (so the page shows
-    at once), and the job asked for (``shown``; ``detail`` is null if there is none)."""
+    at once), the job asked for (``shown``; ``detail`` is null if there is none), and who
+    is signed in (``caller``: the page offers only what its role may do)."""
 
+    caller: models.Caller
     cluster: models.Cluster
     jobs: models.JobList
     detail: models.JobDetail | None
@@ -105,7 +109,7 @@ class PageData(BaseModel):
 
 
 @router.get("/", response_class=HTMLResponse)
-async def index(backend: BackendDep,
+async def index(request: Request, backend: BackendDep,
                 job: Annotated[str | None, Query(max_length=200)] = None) -> HTMLResponse:
     cluster, jobs = await run_in_threadpool(
         lambda: (backend.cluster(), backend.job_list(None, 200, 0)))
@@ -116,7 +120,8 @@ async def index(backend: BackendDep,
             detail = await run_in_threadpool(backend.job_detail, shown, CHART_POINTS)
         except JobNotFoundError:
             detail = None
-    data = PageData(cluster=cluster, jobs=jobs, detail=detail, shown=shown)
+    data = PageData(caller=models.caller_of(request.state.principal), cluster=cluster,
+                    jobs=jobs, detail=detail, shown=shown)
     return HTMLResponse(shell(data), headers=_HEADERS)
 
 
@@ -147,13 +152,15 @@ def shell(data: PageData) -> str:
 <span><b id=free-slices></b> free, <b id=busy-slices></b> busy slices</span>
 <span><b id=num-sessions></b> sessions</span>
 <span class=muted><span id=version></span> · <span id=updated></span></span>
+<span>signed in as <b id=caller></b></span>
 <form method=post action="/logout"><button type=submit>Sign out</button></form></header>
 <main>
 <noscript><p class=bad>This page is drawn by its script: allow JavaScript, or read
  <a href="/api/v1/cluster">/api/v1/cluster</a> and <a href="/api/v1/jobs">/api/v1/jobs</a>.
 </p></noscript>
 <section><h2>Slices and hosts</h2><div id=slices class=slices></div></section>
-<section><h2>Jobs</h2><table id=jobs><thead><tr><th>id</th><th>name</th><th>type</th>
+<section><h2>Jobs</h2><table id=jobs><thead><tr><th>id</th><th>name</th><th>owner</th>
+<th>type</th>
 <th>state</th><th>progress</th><th title="steps per wall-clock second">steps/s</th>
 <th>goodput %</th><th>attempts</th>
 <th>created</th></tr></thead><tbody></tbody></table></section>

@@ -43,11 +43,13 @@ CHART_POINTS = 2000
 EVENTS_INTERVAL = Timeout("JAXPOD_HTTP_EVENTS_INTERVAL_S", 0.2)
 
 UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
-    401: {"model": models.ErrorBody, "description": "no valid token or session cookie"}}
+    401: {"model": models.ErrorBody, "description": "no valid token or session cookie"},
+    403: {"model": models.ErrorBody, "description": "the token's role does not allow it"}}
 NOT_FOUND: dict[int | str, dict[str, Any]] = {
     404: {"model": models.ErrorBody, "description": "no job has this id"}}
 FORBIDDEN: dict[int | str, dict[str, Any]] = {
-    403: {"model": models.ErrorBody, "description": "a cross-origin state change"}}
+    403: {"model": models.ErrorBody, "description": "a role too low, another's job (for a "
+                                                   "submitter), or a cross-origin change"}}
 
 
 class Recent:
@@ -159,6 +161,12 @@ async def get_cluster(backend: BackendDep, recent: RecentDep) -> Response:
     return _json(await recent.get("cluster", backend.cluster))
 
 
+@cluster.get("/whoami", response_model=models.Caller, summary="Who this token is: its name "
+                                                             "and role")
+async def whoami(request: Request) -> models.Caller:
+    return models.caller_of(request.state.principal)
+
+
 # ---------------------------------------------------------------------- sessions
 sessions = APIRouter(prefix="/api/v1", tags=["sessions"], responses=UNAUTHORIZED)
 
@@ -196,8 +204,10 @@ def get_job(backend: BackendDep, job_id: JobId,
            responses={**NOT_FOUND, **FORBIDDEN},
            summary="Cancel a job; answers once it stopped (or after "
                    "JAXPOD_JOB_CANCEL_WAIT_S with its state then)")
-async def cancel_job(backend: BackendDep, job_id: JobId) -> models.JobSummary:
-    status = await handlers.cancel_and_wait(backend.jobs, job_id, _blocking)
+async def cancel_job(request: Request, backend: BackendDep, job_id: JobId
+                     ) -> models.JobSummary:
+    status = await handlers.cancel_and_wait(backend.jobs, job_id, _blocking,
+                                            request.state.principal)
     return models.summary_of(status)
 
 

@@ -17,6 +17,7 @@ from jaxpod.jobs import JobSpec, JobStatus, check_outputs
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto.job_messages import from_message, to_message
 from jaxpod.service.jobs.manager import JobManager
+from jaxpod.service.tokens import Principal
 from jaxpod.shipping import runtime_versions
 from jaxpod.timeouts import Deadline, Timeout
 
@@ -43,6 +44,9 @@ class JobsServicer:
     def _stream(self, compute: Callable[[], Any]) -> AsyncIterator[Any]:
         raise NotImplementedError  # provided by CoordinatorService
 
+    def caller(self, context: Any) -> Principal:
+        raise NotImplementedError  # provided by CoordinatorService
+
     def _manager(self) -> JobManager:
         if self.jobs is None:
             raise NotImplementedError(
@@ -55,7 +59,7 @@ class JobsServicer:
         manager = self._manager()
         spec = check_spec(from_message(JobSpec, request))
         spec = spec.replace(accelerator_type=await self._blocking(self._resolve_type, spec))
-        return to_message(await self._blocking(manager.submit, spec))
+        return to_message(await self._blocking(manager.submit, spec, self.caller(context).name))
 
     async def GetJob(self, request: pb.JobRequest, context: Any) -> pb.JobDetails:
         manager = self._manager()
@@ -81,12 +85,16 @@ class JobsServicer:
 
     async def CancelJob(self, request: pb.JobRequest, context: Any) -> pb.JobStatus:
         return to_message(await cancel_and_wait(self._manager(), request.job_id,
-                                                self._blocking))
+                                                self._blocking, self.caller(context)))
 
     def GetJobResult(self, request: pb.JobRequest, context: Any) -> AsyncIterator[Any]:
-        manager = self._manager()
-        return self._stream(lambda: manager.result(request.job_id,
-                                                   with_state=not request.without_state))
+        manager, caller = self._manager(), self.caller(context)
+
+        def result() -> Any:
+            manager.check_owner(request.job_id, caller, "GetJobResult")
+            return manager.result(request.job_id, with_state=not request.without_state)
+
+        return self._stream(result)
 
     async def GetJobMetrics(self, request: pb.JobRequest, context: Any) -> pb.JobMetrics:
         manager = self._manager()
@@ -98,6 +106,8 @@ class JobsServicer:
 
     async def GetJobLogs(self, request: pb.JobLogsRequest, context: Any) -> pb.JobLogs:
         manager = self._manager()
+        await self._blocking(manager.check_owner, request.job_id, self.caller(context),
+                             "GetJobLogs")
         lines = await self._blocking(manager.store.logs, request.job_id, request.after)
         return pb.JobLogs(lines=[pb.LogLine(seq=x.seq, host=x.host, line=x.line, at=x.at)
                                  for x in lines])
@@ -148,12 +158,14 @@ async def watch_statuses(manager: JobManager, job_id: str, blocking: _Blocking,
         await manager.events.wait(job_id, version, WATCH_RECHECK.resolve(recheck_s))
 
 
-async def cancel_and_wait(manager: JobManager, job_id: str, blocking: _Blocking
-                          ) -> JobStatus:
-    """Cancels the job and answers once it stopped, or after ``CANCEL_WAIT`` with the
-    state it is in then (a running job stops at its next loop boundary all the same)."""
+async def cancel_and_wait(manager: JobManager, job_id: str, blocking: _Blocking,
+                          caller: Principal) -> JobStatus:
+    """Cancels the job, if ``caller`` owns it (or is an admin), and answers once it
+    stopped, or after ``CANCEL_WAIT`` with the state it is in then (a running job stops
+    at its next loop boundary all the same)."""
     deadline = Deadline(CANCEL_WAIT.seconds())
-    await blocking(manager.cancel, job_id)
+    await blocking(manager.check_owner, job_id, caller, "cancel")
+    await blocking(manager.cancel, job_id, f"cancelled by {caller.name}")
     while True:  # until the job stops, or the deadline: the answer says which
         version = manager.events.version(job_id)
         status = await blocking(manager.status, job_id)

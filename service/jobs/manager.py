@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from jaxpod.errors import PermissionDeniedError
 from jaxpod.jobs import HostInput, JobDetails, JobSpec, JobState, JobStatus
 from jaxpod.proto import job_messages
 from jaxpod.service.jobs import goodput
@@ -44,6 +45,7 @@ from jaxpod.service.jobs.goodput import GoodputClock, summary
 from jaxpod.service.jobs.policies import FifoQueues, QueuePolicy, RetryBudgets
 from jaxpod.service.jobs.states import Allocating, Cancelled, Succeeded
 from jaxpod.service.jobs.store import JobStore
+from jaxpod.service.tokens import Principal
 from jaxpod.timeouts import Timeout
 
 logger = logging.getLogger(__name__)
@@ -276,12 +278,12 @@ class JobManager:
         self._lock.notify_all()
 
     # ------------------------------------------------------------------ requests
-    def submit(self, spec: JobSpec) -> JobStatus:
+    def submit(self, spec: JobSpec, owner: str = "") -> JobStatus:
         """Records and queues a job whose spec the caller checked (its accelerator type
-        resolved, lower case)."""
+        resolved, lower case); ``owner`` names the token that submitted it."""
         status = self.store.create_job(
             steps=spec.steps, payload=job_messages.to_message(spec).SerializeToString(),
-            name=spec.name, accelerator_type=spec.accelerator_type)
+            name=spec.name, accelerator_type=spec.accelerator_type, owner=owner)
         with self._lock:
             self.goodput.start(status.id)
             self._enqueue(status, spec)
@@ -290,6 +292,16 @@ class JobManager:
         logger.info("job %s (%s) queued for %s", status.id, status.name,
                     spec.accelerator_type)
         return self.status(status.id)
+
+    def check_owner(self, job_id: str, caller: Principal, what: str) -> None:
+        """Raises :class:`PermissionDeniedError` unless ``caller`` owns the job or is an
+        admin (:class:`JobNotFoundError` for an unknown id)."""
+        owner = self.store.get(job_id).owner
+        if not caller.owns(owner):
+            raise PermissionDeniedError(
+                f"{what}: job {job_id} belongs to {owner or 'nobody recorded'!r}, and the "
+                f"token {caller.name!r} ({caller.role}) acts only on its own jobs; only "
+                "the job's owner or an admin may do that.")
 
     def cancel(self, job_id: str, reason: str = "cancelled by a client") -> JobStatus:
         """Cancels a queued job at once, a running one at its next loop boundary (the

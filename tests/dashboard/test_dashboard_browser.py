@@ -6,27 +6,19 @@ gain points and its last checkpoint shown, without a reload. A screenshot is lef
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from dashboard_jobs import ARTIFACTS, submit
 from playwright.sync_api import Browser, expect, sync_playwright
-from serve_process import Service
+from serve_process import Service, chromium_path
 
 from jaxpod.timeouts import wait_for
 
 pytestmark = pytest.mark.multiprocess
 
 STEPS, STEPS_PER_RUN = 100, 2  # paced: >= 5 s of running, a loss point every loop
-
-
-def chromium_path() -> str:
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert found, ("the browser test needs Debian's chromium (`apt-get install chromium`; "
-                   ".ci/run installs it)")
-    return found
 
 
 @pytest.fixture(scope="module")

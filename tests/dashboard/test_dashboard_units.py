@@ -16,6 +16,7 @@ from jaxpod.service.http import auth, models, routes
 from jaxpod.service.http.backend import store_writable
 from jaxpod.service.http.routes import CACHE, Recent
 from jaxpod.service.jobs.store import JobStore
+from jaxpod.service.tokens import LOCAL, Role, TokenBook
 
 
 class Model:
@@ -116,17 +117,24 @@ def test_state_changes_must_come_from_the_dashboard(method: str, headers: dict[s
     assert (auth.origin_problem(request, how) is not None) == refused
 
 
-def test_the_cookie_is_a_digest_of_the_token_compared_in_full() -> None:
-    checker = auth.Auth("s3cret")
-    assert checker.cookie_value and "s3cret" not in checker.cookie_value
-    assert checker.token_matches("s3cret")
-    assert not any(checker.token_matches(t) for t in ("", "s3cre", "s3cret!", "S3CRET"))
-    assert auth.Auth(None).how(_request("GET", {})) == "open"
-    assert checker.how(_request("GET", {})) is None
-    assert checker.how(_request("GET", {"Authorization": "Bearer s3cret"})) == "bearer"
-    assert checker.how(_request("GET", {"Cookie": f"{auth.COOKIE}={checker.cookie_value}"})
-                       ) == "cookie"
-    assert checker.how(_request("GET", {"Cookie": f"{auth.COOKIE}=s3cret"})) is None
+def test_the_cookie_names_the_token_and_proves_it_without_holding_it() -> None:
+    checker = auth.Auth(TokenBook.single("s3cret"))
+    admin = checker.login("s3cret")
+    assert admin is not None and (admin.name, admin.role) == ("admin", Role.ADMIN)
+    assert not any(checker.login(t) for t in ("", "s3cre", "s3cret!", "S3CRET"))
+    cookie = checker.cookie_for(admin)
+    assert cookie.startswith("admin.") and "s3cret" not in cookie
+    assert auth.Auth(None).identify(_request("GET", {})) == ("open", LOCAL)
+    assert checker.identify(_request("GET", {})) is None
+    assert checker.identify(_request("GET", {"Authorization": "Bearer s3cret"})) == (
+        "bearer", admin)
+    assert checker.identify(_request("GET", {"Cookie": f"{auth.COOKIE}={cookie}"})) == (
+        "cookie", admin)
+    for forged in ("s3cret", "admin.", f"admin.{'0' * 64}", f"bob.{cookie[6:]}",
+                   cookie[:-1] + ("0" if cookie[-1] != "0" else "1")):
+        assert checker.identify(_request("GET", {"Cookie": f"{auth.COOKIE}={forged}"})) is None
+    # The cookie dies with its token: another book (the token removed) refuses it.
+    assert auth.Auth(TokenBook.single("other")).from_cookie(cookie) is None
 
 
 def test_the_store_check_sees_a_held_write_lock_and_names_no_path(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,6 +61,14 @@ class Service:
         if self.tls_ca is not None:
             kwargs.setdefault("tls_ca", self.tls_ca)
         return jaxpod.connect(self.address, token=self.token, **kwargs)
+
+
+def chromium_path() -> str:
+    """Debian's headless-capable Chromium, which the browser tests drive (Playwright)."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert found, ("the browser tests need Debian's chromium (`apt-get install chromium`; "
+                   ".ci/run installs it)")
+    return found
 
 
 def start_service(log_path: Path, slices: str | None, lease_s: float | None = None,

@@ -11,6 +11,7 @@
   const DASH = "–";           // what an empty figure shows
   const SVG = "http://www.w3.org/2000/svg";
   const initial = JSON.parse(document.getElementById("initial").textContent);
+  const caller = initial.caller;  // who is signed in: the page offers what its role may do
   const shown = document.body.dataset.job || "";
   const asked = new URLSearchParams(window.location.search).has("job");
   const series = Object.create(null);  // metric name -> [[step, value]]
@@ -95,7 +96,7 @@
     const empty = body.querySelector("tr.empty");
     if (list.jobs.length && empty) empty.remove();
     if (!body.rows.length) {
-      body.append(h("tr", {class: "empty"}, h("td", {colspan: 9, class: "muted"}, "No jobs.")));
+      body.append(h("tr", {class: "empty"}, h("td", {colspan: 10, class: "muted"}, "No jobs.")));
     }
     text(byId("updated"), "updated " + new Date().toLocaleTimeString());
   }
@@ -103,7 +104,8 @@
   function jobRow(j) {
     return h("tr", {"data-job-id": j.id},
       h("td", null, h("a", {href: "/?job=" + encodeURIComponent(j.id)}, j.id)),
-      h("td", null, j.name), h("td", null, j.accelerator_type), h("td", {class: "state"}),
+      h("td", null, j.name), h("td", {class: "owner"}, j.owner || DASH),
+      h("td", null, j.accelerator_type), h("td", {class: "state"}),
       h("td", {class: "progress"}, h("progress"), " ", h("span", {class: "step"}), "/" + j.steps),
       h("td", {class: "rate"}), h("td", {class: "share"}), h("td", {class: "attempts"}),
       h("td", null, when(j.created_at)));
@@ -145,8 +147,9 @@
       return;
     }
     section.replaceChildren(h("h2", null, "Job"),
-      h("p", null, h("b", null, d.name), " (" + d.id + ") ", h("span", {id: "detail-state"}),
-        " step ", h("span", {id: "detail-step"}), "/" + d.steps),
+      h("p", null, h("b", null, d.name), " (" + d.id + ", " + (d.owner || DASH) + ") ",
+        h("span", {id: "detail-state"}), " step ", h("span", {id: "detail-step"}), "/" + d.steps,
+        mayCancel(d) ? h("button", {id: "cancel-job", type: "button"}, "Cancel") : null),
       h("pre", {id: "detail-error", class: "bad", hidden: ""}),
       h("p", {id: "detail-checkpoint", class: "muted"}),
       h("div", {class: "charts"},
@@ -159,9 +162,25 @@
         table("hosts", "input per host (running attempt)", [
           "host", ["input wait (s)", "seconds its steps waited for input not ready yet"],
           ["queue depth", "chunks of steps ready in its infeed"]])));
+    const cancel = byId("cancel-job");
+    if (cancel) cancel.addEventListener("click", () => cancelShown(cancel));
     showStatus(d);
     fillDetail(d);
     addPoints(d.series);
+  }
+
+  // What the server allows (the role table, and a submitter's own jobs): the button is
+  // only offered where the request would succeed.
+  function mayCancel(j) {
+    return caller.role === "admin" || (caller.role === "submitter" && j.owner === caller.name);
+  }
+
+  async function cancelShown(button) {
+    button.disabled = true;
+    const r = await fetch("/api/v1/jobs/" + encodeURIComponent(shown) + "/cancel", {
+      method: "POST", credentials: "same-origin", headers: {Accept: "application/json"}});
+    if (r.ok) showStatus(await r.json());
+    else button.disabled = false;
   }
 
   function chart(id, metric) {
@@ -204,6 +223,8 @@
   // The job's status (its detail, or a status event): the heading, its row, its error.
   function showStatus(j) {
     stateCell(byId("detail-state"), j.state);
+    const cancel = byId("cancel-job");
+    if (cancel) cancel.hidden = ["SUCCEEDED", "FAILED", "CANCELLED"].includes(j.state);
     text(byId("detail-step"), j.step);
     const error = byId("detail-error");
     if (error) {
@@ -296,6 +317,7 @@
     source.addEventListener("end", () => { source.close(); refreshDetail(id); });
   }
 
+  text(byId("caller"), caller.name + " (" + caller.role + ")");
   drawCluster(initial.cluster);
   drawJobs(initial.jobs);
   drawDetail(initial.detail, initial.shown);
