@@ -28,9 +28,10 @@ from jaxpod.client.jobs import Job, build_spec, check_state, status_from, submit
 from jaxpod.client.remote import RemoteStrategy
 from jaxpod.client.stream import OpStream
 from jaxpod.errors import SessionError
-from jaxpod.jobs import JobStatus
+from jaxpod.jobs import AuditRecord, JobStatus
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
+from jaxpod.proto.job_messages import from_message
 from jaxpod.proto.tensors import PROTOCOL_VERSION, channel_options, parse_chunk
 from jaxpod.timeouts import Timeout
 
@@ -311,6 +312,19 @@ class Client:
         reply = self.call(self.stub.ListJobs, pb.ListJobsRequest(state=wanted), what="jobs",
                           idempotent=True, timeout=rpc.CONTROL_TIMEOUT)
         return [status_from(s) for s in reply.jobs]
+
+    def audit(self, limit: int = 100, before: int = 0) -> list[AuditRecord]:
+        """The service's audit log, newest last: who submitted, cancelled or was refused
+        what (``before``: only records with a smaller ``seq``, to page back). Needs an
+        admin token.
+
+        Raises:
+          jaxpod.PermissionDeniedError: the token is not an admin's.
+        """
+        self.check_open("audit")
+        reply = self.call(self.stub.ListAudit, pb.AuditRequest(limit=limit, before=before),
+                          what="audit", idempotent=True, timeout=rpc.CONTROL_TIMEOUT)
+        return [from_message(AuditRecord, r) for r in reply.records]
 
     def close(self) -> None:
         """Closes the session: every slice it holds is released (its strategies see

@@ -82,6 +82,14 @@ def add_commands(sub: Any) -> None:
     _add_address(cancel)
     cancel.set_defaults(handler=_pipe_safe(run_cancel))
 
+    audit = sub.add_parser("audit", help="who submitted, cancelled or was refused what "
+                                         "(an admin token's)")
+    audit.add_argument("--limit", type=int, default=100,
+                       help="the newest this many records (default 100)")
+    audit.add_argument("--json", action="store_true", help="print a JSON list")
+    _add_address(audit)
+    audit.set_defaults(handler=_pipe_safe(run_audit))
+
 
 def _add_address(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None,
@@ -213,14 +221,34 @@ def run_jobs(args: argparse.Namespace) -> int:
     if not statuses:
         print(f"No {args.state.upper() + ' ' if args.state else ''}jobs.", file=sys.stderr)
         return 0
-    rows = [("ID", "NAME", "STATE", "STEP", "QUEUE", "ACCELERATOR", "CREATED")]
-    rows += [(s.id, s.name, s.state, f"{s.step}/{s.steps}",
+    rows = [("ID", "NAME", "OWNER", "STATE", "STEP", "QUEUE", "ACCELERATOR", "CREATED")]
+    rows += [(s.id, s.name, s.owner or "-", s.state, f"{s.step}/{s.steps}",
               "-" if s.queue_position is None else str(s.queue_position),
               s.accelerator_type or "-", _time(s.created_at)) for s in statuses]
+    _print_rows(rows)
+    return 0
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    with _connect(args) as client:
+        records = client.audit(args.limit)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in records], indent=1))
+        return 0
+    if not records:
+        print("The audit log is empty.", file=sys.stderr)
+        return 0
+    rows = [("SEQ", "AT", "WHO", "ACTION", "TARGET", "DETAIL")]
+    rows += [(str(r.seq), _time(r.at), r.who, r.action, r.target, r.detail) for r in records]
+    _print_rows(rows)
+    return 0
+
+
+def _print_rows(rows: Sequence[Sequence[str]]) -> None:
+    """A table: columns as wide as their widest cell, two spaces apart."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-    return 0
 
 
 def run_job(args: argparse.Namespace) -> int:

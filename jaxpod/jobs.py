@@ -174,6 +174,27 @@ class JobDetails:
     checkpoints: tuple[JobCheckpoint, ...] = ()
 
 
+@dataclass(frozen=True)
+class AuditRecord:
+    """One entry of the service's audit log (``jaxpod audit``).
+
+    Attributes:
+      seq: its place in the log (increasing).
+      at: when, in seconds since the epoch.
+      who: the name of the token that acted.
+      action: ``submit``, ``cancel`` or ``refused``.
+      target: the job's id, or for a refusal the method or route refused.
+      detail: more about it (a refusal's reason).
+    """
+
+    seq: int
+    at: float
+    who: str
+    action: str
+    target: str
+    detail: str = ""
+
+
 #: The names these types had in the SDK before they were the service's too.
 JobTransition = Transition
 JobAttempt = Attempt

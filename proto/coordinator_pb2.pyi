@@ -764,3 +764,33 @@ class JobLogs(_message.Message):
     LINES_FIELD_NUMBER: _ClassVar[int]
     lines: _containers.RepeatedCompositeFieldContainer[LogLine]
     def __init__(self, lines: _Optional[_Iterable[_Union[LogLine, _Mapping]]] = ...) -> None: ...
+
+class AuditRequest(_message.Message):
+    __slots__ = ("limit", "before")
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    before: int
+    def __init__(self, limit: _Optional[int] = ..., before: _Optional[int] = ...) -> None: ...
+
+class AuditRecord(_message.Message):
+    __slots__ = ("seq", "at", "who", "action", "target", "detail")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    WHO_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    at: float
+    who: str
+    action: str
+    target: str
+    detail: str
+    def __init__(self, seq: _Optional[int] = ..., at: _Optional[float] = ..., who: _Optional[str] = ..., action: _Optional[str] = ..., target: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class AuditLog(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[AuditRecord]
+    def __init__(self, records: _Optional[_Iterable[_Union[AuditRecord, _Mapping]]] = ...) -> None: ...

@@ -159,6 +159,11 @@ class CoordinatorStub:
                 request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobLogsRequest.SerializeToString,
                 response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobLogs.FromString,
                 _registered_method=True)
+        self.ListAudit = channel.unary_unary(
+                '/jaxpod.v1.Coordinator/ListAudit',
+                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.AuditRequest.SerializeToString,
+                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.AuditLog.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -329,6 +334,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListAudit(self, request, context):
+        """Who submitted, cancelled or was refused what, newest last (admin only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -456,6 +468,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetJobLogs,
                     request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobLogsRequest.FromString,
                     response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobLogs.SerializeToString,
+            ),
+            'ListAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAudit,
+                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.AuditRequest.FromString,
+                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.AuditLog.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1133,6 +1150,33 @@ class Coordinator:
             '/jaxpod.v1.Coordinator/GetJobLogs',
             jaxpod_dot_proto_dot_coordinator__pb2.JobLogsRequest.SerializeToString,
             jaxpod_dot_proto_dot_coordinator__pb2.JobLogs.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxpod.v1.Coordinator/ListAudit',
+            jaxpod_dot_proto_dot_coordinator__pb2.AuditRequest.SerializeToString,
+            jaxpod_dot_proto_dot_coordinator__pb2.AuditLog.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import math
@@ -31,6 +32,7 @@ from jaxpod.errors import (
     HandleError,
     MalformedRequestError,
     MessageTooLargeError,
+    PermissionDeniedError,
     SessionError,
     VersionMismatchError,
 )
@@ -105,6 +107,16 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
         if who is None:
             raise AuthenticationError("The call carried no token this service knows.")
         return who
+
+    def audit(self, who: str, action: str, target: str, detail: str = "") -> None:
+        """Records in the audit log (a service without a job store keeps none)."""
+        if self.jobs is not None:
+            self.jobs.store.record_audit(who, action, target, detail)
+
+    async def audit_refusal(self, context: Any, method: str, error: Exception) -> None:
+        with contextlib.suppress(Exception):  # the refusal stands even if the log fails
+            await self._blocking(self.audit, self.caller(context).name, "refused", method,
+                                 str(error))
 
     def check_session(self, request: Any, context: Any) -> None:
         """Refuses a request naming a session its caller did not open (admins pass)."""
@@ -594,6 +606,8 @@ def _unary(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[An
             self.check_session(request, context)
             return await handler(self, request, context)
         except Exception as e:
+            if isinstance(e, PermissionDeniedError):
+                await self.audit_refusal(context, handler.__name__, e)
             await _abort(context, e, handler.__name__)
 
     return wrapper
@@ -610,6 +624,8 @@ def _streaming(handler: Callable[..., Any]) -> Callable[..., Any]:
             async for item in stream:
                 yield item
         except Exception as e:
+            if isinstance(e, PermissionDeniedError):
+                await self.audit_refusal(context, handler.__name__, e)
             await _abort(context, e, handler.__name__)
 
     return wrapper

@@ -83,8 +83,9 @@ class _Authorize(grpc.aio.ServerInterceptor):
     times do not leak them.
     """
 
-    def __init__(self, tokens: TokenBook) -> None:
+    def __init__(self, tokens: TokenBook, audit: Callable[..., None] | None = None) -> None:
         self._tokens = tokens
+        self._audit = audit  # records refusals: (who, "refused", method, why)
 
     async def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
@@ -104,8 +105,13 @@ class _Authorize(grpc.aio.ServerInterceptor):
         if who is None:
             return _refuse(await continuation(details), _unknown_token(given is not None))
         if not who.may(needed):
-            return _refuse(await continuation(details), PermissionDeniedError(
-                denial(who, needed, method.rsplit("/", 1)[-1])))
+            name = method.rsplit("/", 1)[-1]
+            refusal = PermissionDeniedError(denial(who, needed, name))
+            if self._audit is not None:
+                with contextlib.suppress(Exception):  # the refusal stands regardless
+                    await asyncio.to_thread(self._audit, who.name, "refused", name,
+                                            str(refusal))
+            return _refuse(await continuation(details), refusal)
         return await continuation(details)
 
 
@@ -190,7 +196,8 @@ def create_server(address: str, service: pb_grpc.CoordinatorServicer,
       The (not yet started) server, the bound port and its health servicer (set it
       ``NOT_SERVING`` until the cluster is reachable: it starts out ``SERVING``).
     """
-    chain = [*interceptors, *([_Authorize(tokens)] if tokens is not None else [])]
+    audit = getattr(service, "audit", None)
+    chain = [*interceptors, *([_Authorize(tokens, audit)] if tokens is not None else [])]
     server = grpc.aio.server(options=channel_options(), interceptors=chain)
     server.add_generic_rpc_handlers((coordinator_handlers(service),))
     health = health_async.HealthServicer()

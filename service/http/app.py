@@ -6,6 +6,7 @@ drift check build one without a service behind it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -14,6 +15,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 import jaxpod
 from jaxpod.errors import JobNotFoundError, PermissionDeniedError
@@ -60,8 +62,17 @@ async def check_access(request: Request) -> None:
         raise Forbidden(f"Refused: {problem}. Use the dashboard's own page, or a bearer "
                         "token from a non-browser client")
     if not who.may(needed):
-        raise Forbidden(denial(who, needed, f"{method} {template}"))
+        refusal = denial(who, needed, f"{method} {template}")
+        await _audit_refusal(request, who.name, f"{method} {template}", refusal)
+        raise Forbidden(refusal)
     request.state.principal = who
+
+
+async def _audit_refusal(request: Request, who: str, target: str, why: str) -> None:
+    backend: Backend | None = request.app.state.backend
+    if backend is not None:
+        with contextlib.suppress(Exception):  # the refusal stands even if the log fails
+            await run_in_threadpool(backend.service.audit, who, "refused", target, why)
 
 
 def create_app(backend: Backend | None, tokens: TokenBook | None = None) -> FastAPI:
@@ -117,6 +128,10 @@ def create_app(backend: Backend | None, tokens: TokenBook | None = None) -> Fast
 
     @app.exception_handler(PermissionDeniedError)
     async def not_owner(request: Request, exc: PermissionDeniedError) -> Response:
+        who = getattr(request.state, "principal", None)
+        if who is not None:
+            await _audit_refusal(request, who.name, f"{request.method} {request.url.path}",
+                                 str(exc))
         return _error(403, "forbidden", str(exc))
 
     @app.exception_handler(JobNotFoundError)

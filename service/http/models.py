@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field, create_model
 
 from jaxpod.jobs import (
     Attempt,
+    AuditRecord,
     HostInput,
     JobCheckpoint,
     JobDetails,
@@ -142,6 +143,10 @@ class JobList(BaseModel):
     total: int = Field(description="jobs matching the filter, over all pages")
     limit: int
     offset: int
+
+
+class AuditLog(BaseModel):
+    records: list[AuditRecord] = Field(description="newest last")
 
 
 class Health(BaseModel):

@@ -167,6 +167,17 @@ async def whoami(request: Request) -> models.Caller:
     return models.caller_of(request.state.principal)
 
 
+@cluster.get("/audit", response_model=models.AuditLog,
+             summary="Who submitted, cancelled or was refused what (admin only)")
+async def get_audit(backend: BackendDep,
+                    limit: Annotated[int, Query(ge=1, le=handlers.MAX_AUDIT_PAGE)] = 100,
+                    before: Annotated[int, Query(ge=0, le=MAX_OFFSET, description=(
+                        "only records with a smaller seq (0: up to the newest)"))] = 0
+                    ) -> models.AuditLog:
+    records = await _blocking(backend.jobs.store.audit, limit, before)
+    return models.AuditLog(records=records)
+
+
 # ---------------------------------------------------------------------- sessions
 sessions = APIRouter(prefix="/api/v1", tags=["sessions"], responses=UNAUTHORIZED)
 

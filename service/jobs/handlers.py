@@ -29,6 +29,8 @@ WATCH_RECHECK = Timeout("JAXPOD_JOB_WATCH_RECHECK_S", 5.0)
 #: How long CancelJob waits for a running job to stop at its next loop boundary before
 #: answering with the state it is in (it stops all the same, later).
 CANCEL_WAIT = Timeout("JAXPOD_JOB_CANCEL_WAIT_S", 10.0)
+#: The most audit records one ListAudit answer holds.
+MAX_AUDIT_PAGE = 10_000
 
 
 class JobsServicer:
@@ -59,7 +61,11 @@ class JobsServicer:
         manager = self._manager()
         spec = check_spec(from_message(JobSpec, request))
         spec = spec.replace(accelerator_type=await self._blocking(self._resolve_type, spec))
-        return to_message(await self._blocking(manager.submit, spec, self.caller(context).name))
+        who = self.caller(context).name
+        status = await self._blocking(manager.submit, spec, who)
+        await self._blocking(manager.store.record_audit, who, "submit", status.id,
+                             f"{status.name} on {status.accelerator_type}")
+        return to_message(status)
 
     async def GetJob(self, request: pb.JobRequest, context: Any) -> pb.JobDetails:
         manager = self._manager()
@@ -111,6 +117,15 @@ class JobsServicer:
         lines = await self._blocking(manager.store.logs, request.job_id, request.after)
         return pb.JobLogs(lines=[pb.LogLine(seq=x.seq, host=x.host, line=x.line, at=x.at)
                                  for x in lines])
+
+    async def ListAudit(self, request: pb.AuditRequest, context: Any) -> pb.AuditLog:
+        limit = request.limit or 100
+        if not 1 <= limit <= MAX_AUDIT_PAGE or request.before < 0:
+            raise ValueError(f"ListAudit: limit must be 1-{MAX_AUDIT_PAGE} (0: 100) and "
+                             f"before >= 0; got limit={request.limit}, "
+                             f"before={request.before}.")
+        records = await self._blocking(self._manager().store.audit, limit, request.before)
+        return pb.AuditLog(records=[to_message(r) for r in records])
 
     # ------------------------------------------------------------------ helpers
     def _resolve_type(self, spec: JobSpec) -> str:
@@ -166,6 +181,7 @@ async def cancel_and_wait(manager: JobManager, job_id: str, blocking: _Blocking,
     deadline = Deadline(CANCEL_WAIT.seconds())
     await blocking(manager.check_owner, job_id, caller, "cancel")
     await blocking(manager.cancel, job_id, f"cancelled by {caller.name}")
+    await blocking(manager.store.record_audit, caller.name, "cancel", job_id)
     while True:  # until the job stops, or the deadline: the answer says which
         version = manager.events.version(job_id)
         status = await blocking(manager.status, job_id)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from jaxpod.errors import JobNotFoundError, VersionMismatchError
-from jaxpod.jobs import Attempt, JobCheckpoint, JobState, JobStatus, Transition
+from jaxpod.jobs import Attempt, AuditRecord, JobCheckpoint, JobState, JobStatus, Transition
 from jaxpod.service.jobs.codec import JobStoreError, load_trees, save_trees
 from jaxpod.service.jobs.files import write_file_atomically
 from jaxpod.service.jobs.goodput import PRODUCTIVE_SHARE, WALL_S, summary
@@ -50,6 +50,9 @@ from jaxpod.service.jobs.states import (
 #: Payloads up to this size are kept in the database; larger ones in a file beside it
 #: (SQLite handles big blobs, but they bloat the file every reader pages through).
 INLINE_PAYLOAD_LIMIT = 1 << 20
+#: The audit log keeps its newest records, trimmed every AUDIT_TRIM_EVERY appends; each
+#: record's detail is cut at MAX_AUDIT_DETAIL characters.
+MAX_AUDIT_RECORDS, AUDIT_TRIM_EVERY, MAX_AUDIT_DETAIL = 100_000, 1_000, 2_000
 
 #: The reason recorded for jobs a restarted coordinator finds in flight.
 RESTART_REASON = "coordinator restarted"
@@ -183,11 +186,22 @@ def _statements(statements: Sequence[str]) -> Callable[[sqlite3.Connection], Non
 _V7 = ["ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT ''"]
 
 
+# v8: the audit log: who submitted, cancelled or was refused what.
+_V8 = ["""CREATE TABLE audit (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        at REAL NOT NULL,
+        who TEXT NOT NULL,
+        action TEXT NOT NULL,
+        target TEXT NOT NULL,
+        detail TEXT NOT NULL
+    )"""]
+
+
 #: MIGRATIONS[i] takes a database from schema version i to i + 1. Append only: never
 #: edit a released one (databases in the field were built by it).
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _statements(_V1), _statements(_V2), _statements(_V3), _statements(_V4),
-    _statements(_V5), _statements(_V6), _statements(_V7)]
+    _statements(_V5), _statements(_V6), _statements(_V7), _statements(_V8)]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -564,6 +578,26 @@ class JobStore:
             rows = conn.execute("SELECT seq, host, line, at FROM logs WHERE job_id = ? AND "
                                 "seq > ? ORDER BY seq", (job_id, after)).fetchall()
         return [LogLine(*r) for r in rows]
+
+    # ------------------------------------------------------------------ audit
+
+    def record_audit(self, who: str, action: str, target: str, detail: str = "") -> None:
+        """Appends to the audit log, keeping its newest :data:`MAX_AUDIT_RECORDS`."""
+        with self._write() as conn:
+            seq = conn.execute("INSERT INTO audit (at, who, action, target, detail) VALUES "
+                               "(?, ?, ?, ?, ?)", (self._clock(), who, action, target,
+                                                   detail[:MAX_AUDIT_DETAIL])).lastrowid
+            if seq is not None and seq % AUDIT_TRIM_EVERY == 0:
+                conn.execute("DELETE FROM audit WHERE seq <= ?", (seq - MAX_AUDIT_RECORDS,))
+
+    def audit(self, limit: int = 100, before: int = 0) -> builtins.list[AuditRecord]:
+        """The newest ``limit`` audit records (with ``seq < before`` if given), oldest
+        first."""
+        with self._read() as conn:
+            rows = conn.execute(
+                "SELECT seq, at, who, action, target, detail FROM audit WHERE seq < ? "
+                "ORDER BY seq DESC LIMIT ?", (min(before or 2**62, 2**62), limit)).fetchall()
+        return [AuditRecord(*row) for row in reversed(rows)]
 
     # ------------------------------------------------------------------ goodput
 

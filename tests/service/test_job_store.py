@@ -33,6 +33,7 @@ from jaxpod.service.jobs.states import (
 )
 from jaxpod.service.jobs.store import (
     INLINE_PAYLOAD_LIMIT,
+    MAX_AUDIT_DETAIL,
     MIGRATIONS,
     RESTART_REASON,
     SCHEMA_VERSION,
@@ -610,3 +611,19 @@ def test_list_orders_by_creation_filters_and_pages(tmp_path: Path) -> None:
             store.list(state="DONE")
         with pytest.raises(JobStoreError, match="limit and offset must be >= 0"):
             store.list(offset=-1)
+
+
+def test_the_audit_log_pages_back_and_keeps_its_newest_records(
+        store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("jaxpod.service.jobs.store.MAX_AUDIT_RECORDS", 5)
+    monkeypatch.setattr("jaxpod.service.jobs.store.AUDIT_TRIM_EVERY", 2)
+    for i in range(1, 13):
+        store.record_audit(f"who{i}", "submit", f"job{i}", "x" * 5000)
+    kept = store.audit(limit=100)
+    # Trimmed at the 12th append to seq > 12 - 5: the newest five, oldest first.
+    assert [r.seq for r in kept] == [8, 9, 10, 11, 12]
+    assert [r.target for r in kept] == [f"job{i}" for i in range(8, 13)]
+    assert all(len(r.detail) == MAX_AUDIT_DETAIL < 5000 for r in kept)  # details are cut
+    assert [r.seq for r in store.audit(limit=2)] == [11, 12]
+    assert [r.seq for r in store.audit(limit=2, before=11)] == [9, 10]
+    assert [r.at for r in kept] == sorted(r.at for r in kept)

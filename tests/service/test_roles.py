@@ -16,8 +16,10 @@ document (so a method or route without a declared role fails here):
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -134,13 +136,13 @@ def test_every_rpc_has_a_role_and_is_refused_exactly_below_it(
             else:
                 assert code is grpc.StatusCode.PERMISSION_DENIED, (method.name, name, code)
                 refused.setdefault(name, []).append(method.name)
-    # What §9 says a viewer may not do, by name; a submitter and an admin are refused
-    # nothing at this level (ownership is the next test's).
+    # What §9 says a viewer may not do, by name; a submitter only the audit log; an
+    # admin nothing (ownership is the next test's).
     assert {"AcquireSlice", "Stream", "SubmitJob", "CancelJob", "GetJobResult",
-            "GetJobLogs", "Put"} <= set(refused["vera"])
+            "GetJobLogs", "Put", "ListAudit"} <= set(refused["vera"])
     assert not {"ClusterStatus", "ListJobs", "GetJob", "WatchJob", "GetJobMetrics"} & set(
         refused["vera"])
-    assert "alice" not in refused and "root" not in refused
+    assert refused["alice"] == ["ListAudit"] and "root" not in refused
 
 
 def _openapi_routes() -> set[tuple[str, str]]:
@@ -264,3 +266,48 @@ def test_jobs_and_sessions_belong_to_their_owner(
             reply = heartbeat(pb.SessionRequest(session_id=session),
                               metadata=(("authorization", f"Bearer {issued['alice']}"),))
             assert reply.lease_s > 0
+
+
+def test_the_audit_log_records_submissions_cancels_and_refusals(
+        service: Service, tokens: tuple[Path, dict[str, str]]) -> None:
+    issued = tokens[1]
+    started = time.time()
+    batches = [np.ones((8, 3), np.float32)]
+    with (jaxpod.connect(service.address, token=issued["alice"]) as alice,
+          jaxpod.connect(service.address, token=issued["bob"]) as bob,
+          jaxpod.connect(service.address, token=issued["vera"]) as vera,
+          jaxpod.connect(service.address, token=issued["root"]) as root):
+        job = alice.submit(adding_step, steps=1, accelerator_type="v4-8", dataset=batches,
+                           initial_state={"total": np.float32(0)}, name="audited")
+        assert job.wait(timeout=300, progress=False).state == "SUCCEEDED"
+        with pytest.raises(jaxpod.PermissionDeniedError):
+            bob.job(job.id).cancel()
+        with pytest.raises(jaxpod.PermissionDeniedError, match="ListAudit needs the admin"):
+            vera.audit()
+        root.job(job.id).cancel()  # over already: recorded all the same
+        records = root.audit(limit=1000)
+    mine = [r for r in records if r.at >= started - 1]
+    assert [r.seq for r in records] == sorted(r.seq for r in records)
+    assert all(started - 1 <= r.at <= time.time() for r in mine)
+    actions = {(r.who, r.action, r.target) for r in mine}
+    assert ("alice", "submit", job.id) in actions
+    assert any((r.who, r.action, r.target) == ("bob", "refused", "CancelJob")
+               and f"job {job.id} belongs to 'alice'" in r.detail for r in mine)
+    assert ("vera", "refused", "ListAudit") in actions
+    assert ("root", "cancel", job.id) in actions
+
+    # The same log through the CLI (a fresh interpreter) and the HTTP API.
+    env = {**os.environ, "JAXPOD_TOKEN": issued["root"], "JAXPOD_ADDRESS": service.address}
+    done = subprocess.run([sys.executable, "-m", "jaxpod.cli", "audit", "--json",
+                           "--limit", "1000"], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert [r["seq"] for r in json.loads(done.stdout)] == [r.seq for r in records]
+    with httpx.Client(base_url=service.http_url, timeout=60) as http:
+        answer = http.get("/api/v1/audit", params={"limit": 1000},
+                          headers={"Authorization": f"Bearer {issued['root']}"})
+        assert answer.status_code == 200, answer.text
+        assert [r["seq"] for r in answer.json()["records"]] == [r.seq for r in records]
+        refused = http.get("/api/v1/audit",
+                           headers={"Authorization": f"Bearer {issued['alice']}"})
+        assert refused.status_code == 403 and "admin role" in refused.json()["message"]
