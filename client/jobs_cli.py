@@ -308,11 +308,13 @@ def _print_status(status: JobStatus, as_json: bool, history: Sequence[JobTransit
                          indent=1))
         return
     fields = [
-        ("id", status.id), ("name", status.name), ("state", status.state),
+        ("id", status.id), ("name", status.name), ("owner", status.owner or "-"),
+        ("state", status.state),
         ("step", f"{status.step}/{status.steps}"),
         ("rate", "-" if status.steps_per_s is None else f"{status.steps_per_s:.4g} steps/s"),
         ("attempts", str(status.attempts)),
         ("queue position", "-" if status.queue_position is None else str(status.queue_position)),
+        *([("waiting", status.wait_reason)] if status.wait_reason else []),
         ("accelerator", status.accelerator_type or "-"),
         ("created", _time(status.created_at)), ("started", _time(status.started_at)),
         ("finished", _time(status.finished_at)),

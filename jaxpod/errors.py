@@ -76,6 +76,11 @@ class PermissionDeniedError(JaxpodError, PermissionError):
     allow the call; the message names the role needed."""
 
 
+class QuotaExceededError(JaxpodError):
+    """The token's ``max_slices`` leaves no room for the slices asked for; the message
+    says how many it holds."""
+
+
 class DeadlineExceededError(JaxpodError, TimeoutError):
     """A call to the service did not finish within its deadline."""
 

@@ -87,6 +87,8 @@ class JobStatus:
         time (``None``: no steps ran yet).
       owner: the name of the token that submitted it (``"local"`` on a service without
         tokens; ``""`` for jobs recorded before owners were).
+      wait_reason: why a queued job does not start although its turn may have come (its
+        owner's slice quota); ``None`` otherwise.
     """
 
     id: str
@@ -105,6 +107,7 @@ class JobStatus:
     accelerator_type: str = ""
     steps_per_s: float | None = None
     owner: str = ""
+    wait_reason: str | None = None
 
     @property
     def done(self) -> bool:

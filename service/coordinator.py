@@ -43,6 +43,7 @@ from jaxpod.proto import tensors
 from jaxpod.service.group_engine import DefinedFunction, GatherParts, GroupValue
 from jaxpod.service.jobs.handlers import JobsServicer
 from jaxpod.service.jobs.manager import JobManager
+from jaxpod.service.quotas import SliceQuotas
 from jaxpod.service.replica_group import OPERATION_TIMEOUT
 from jaxpod.service.sessions import HeldSlice, Session, SessionManager
 from jaxpod.service.status import status_of
@@ -85,11 +86,12 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
 
     def __init__(self, slices: SliceProvider, sessions: SessionManager | None = None,
                  max_workers: int = 32, jobs: JobManager | None = None,
-                 tokens: TokenBook | None = None) -> None:
+                 tokens: TokenBook | None = None, quotas: SliceQuotas | None = None) -> None:
         self.slices = slices
         self.jobs = jobs
         self.tokens = tokens
         self.sessions = sessions if sessions is not None else SessionManager()
+        self.quotas = quotas if quotas is not None else SliceQuotas(tokens, self.sessions)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers, thread_name_prefix="jaxpod-slice")
 
@@ -188,12 +190,13 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
                            ) -> pb.SliceInfo:
         session = self.sessions.get(request.session_id)
         slice_id = f"slice-{secrets.token_hex(4)}"
-        held = await self._blocking(self.slices.acquire, request, slice_id)
-        try:
-            session.add_slice(held)
-        except SessionError:
-            await self._release(held)
-            raise
+        with self.quotas.reserve(session.owner, max(1, request.num_slices), "AcquireSlice"):
+            held = await self._blocking(self.slices.acquire, request, slice_id)
+            try:
+                session.add_slice(held)
+            except SessionError:
+                await self._release(held)
+                raise
         d = held.description
         return pb.SliceInfo(slice_id=held.id, accelerator_type=d["accelerator_type"],
                             num_slices=d["num_slices"], num_hosts=d["num_hosts"],

@@ -56,6 +56,7 @@ from jaxpod.service.coordinator import (
 )
 from jaxpod.service.jobs.manager import JobManager
 from jaxpod.service.jobs.store import JobStore
+from jaxpod.service.quotas import SliceQuotas
 from jaxpod.service.sessions import SessionManager
 from jaxpod.service.status import status_of
 from jaxpod.service.tokens import TokenBook, denial
@@ -245,10 +246,12 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
       tls: serve gRPC and HTTP over TLS with this certificate.
     """
     sessions = SessionManager(lease_s)
+    quotas = SliceQuotas(tokens, sessions)
     provider = _DeferredSlices()
     store = JobStore(state_dir) if state_dir is not None else None
-    jobs = JobManager(store, provider, checkpoint_dir) if store is not None else None
-    service = CoordinatorService(provider, sessions, jobs=jobs, tokens=tokens)
+    jobs = (JobManager(store, provider, checkpoint_dir, quotas=quotas)
+            if store is not None else None)
+    service = CoordinatorService(provider, sessions, jobs=jobs, tokens=tokens, quotas=quotas)
     grpc_serving = False
     backend = None
     interceptors: list[grpc.aio.ServerInterceptor] = []

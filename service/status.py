@@ -24,6 +24,7 @@ _MAX_TRAILER_BYTES = 256 * 1024
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
     (errors.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (errors.QuotaExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.SessionError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.VersionMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.HandleError, grpc.StatusCode.NOT_FOUND),

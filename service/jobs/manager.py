@@ -45,6 +45,7 @@ from jaxpod.service.jobs.goodput import GoodputClock, summary
 from jaxpod.service.jobs.policies import FifoQueues, QueuePolicy, RetryBudgets
 from jaxpod.service.jobs.states import Allocating, Cancelled, Succeeded
 from jaxpod.service.jobs.store import JobStore
+from jaxpod.service.quotas import SliceQuotas
 from jaxpod.service.tokens import Principal
 from jaxpod.timeouts import Timeout
 
@@ -205,18 +206,25 @@ class JobManager:
       checkpoint_dir: where the hosts write checkpoints, one folder per job (a path
         or URL every host reaches; default ``<state dir>/checkpoints``).
       queue: the queue policy (default: first in, first out per accelerator type).
+      quotas: the owners' slice quotas (``None``: none); jobs over theirs wait.
     """
 
     def __init__(self, store: JobStore, slices: JobSlices, checkpoint_dir: str | None = None,
-                 queue: QueuePolicy | None = None) -> None:
+                 queue: QueuePolicy | None = None, quotas: SliceQuotas | None = None
+                 ) -> None:
         self.store = store
         self.slices = slices
+        self.quotas = quotas
+        if quotas is not None:
+            quotas.count_jobs_with(self.slices_of)
         self.checkpoint_dir = checkpoint_dir or str(store.state_dir / "checkpoints")
         self.events = JobEvents()
         self.goodput = GoodputKeeper(store)
         self._queue = queue if queue is not None else FifoQueues()
         self._lock = threading.Condition()
         self._specs: dict[str, JobSpec] = {}  # queued jobs' specs
+        self._owners: dict[str, str] = {}  # queued and started jobs' owners
+        self._wait_reasons: dict[str, str] = {}  # queued jobs held back by their quota
         self._active: dict[str, JobController] = {}
         self._threads: dict[str, threading.Thread] = {}
         self._allocating: set[str] = set()  # accelerator types with a job acquiring
@@ -312,6 +320,7 @@ class JobManager:
             before = self._queue.positions()
             if self._queue.remove(job_id):
                 self._specs.pop(job_id, None)
+                self._owners.pop(job_id, None)
                 moved = [j for j, p in before.items() if p > before[job_id]]
                 self.store.transition(job_id, Cancelled(reason))
                 self.goodput.stop(job_id)
@@ -389,6 +398,7 @@ class JobManager:
         run = controller.run_now if controller is not None else None
         return dataclasses.replace(
             status, queue_position=positions.get(status.id),
+            wait_reason=self._wait_reasons.get(status.id),
             goodput=summary(totals) if totals else status.goodput,
             steps_per_s=run.rate.steps_per_s() if run is not None else status.steps_per_s)
 
@@ -396,6 +406,30 @@ class JobManager:
     def _enqueue(self, status: JobStatus, spec: JobSpec) -> None:
         self._queue.push(status.id, status.accelerator_type)
         self._specs[status.id] = spec
+        self._owners[status.id] = status.owner
+
+    def slices_of(self, owner: str) -> int:
+        """The slices ``owner``'s started jobs hold or are acquiring."""
+        with self._lock:
+            return sum(c.spec.num_slices for job_id, c in self._active.items()
+                       if self._owners.get(job_id) == owner)
+
+    def _over_quota(self) -> set[str]:
+        """The queued jobs their owners' quotas hold back now; each one's reason is kept
+        for its status (a change is an event)."""
+        with self._lock:
+            queued = [(job_id, self._owners.get(job_id, ""), spec.num_slices)
+                      for job_id, spec in self._specs.items()]
+        reasons = {job_id: why for job_id, owner, wanted in queued
+                   if self.quotas is not None
+                   and (why := self.quotas.over(owner, wanted)) is not None}
+        with self._lock:
+            changed = {j for j in set(reasons) | set(self._wait_reasons)
+                       if reasons.get(j) != self._wait_reasons.get(j)}
+            self._wait_reasons = reasons
+        for job_id in changed:
+            self.events.changed(job_id)
+        return set(reasons)
 
     def _dispatch(self) -> None:
         while True:
@@ -403,7 +437,9 @@ class JobManager:
                 if self._closed:
                     return
                 self._kicked = False
-                candidates = self._queue.candidates(self._allocating)
+            held_back = self._over_quota()
+            with self._lock:
+                candidates = self._queue.candidates(self._allocating, held_back)
             started = False
             for accelerator_type, job_id in candidates:
                 spec = self._specs.get(job_id)
@@ -415,10 +451,21 @@ class JobManager:
                     logger.exception("checking for free %s slices failed", accelerator_type)
                     free = False
                 if free:
-                    started |= self._start(accelerator_type, job_id)
+                    started |= self._start_within_quota(accelerator_type, job_id, spec)
             with self._lock:
                 if not (self._closed or started or self._kicked):
                     self._lock.wait(DISPATCH_RECHECK.seconds())
+
+    def _start_within_quota(self, accelerator_type: str, job_id: str, spec: JobSpec) -> bool:
+        if self.quotas is None:
+            return self._start(accelerator_type, job_id)
+        started = [False]
+
+        def start() -> None:
+            started[0] = self._start(accelerator_type, job_id)
+
+        owner = self._owners.get(job_id, "")
+        return self.quotas.admit(owner, spec.num_slices, start) is None and started[0]
 
     def _start(self, accelerator_type: str, job_id: str) -> bool:
         with self._lock:
@@ -476,6 +523,7 @@ class JobManager:
             with self._lock:
                 self._active.pop(controller.job_id, None)
                 self._threads.pop(controller.job_id, None)
+                self._owners.pop(controller.job_id, None)
                 self._kick()
 
     def _progressed(self, job_id: str) -> None:

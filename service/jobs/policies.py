@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import enum
+from collections.abc import Set
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -99,10 +100,12 @@ class QueuePolicy(Protocol):
     def remove(self, job_id: str) -> bool:
         """Takes a job out (it starts, or it was cancelled); whether it was queued."""
 
-    def candidates(self, busy_types: set[str]) -> list[tuple[str, str]]:
+    def candidates(self, busy_types: set[str], held_back: Set[str] = frozenset()
+                   ) -> list[tuple[str, str]]:
         """``(accelerator_type, job_id)`` of the jobs that may take a free slice now, in
         the order to try them; none of the types in ``busy_types`` (a job of that type
-        is acquiring one)."""
+        is acquiring one), and none of the jobs in ``held_back`` (their owners' quotas
+        are full: the jobs behind them go first)."""
 
     def positions(self) -> dict[str, int]:
         """Every queued job's position (0 is next), at one moment."""
@@ -125,8 +128,11 @@ class FifoQueues:
                 return True
         return False
 
-    def candidates(self, busy_types: set[str]) -> list[tuple[str, str]]:
-        return [(t, q[0]) for t, q in self._queues.items() if q and t not in busy_types]
+    def candidates(self, busy_types: set[str], held_back: Set[str] = frozenset()
+                   ) -> list[tuple[str, str]]:
+        firsts = ((t, next((j for j in q if j not in held_back), None))
+                  for t, q in self._queues.items() if t not in busy_types)
+        return [(t, job_id) for t, job_id in firsts if job_id is not None]
 
     def positions(self) -> dict[str, int]:
         return {job_id: i for queue in self._queues.values() for i, job_id in enumerate(queue)}

@@ -36,13 +36,16 @@ from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.http.app import OPENAPI_PATH
 from jaxpod.service.roles import ROUTE_ROLES, RPC_ROLES
 from jaxpod.service.tokens import Role, TokenBook
+from jaxpod.timeouts import wait_for
 
 pytestmark = pytest.mark.multiprocess
 
 METHODS = tuple(pb.DESCRIPTOR.services_by_name["Coordinator"].methods)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
-#: name -> role; bob is a second submitter, to test ownership.
-HOLDERS = {"vera": "viewer", "alice": "submitter", "bob": "submitter", "root": "admin"}
+#: name -> role; bob is a second submitter, to test ownership; quinn's quota is 1 slice.
+HOLDERS = {"vera": "viewer", "alice": "submitter", "bob": "submitter", "root": "admin",
+           "quinn": "submitter"}
+QUOTAS = {"quinn": 1}
 REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
@@ -56,8 +59,9 @@ def adding_step(state: Any, batch: Any) -> Any:
 
 def _new_token(tokens_file: Path, name: str, role: str) -> str:
     """``jaxpod token new`` in a fresh interpreter; the token is its stdout."""
+    quota = ["--max-slices", str(QUOTAS[name])] if name in QUOTAS else []
     done = subprocess.run([sys.executable, "-m", "jaxpod.cli", "token", "new", name,
-                           "--role", role, "--tokens-file", str(tokens_file)],
+                           "--role", role, "--tokens-file", str(tokens_file), *quota],
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert f"added {role} token {name!r}" in done.stderr
@@ -76,6 +80,7 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, st
     for name, token in issued.items():
         who = book.identify(token)
         assert who is not None and (who.name, str(who.role)) == (name, HOLDERS[name])
+        assert who.max_slices == QUOTAS.get(name)
     return tokens_file, issued
 
 
@@ -311,3 +316,25 @@ def test_the_audit_log_records_submissions_cancels_and_refusals(
         refused = http.get("/api/v1/audit",
                            headers={"Authorization": f"Bearer {issued['alice']}"})
         assert refused.status_code == 403 and "admin role" in refused.json()["message"]
+
+
+def test_a_quota_refuses_a_strategy_and_holds_a_job_back_with_the_reason(
+        service: Service, tokens: tuple[Path, dict[str, str]]) -> None:
+    batches = [np.full((8, 3), 2.0, np.float32)]
+    with jaxpod.connect(service.address, token=tokens[1]["quinn"]) as quinn:
+        strategy = quinn.strategy("v4-8")  # quinn's one slice
+        with pytest.raises(jaxpod.QuotaExceededError,
+                           match="'quinn' holds 1 slice\\(s\\) of its max_slices 1"):
+            quinn.strategy("v4-8")
+        job = quinn.submit(adding_step, steps=2, accelerator_type="v4-8", dataset=batches,
+                           initial_state={"total": np.float32(0)})
+        assert wait_for(lambda: job.status().wait_reason is not None, 60), job.status()
+        waiting = job.status()
+        assert waiting.state == "PENDING" and "max_slices 1" in (waiting.wait_reason or "")
+        # The strategy still computes; closing it makes room and the job runs.
+        assert float(strategy.reduce("SUM", strategy.run(lambda: 1.0), axis=None)) == (
+            strategy.num_replicas_in_sync)
+        strategy.close()
+        final = job.wait(timeout=300, progress=False)
+        assert final.state == "SUCCEEDED" and final.wait_reason is None
+        assert float(job.result().state["total"]) == pytest.approx(2 * batches[0].sum())

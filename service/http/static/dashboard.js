@@ -113,6 +113,7 @@
 
   function updateRow(row, j) {  // j: a JobSummary (the list's, or a status event's)
     stateCell(row.querySelector(".state"), j.state);
+    row.querySelector(".state").title = j.wait_reason || "";
     const bar = row.querySelector("progress");
     bar.max = j.steps;
     bar.value = j.step;
@@ -151,6 +152,7 @@
         h("span", {id: "detail-state"}), " step ", h("span", {id: "detail-step"}), "/" + d.steps,
         mayCancel(d) ? h("button", {id: "cancel-job", type: "button"}, "Cancel") : null),
       h("pre", {id: "detail-error", class: "bad", hidden: ""}),
+      h("p", {id: "detail-wait", class: "muted", hidden: ""}),
       h("p", {id: "detail-checkpoint", class: "muted"}),
       h("div", {class: "charts"},
         h("figure", null, h("figcaption", {id: "loss-caption"}), chart("chart-loss", "loss")),
@@ -226,6 +228,11 @@
     const cancel = byId("cancel-job");
     if (cancel) cancel.hidden = ["SUCCEEDED", "FAILED", "CANCELLED"].includes(j.state);
     text(byId("detail-step"), j.step);
+    const wait = byId("detail-wait");
+    if (wait) {
+      text(wait, j.wait_reason ? "waiting: " + j.wait_reason : "");
+      wait.hidden = !j.wait_reason;
+    }
     const error = byId("detail-error");
     if (error) {
       text(error, j.error || "");
