@@ -77,6 +77,13 @@ GRPC_PORT = 50051
 HTTP_PORT = DEFAULT_HTTP_PORT
 HEALTHZ_PATH = "/healthz"
 READYZ_PATH = "/readyz"
+#: The serving certificate cert-manager issues into this Secret (``tls.crt``,
+#: ``tls.key``, ``ca.crt``), mounted where ``jaxpod serve --tls-cert/--tls-key`` read it;
+#: clients trust the CA in :data:`CA_SECRET`.
+TLS_SECRET = "jaxpod-tls"
+TLS_DIR = "/etc/jaxpod/tls"
+CA_SECRET = "jaxpod-ca"
+CERT_MANAGER_API = "cert-manager.io/v1"
 #: The ``jax.distributed`` coordinator port on host 0 of a slice, pinned and declared
 #: on every TPU pod: JAX's default moved from 8476 to 8482 (jax 0.8.1) and a port
 #: nobody declared is one a firewall rule forgets.
@@ -113,6 +120,7 @@ COORDINATOR_ARGS = (
     " --disable-usage-stats"
     f" && exec jaxpod serve --address=0.0.0.0:{GRPC_PORT} --http-port={HTTP_PORT}"
     f" --state-dir={STATE_DIR} --platform=tpu"
+    f" --tls-cert={TLS_DIR}/tls.crt --tls-key={TLS_DIR}/tls.key"
 )
 
 
@@ -270,6 +278,7 @@ def render_base(checkpoint_dir: str = CHECKPOINT_DIR) -> dict[str, str]:
         "config.yaml": [_config_map(check_checkpoint_dir(checkpoint_dir)), _state_volume()],
         "coordinator.yaml": [_coordinator()],
         "services.yaml": _services(),
+        "certificates.yaml": _certificates(),
         "raycluster.yaml": [_ray_cluster()],
     }
     out = {name: _dump(objects, command) for name, objects in files.items()}
@@ -362,18 +371,22 @@ def _coordinator() -> dict[str, Any]:
         ],
         "ports": [{"name": "grpc", "containerPort": GRPC_PORT},
                   {"name": "http", "containerPort": HTTP_PORT}],
-        # gRPC health turns SERVING once the Ray cluster is up, which can take a
-        # while on first start (TPU node pools scaling up): a long start-up budget.
-        "startupProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 10,
-                         "failureThreshold": 60},
-        "readinessProbe": {"httpGet": {"path": READYZ_PATH, "port": "http"},
+        # Ready once the Ray cluster is up, which can take a while on first start (TPU
+        # node pools scaling up): a long start-up budget. Over HTTPS (the kubelet does
+        # not verify the certificate); its gRPC probe cannot speak TLS.
+        "startupProbe": {"httpGet": {"path": READYZ_PATH, "port": "http", "scheme": "HTTPS"},
+                         "periodSeconds": 10, "failureThreshold": 60},
+        "readinessProbe": {"httpGet": {"path": READYZ_PATH, "port": "http",
+                                       "scheme": "HTTPS"},
                            "periodSeconds": 10, "failureThreshold": 3},
-        "livenessProbe": {"httpGet": {"path": HEALTHZ_PATH, "port": "http"},
+        "livenessProbe": {"httpGet": {"path": HEALTHZ_PATH, "port": "http",
+                                      "scheme": "HTTPS"},
                           "periodSeconds": 20, "failureThreshold": 3},
         "resources": {"requests": {"cpu": "2", "memory": "8Gi"},
                       "limits": {"cpu": "4", "memory": "8Gi"}},
         "securityContext": _NON_ROOT_CONTAINER,
         "volumeMounts": [{"name": "state", "mountPath": STATE_DIR},
+                         {"name": "tls", "mountPath": TLS_DIR, "readOnly": True},
                          {"name": "ray-tmp", "mountPath": "/tmp/ray"},
                          {"name": "shm", "mountPath": "/dev/shm"}],
     }
@@ -397,6 +410,8 @@ def _coordinator() -> dict[str, Any]:
                     "containers": [container],
                     "volumes": [
                         {"name": "state", "persistentVolumeClaim": {"claimName": "jaxpod-state"}},
+                        {"name": "tls", "secret": {"secretName": TLS_SECRET,
+                                                   "defaultMode": 0o440}},
                         {"name": "ray-tmp", "emptyDir": {}},
                         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
                     ],
@@ -418,7 +433,45 @@ def _services() -> list[dict[str, Any]]:
         }
 
     return [service("jaxpod-grpc", "grpc", GRPC_PORT, "grpc"),
-            service("jaxpod-http", "http", HTTP_PORT, "http")]
+            service("jaxpod-http", "http", HTTP_PORT, "https")]
+
+
+def service_dns_names() -> list[str]:
+    """The names clients reach the coordinator by in the cluster (both Services, each
+    short and qualified), and ``localhost`` for ``kubectl port-forward``."""
+    names = [f"{name}{suffix}" for name in ("jaxpod-grpc", "jaxpod-http")
+             for suffix in ("", f".{NAMESPACE}", f".{NAMESPACE}.svc",
+                            f".{NAMESPACE}.svc.cluster.local")]
+    return [*names, "localhost"]
+
+
+def _certificates() -> list[dict[str, Any]]:
+    """cert-manager's CA bootstrap, namespaced: a self-signed issuer signs a CA
+    (``jaxpod-ca``), whose issuer signs the coordinator's serving certificate
+    (``jaxpod-tls``), renewed by cert-manager before it expires. A team with its own
+    issuer patches ``jaxpod-tls``'s ``issuerRef`` and drops the rest."""
+    def certificate(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return {"apiVersion": CERT_MANAGER_API, "kind": "Certificate",
+                "metadata": _meta(name), "spec": {"secretName": name, **spec}}
+
+    def issuer(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return {"apiVersion": CERT_MANAGER_API, "kind": "Issuer", "metadata": _meta(name),
+                "spec": spec}
+
+    key = {"algorithm": "ECDSA", "size": 256}
+    return [
+        issuer("jaxpod-selfsigned", {"selfSigned": {}}),
+        certificate(CA_SECRET, {
+            "isCA": True, "commonName": "jaxpod CA", "duration": "87600h",
+            "privateKey": key,
+            "issuerRef": {"name": "jaxpod-selfsigned", "kind": "Issuer"}}),
+        issuer(CA_SECRET, {"ca": {"secretName": CA_SECRET}}),
+        certificate(TLS_SECRET, {
+            "commonName": "jaxpod-grpc", "dnsNames": service_dns_names(),
+            "ipAddresses": ["127.0.0.1"], "duration": "2160h", "renewBefore": "360h",
+            "usages": ["server auth", "digital signature"],
+            "privateKey": key, "issuerRef": {"name": CA_SECRET, "kind": "Issuer"}}),
+    ]
 
 
 def _ray_cluster() -> dict[str, Any]:

@@ -96,3 +96,53 @@ def _close(node: Any) -> None:
     elif isinstance(node, list):
         for value in node:
             _close(value)
+
+
+def _object(spec: Obj, kind: str) -> Obj:
+    return {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+            "properties": {"apiVersion": {"const": "cert-manager.io/v1"},
+                           "kind": {"const": kind},
+                           "metadata": {"type": "object", "required": ["name"]},
+                           "spec": spec}}
+
+
+_STRINGS = {"type": "array", "items": {"type": "string", "minLength": 1}}
+_DURATION = {"type": "string", "pattern": r"^([0-9]+(\.[0-9]+)?(h|m|s))+$"}
+#: The fields of cert-manager's ``cert-manager.io/v1`` Certificate and Issuer that the
+#: base uses, as its documentation defines them (https://cert-manager.io/docs/reference/
+#: api-docs/), closed like the other schemas: a misspelt field fails. Only this subset:
+#: the CRDs themselves are not vendored here.
+CERT_MANAGER_SCHEMAS: dict[str, Obj] = {
+    "Certificate": _object({
+        "type": "object", "required": ["secretName", "issuerRef"],
+        "properties": {
+            "secretName": {"type": "string", "minLength": 1},
+            "commonName": {"type": "string", "maxLength": 64},
+            "dnsNames": _STRINGS, "ipAddresses": _STRINGS,
+            "isCA": {"type": "boolean"}, "duration": _DURATION, "renewBefore": _DURATION,
+            "usages": {"type": "array", "items": {"enum": [
+                "signing", "digital signature", "content commitment", "key encipherment",
+                "key agreement", "data encipherment", "cert sign", "crl sign",
+                "encipher only", "decipher only", "any", "server auth", "client auth",
+                "code signing", "email protection", "s/mime", "ipsec end system",
+                "ipsec tunnel", "ipsec user", "timestamping", "ocsp signing",
+                "microsoft sgc", "netscape sgc"]}},
+            "privateKey": {"type": "object", "properties": {
+                "algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]},
+                "size": {"type": "integer"},
+                "encoding": {"enum": ["PKCS1", "PKCS8"]},
+                "rotationPolicy": {"enum": ["Never", "Always"]}}},
+            "issuerRef": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string"}, "kind": {"enum": ["Issuer", "ClusterIssuer"]},
+                "group": {"type": "string"}}},
+        }}, "Certificate"),
+    "Issuer": _object({
+        "type": "object", "minProperties": 1, "maxProperties": 1,
+        "properties": {"selfSigned": {"type": "object", "properties": {
+                           "crlDistributionPoints": _STRINGS}},
+                       "ca": {"type": "object", "required": ["secretName"], "properties": {
+                           "secretName": {"type": "string", "minLength": 1}}}},
+    }, "Issuer"),
+}
+for _schema in CERT_MANAGER_SCHEMAS.values():
+    _close(_schema)

@@ -20,6 +20,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 from deploy_manifests import (
+    CERT_MANAGER_SCHEMAS,
     KUBERNETES_VERSION,
     REPO,
     Obj,
@@ -59,9 +60,13 @@ def test_every_object_is_valid(tree: str) -> None:
     objects = kustomize(tree)
     kinds = {o["kind"] for o in objects}
     assert {"Namespace", "ServiceAccount", "Role", "RoleBinding", "ConfigMap",
-            "PersistentVolumeClaim", "Deployment", "Service", "RayCluster"} <= kinds
+            "PersistentVolumeClaim", "Deployment", "Service", "RayCluster", "Certificate",
+            "Issuer"} <= kinds
     for obj in objects:
-        if obj["kind"] == "RayCluster":
+        if obj["kind"] in CERT_MANAGER_SCHEMAS:
+            jsonschema.validate(obj, CERT_MANAGER_SCHEMAS[obj["kind"]],
+                                cls=jsonschema.Draft7Validator)
+        elif obj["kind"] == "RayCluster":
             jsonschema.validate(obj, raycluster_schema(), cls=jsonschema.Draft7Validator)
             spec = obj["spec"]
             for template in [spec["headGroupSpec"]["template"],
@@ -170,11 +175,12 @@ def test_probes_and_services_point_at_what_the_service_serves() -> None:
     address = next(a.split("=", 1)[1] for a in serve if a.startswith("--address="))
     assert int(address.rsplit(":", 1)[1]) == grpc_port
     assert f"--http-port={http_port}" in serve
-    assert c["startupProbe"]["grpc"]["port"] == grpc_port
-    for probe, path in (("readinessProbe", dr.READYZ_PATH), ("livenessProbe", dr.HEALTHZ_PATH)):
+    for probe, path in (("startupProbe", dr.READYZ_PATH), ("readinessProbe", dr.READYZ_PATH),
+                        ("livenessProbe", dr.HEALTHZ_PATH)):
         get = c[probe]["httpGet"]
         assert get["path"] == path and path in routes
         assert declared[get["port"]] == http_port
+        assert get["scheme"] == "HTTPS"  # the service serves HTTP over TLS, below
     for name, port_name in (("jaxpod-grpc", "grpc"), ("jaxpod-http", "http")):
         service = find(objects, "Service", name)
         assert service["spec"]["selector"] == pod_labels(objects)
@@ -242,3 +248,35 @@ def test_image_and_ray_version_agree_with_the_dockerfile() -> None:
     assert cluster["spec"]["rayVersion"] == ray_version == dr.RAY_VERSION
     images = set(re.findall(r"'image': '([^']+)'", repr(kustomize("overlays/v4-16"))))
     assert images == {dr.IMAGE}
+
+
+def test_the_coordinator_serves_tls_with_the_certificate_cert_manager_issues() -> None:
+    objects = kustomize("base")
+    pod = coordinator(objects)["spec"]["template"]["spec"]
+    c = container(pod, "jaxpod")
+    serve = shlex.split(c["args"][0].split("exec ", 1)[1])
+    flags = dict(a.split("=", 1) for a in serve if a.startswith("--tls-"))
+    # The files it reads are the mounted Secret's, which the serving Certificate fills.
+    [mount] = [m for m in c["volumeMounts"] if m["mountPath"] == dr.TLS_DIR]
+    assert mount["readOnly"] is True
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    secret = volume["secret"]["secretName"]
+    assert flags == {"--tls-cert": f"{dr.TLS_DIR}/tls.crt", "--tls-key": f"{dr.TLS_DIR}/tls.key"}
+    # Readable by the pod's group (fsGroup), not by others.
+    assert volume["secret"]["defaultMode"] & 0o007 == 0 and pod["securityContext"]["fsGroup"]
+    serving = find(objects, "Certificate", secret)
+    assert serving["spec"]["secretName"] == secret
+    assert "server auth" in serving["spec"]["usages"]
+    # It names every way a client reaches the service: each Service, short and
+    # qualified, and localhost for a port-forward.
+    names = set(serving["spec"]["dnsNames"])
+    for service in (o for o in objects if o["kind"] == "Service"):
+        name = service["metadata"]["name"]
+        assert {name, f"{name}.{dr.NAMESPACE}", f"{name}.{dr.NAMESPACE}.svc",
+                f"{name}.{dr.NAMESPACE}.svc.cluster.local"} <= names
+    assert "localhost" in names
+    # The issuer chain resolves: serving <- CA issuer <- CA certificate <- self-signed.
+    ca_issuer = find(objects, "Issuer", serving["spec"]["issuerRef"]["name"])
+    ca = find(objects, "Certificate", ca_issuer["spec"]["ca"]["secretName"])
+    assert ca["spec"]["isCA"] is True and ca["spec"]["secretName"] == dr.CA_SECRET
+    assert "selfSigned" in find(objects, "Issuer", ca["spec"]["issuerRef"]["name"])["spec"]

@@ -4,8 +4,9 @@ Reads the rendered ``RayCluster`` and coordinator ``Deployment`` and starts what
 Kubernetes would: the head pod's ``ray start`` as KubeRay builds it, one process per
 TPU host pod with the environment KubeRay, GKE and the TPU webhook give it, and the
 coordinator container's own command (see ``kuberay_play`` for what is substituted
-and why). The coordinator's probes must pass as the kubelet runs them (gRPC health,
-``/healthz``, ``/readyz``); a client then runs a job through it, as README "Jobs"
+and why), over TLS with a certificate made as cert-manager would issue it. The
+coordinator's probes must pass as the kubelet runs them (HTTPS ``/readyz`` and
+``/healthz``); a client trusting the CA then runs a job through it, as README "Jobs"
 does, and the result must equal numpy's; worker 0 must serve ``jax.distributed`` on
 the pinned port. Everything is stopped by pid afterwards.
 """
@@ -49,6 +50,7 @@ from kuberay_play import (
     start_pod,
     tpu_webhook_env,
 )
+from serve_process import make_ca
 
 import jaxpod
 from jaxpod.service import deploy_render as dr
@@ -71,6 +73,7 @@ class Play:
         self.pods: list[Pod] = []
         self.grpc_address = ""
         self.token = secrets.token_hex(16)  # what `kubectl create secret` would hold
+        self.tls_ca = b""  # the CA of the certificate cert-manager would have issued
         self.coordinator_port = 0
         self.http_port = 0
 
@@ -176,11 +179,18 @@ class Play:
                               f"--http-port={self.http_port}")
         script = replace_once(script, f"--state-dir={mounts['state']}", f"--state-dir={state}")
         script = replace_once(script, "--platform=tpu", "--platform=cpu")
+        # cert-manager's Secret, mounted: a certificate for this pod's address, signed
+        # by a CA the clients trust (here made for the test).
+        ca, cert, key = make_ca(self.workdir / "tls", "jaxpod play CA", pod_ip(0))
+        self.tls_ca = ca.read_bytes()
+        script = replace_once(script, f"--tls-cert={dr.TLS_DIR}/tls.crt", f"--tls-cert={cert}")
+        script = replace_once(script, f"--tls-key={dr.TLS_DIR}/tls.key", f"--tls-key={key}")
         self.grpc_address = f"{pod_ip(0)}:{grpc_port}"
         self._start("coordinator", [*c["command"], script], env)
 
     def wait_serving(self) -> None:
-        with grpc.insecure_channel(self.grpc_address) as channel:
+        credentials = grpc.ssl_channel_credentials(self.tls_ca)
+        with grpc.secure_channel(self.grpc_address, credentials) as channel:
             health = health_pb2_grpc.HealthStub(channel)
 
             def serving() -> bool:
@@ -207,11 +217,14 @@ class Play:
         return survivors
 
 
-def _http_status(url: str) -> int:
+def _http_status(url: str, ca: bytes) -> int:
+    import ssl
     import urllib.error
     import urllib.request
 
-    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never a proxy
+    context = ssl.create_default_context(cadata=ca.decode())
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}),  # never a proxy
+                                         urllib.request.HTTPSHandler(context=context))
     try:
         with direct.open(url, timeout=5) as reply:
             return int(reply.status)
@@ -287,16 +300,17 @@ def test_the_v4_16_overlay_runs_a_job(play: Play) -> None:
         x = rng.normal(size=(16, 3)).astype(np.float32)
         batches.append({"x": x, "y": x @ true_w})
     steps = 12
-    # The Deployment's probes, as the kubelet runs them: HTTP GETs on the routes and
-    # the named port of the coordinator container (its gRPC health was the start-up).
+    # The Deployment's probes, as the kubelet runs them: GETs on the routes, scheme and
+    # named port of the coordinator container (HTTPS: the service serves TLS).
     coordinator_pod = coordinator(kustomize(f"overlays/{OVERLAY}"))["spec"]["template"]["spec"]
     probed = container(coordinator_pod, "jaxpod")
-    for probe in ("livenessProbe", "readinessProbe"):
-        path = probed[probe]["httpGet"]["path"]
-        url = f"http://{play.grpc_address.rsplit(':', 1)[0]}:{play.http_port}{path}"
-        assert wait_for(lambda url=url: _http_status(url) == 200, START_TIMEOUT_S,
-                        max_poll_s=1.0), f"{probe} {url}: {_http_status(url)}"
-    client = jaxpod.connect(play.grpc_address, token=play.token)
+    host = play.grpc_address.rsplit(":", 1)[0]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        get = probed[probe]["httpGet"]
+        url = f"{get['scheme'].lower()}://{host}:{play.http_port}{get['path']}"
+        assert wait_for(lambda url=url: _http_status(url, play.tls_ca) == 200, START_TIMEOUT_S,
+                        max_poll_s=1.0), f"{probe} {url}: {_http_status(url, play.tls_ca)}"
+    client = jaxpod.connect(play.grpc_address, token=play.token, tls_ca=play.tls_ca)
     try:
         # The TPU pods join on their own time, as on a cluster.
         assert wait_for(lambda: [s["accelerator_type"] for s in client.cluster()] == ["v4-16"],

@@ -9,8 +9,6 @@ plain HTTP all fail. The CLI refuses half a TLS configuration, naming what is mi
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import ssl
 import subprocess
@@ -21,50 +19,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
-from serve_process import Service, start_service, stop_service
+from serve_process import Service, make_ca, start_service, stop_service
 
 import jaxpod
 
 pytestmark = pytest.mark.multiprocess
-
-
-def _name(common: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
-
-
-def make_ca(folder: Path, common: str) -> tuple[Path, Path, Path]:
-    """A CA, and a certificate it signs for 127.0.0.1 and localhost: the CA's PEM,
-    the certificate's and its key's, written in ``folder``."""
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(_name(common)).issuer_name(_name(common))
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder().subject_name(_name("jaxpod serve"))
-            .issuer_name(ca.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([
-                x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
-                critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = folder / "ca.pem", folder / "cert.pem", folder / "key.pem"
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return paths
 
 
 @pytest.fixture(scope="module")
