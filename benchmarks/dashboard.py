@@ -48,7 +48,10 @@ Figures:
 
 Targets: p99 < 50 ms, zero errors, ``polled_vs_quiet`` >= 0.95.
 
-Usage: python benchmarks/dashboard.py [--quick] [--pollers 32] [--interval-s 1]
+``--tls`` serves gRPC and HTTP over TLS (a self-signed certificate for 127.0.0.1): the
+pollers then hold TLS connections, as browsers of a TLS deployment do.
+
+Usage: python benchmarks/dashboard.py [--quick] [--tls] [--pollers 32] [--interval-s 1]
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ import os
 import resource
 import secrets
 import shutil
+import ssl
 import statistics
 import subprocess
 import sys
@@ -96,23 +100,39 @@ def matmul_step(state: Any, batch: Any) -> Any:
 class Service:
     """``jaxpod serve --local --slices v4-8`` with free gRPC and HTTP ports."""
 
-    def __init__(self, log_path: str) -> None:
+    def __init__(self, log_path: str, tls: bool = False) -> None:
         self.token = secrets.token_hex(16)
         self.state_dir = tempfile.mkdtemp(prefix="jaxpod-bench-dashboard-")
         self.log_path = log_path
         env = {**os.environ, "JAXPOD_TOKEN": self.token}
         env.pop("JAXPOD_ADDRESS", None)
+        command = [sys.executable, "-m", "jaxpod.cli", "serve", "--local", "--slices", "v4-8",
+                   "--port", "0", "--http-port", "0", "--stop-on-stdin-eof", "--state-dir",
+                   self.state_dir]
+        #: The certificate clients trust (self-signed, for 127.0.0.1), with --tls.
+        self.ca: bytes | None = None
+        if tls:
+            cert, key = (os.path.join(self.state_dir, n) for n in ("cert.pem", "key.pem"))
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                            "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
+                            "-subj", "/CN=jaxpod bench", "-addext",
+                            "subjectAltName=IP:127.0.0.1", "-keyout", key, "-out", cert],
+                           check=True, capture_output=True)
+            with open(cert, "rb") as f:
+                self.ca = f.read()
+            command += ["--tls-cert", cert, "--tls-key", key]
+        #: What HTTP clients verify the service with.
+        self.verify: ssl.SSLContext | bool = (
+            ssl.create_default_context(cadata=self.ca.decode()) if self.ca else True)
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "jaxpod.cli", "serve", "--local", "--slices", "v4-8",
-                 "--port", "0", "--http-port", "0", "--stop-on-stdin-eof", "--state-dir",
-                 self.state_dir],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
                 start_new_session=True)
         try:
             deadline = Deadline(START_S)
             announced = self._announced(deadline)
-            self.address, self.http = announced["address"], f"http://{announced['http']}"
+            scheme = "https" if tls else "http"
+            self.address, self.http = announced["address"], f"{scheme}://{announced['http']}"
             ready = wait_for(self._ready, deadline.remaining(), max_poll_s=0.5)
             if not ready:
                 raise RuntimeError(f"jaxpod serve was not ready in {START_S:g}s:\n"
@@ -130,7 +150,8 @@ class Service:
     def _ready(self) -> bool:
         assert self.process.poll() is None, f"jaxpod serve exited:\n{self.log_tail()}"
         try:
-            return httpx.get(self.http + "/readyz", timeout=5).status_code == 200
+            return httpx.get(self.http + "/readyz", timeout=5,
+                             verify=self.verify).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -142,8 +163,8 @@ class Service:
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
-async def poll(url: str, token: str, pollers: int, interval_s: float, seconds: float
-               ) -> tuple[list[float], int]:
+async def poll(url: str, token: str, pollers: int, interval_s: float, seconds: float,
+               tls: ssl.SSLContext | None = None) -> tuple[list[float], int]:
     """``pollers`` concurrent pollers of ``url`` for ``seconds``; every request's wall
     time (s) and the number of failed ones.
 
@@ -151,9 +172,10 @@ async def poll(url: str, token: str, pollers: int, interval_s: float, seconds: f
     pollers share this machine's cores with the service and the job's workers, where a
     dashboard's browsers would not, so they should take as little of them as they can
     (httpx's client took about 4 ms of CPU per request, 13 % of a core at 32 pollers).
+    With ``tls``, each connection is a TLS one (its handshake counted in its first poll).
     """
     parsed = urllib.parse.urlsplit(url)
-    host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or (443 if tls else 80)
     request = (f"GET {parsed.path} HTTP/1.1\r\nHost: {parsed.netloc}\r\n"
                f"Authorization: Bearer {token}\r\n\r\n").encode()
     latencies: list[float] = []
@@ -175,7 +197,7 @@ async def poll(url: str, token: str, pollers: int, interval_s: float, seconds: f
                 started = time.perf_counter()
                 try:
                     if connection is None:
-                        connection = await asyncio.open_connection(host, port)
+                        connection = await asyncio.open_connection(host, port, ssl=tls)
                     ok = await _get(*connection, request)
                 except (OSError, asyncio.IncompleteReadError, ValueError):
                     ok = False
@@ -279,7 +301,7 @@ def server_p99(service: Service, route: str) -> float | None:
     upper bound of the bucket the 99th percentile falls in."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(service.http + "/metrics", timeout=30,
+    text = httpx.get(service.http + "/metrics", timeout=30, verify=service.verify,
                      headers={"Authorization": f"Bearer {service.token}"}).text
     buckets: dict[float, float] = {}
     for family in text_string_to_metric_families(text):
@@ -303,6 +325,8 @@ def main() -> None:
                         help="each poller's period (0: back to back)")
     parser.add_argument("--phase-s", type=float, default=None)
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--tls", action="store_true",
+                        help="serve gRPC and HTTP over TLS (a self-signed certificate)")
     parser.add_argument("--cores", choices=("apart", "shared"), default="apart",
                         help="apart: the job's host workers on a core of their own, as "
                              "on a slice (default); shared: every process on every core")
@@ -313,9 +337,9 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     log_path = os.path.join(tempfile.gettempdir(), f"jaxpod-bench-dashboard-{os.getpid()}.log")
     print(f"starting jaxpod serve --local (log {log_path})", file=sys.stderr, flush=True)
-    service = Service(log_path)
+    service = Service(log_path, tls=args.tls)
     try:
-        client = jaxpod.connect(service.address, token=service.token)
+        client = jaxpod.connect(service.address, token=service.token, tls_ca=service.ca)
         rng = np.random.default_rng(0)
         batches = [rng.normal(size=(SIZE, SIZE)).astype(np.float32) for _ in range(4)]
         job = client.submit(matmul_step, steps=10**9, steps_per_run=STEPS_PER_RUN,
@@ -342,9 +366,11 @@ def main() -> None:
                 served0 = _process_cpu_s(service.process.pid)
                 if kind == "polled":
                     cpu0 = _own_cpu_s()
-                    got, failed = asyncio.run(poll(service.http + "/api/v1/jobs",
-                                                   service.token, args.pollers,
-                                                   args.interval_s, phase_s))
+                    got, failed = asyncio.run(poll(
+                        service.http + "/api/v1/jobs", service.token, args.pollers,
+                        args.interval_s, phase_s,
+                        service.verify if isinstance(service.verify, ssl.SSLContext)
+                        else None))
                     latencies.extend(got)
                     errors += failed
                     pollers_cpu.append(_own_cpu_s() - cpu0)
@@ -385,6 +411,7 @@ def main() -> None:
     polled_s = sum(t for _, t in polled)
     quiet_s = sum(t for _, t in quiet)
     figures = {
+        "tls": args.tls,
         "pollers": args.pollers, "interval_s": args.interval_s, "phase_s": phase_s,
         "rounds": rounds, "requests": len(ms), "errors": errors,
         "requests_per_s": round(len(ms) / polled_s, 1) if polled_s else 0.0,
