@@ -45,6 +45,19 @@ class SliceQuotas:
                           for held in list(session.slices.values()))
         return in_sessions + self._job_slices(owner) + self._pending[owner]
 
+    def check_fits(self, owner: str, wanted: int, what: str) -> None:
+        """Refuses what could never run: more slices than the owner's whole quota.
+
+        Raises:
+          QuotaExceededError: ``wanted`` is over ``owner``'s ``max_slices``.
+        """
+        limit = self.limit(owner)
+        if limit is not None and wanted > limit:
+            raise QuotaExceededError(
+                f"{what}: it needs {wanted} slice(s), over the max_slices {limit} of the "
+                f"token {owner!r}, so it could never run. Ask fewer slices, or an admin of "
+                "this service for a larger max_slices.")
+
     def over(self, owner: str, wanted: int) -> str | None:
         """Why ``owner`` may not take ``wanted`` more slices now (``None``: it may)."""
         limit = self.limit(owner)

@@ -80,7 +80,7 @@ class _Authorize(grpc.aio.ServerInterceptor):
     below the one :data:`jaxpod.service.roles.RPC_ROLES` names for the method (or the
     method is not in that table). Health and reflection are open.
 
-    Tokens are compared in constant time (:meth:`TokenBook.identify`), so response
+    Tokens are looked up by their SHA-256 (:meth:`TokenBook.identify`), so response
     times do not leak them.
     """
 

@@ -60,8 +60,10 @@ class JobsServicer:
     async def SubmitJob(self, request: pb.JobSpec, context: Any) -> pb.JobStatus:
         manager = self._manager()
         spec = check_spec(from_message(JobSpec, request))
-        spec = spec.replace(accelerator_type=await self._blocking(self._resolve_type, spec))
         who = self.caller(context).name
+        if manager.quotas is not None:
+            manager.quotas.check_fits(who, spec.num_slices, "SubmitJob")
+        spec = spec.replace(accelerator_type=await self._blocking(self._resolve_type, spec))
         status = await self._blocking(manager.submit, spec, who)
         await self._blocking(manager.store.record_audit, who, "submit", status.id,
                              f"{status.name} on {status.accelerator_type}")

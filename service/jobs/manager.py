@@ -417,12 +417,17 @@ class JobManager:
     def _over_quota(self) -> set[str]:
         """The queued jobs their owners' quotas hold back now; each one's reason is kept
         for its status (a change is an event)."""
+        if self.quotas is None:
+            return set()
         with self._lock:
             queued = [(job_id, self._owners.get(job_id, ""), spec.num_slices)
                       for job_id, spec in self._specs.items()]
+        verdicts: dict[tuple[str, int], str | None] = {}  # one count per owner and size
+        for _, owner, wanted in queued:
+            if (owner, wanted) not in verdicts:
+                verdicts[owner, wanted] = self.quotas.over(owner, wanted)
         reasons = {job_id: why for job_id, owner, wanted in queued
-                   if self.quotas is not None
-                   and (why := self.quotas.over(owner, wanted)) is not None}
+                   if (why := verdicts[owner, wanted]) is not None}
         with self._lock:
             changed = {j for j in set(reasons) | set(self._wait_reasons)
                        if reasons.get(j) != self._wait_reasons.get(j)}

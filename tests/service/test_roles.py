@@ -326,6 +326,9 @@ def test_a_quota_refuses_a_strategy_and_holds_a_job_back_with_the_reason(
         with pytest.raises(jaxpod.QuotaExceededError,
                            match="'quinn' holds 1 slice\\(s\\) of its max_slices 1"):
             quinn.strategy("v4-8")
+        with pytest.raises(jaxpod.QuotaExceededError, match="could never run"):
+            quinn.submit(adding_step, steps=2, accelerator_type="v4-8", num_slices=2,
+                         dataset=batches, initial_state={"total": np.float32(0)})
         job = quinn.submit(adding_step, steps=2, accelerator_type="v4-8", dataset=batches,
                            initial_state={"total": np.float32(0)})
         assert wait_for(lambda: job.status().wait_reason is not None, 60), job.status()
