@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
 import logging
 import math
@@ -111,14 +110,14 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
         return who
 
     def audit(self, who: str, action: str, target: str, detail: str = "") -> None:
-        """Records in the audit log (a service without a job store keeps none)."""
+        """Records in the audit log (a service without a job store keeps none); never
+        raises (:meth:`JobManager.audit`)."""
         if self.jobs is not None:
-            self.jobs.store.record_audit(who, action, target, detail)
+            self.jobs.audit(who, action, target, detail)
 
     async def audit_refusal(self, context: Any, method: str, error: Exception) -> None:
-        with contextlib.suppress(Exception):  # the refusal stands even if the log fails
-            await self._blocking(self.audit, self.caller(context).name, "refused", method,
-                                 str(error))
+        await self._blocking(self.audit, self.caller(context).name, "refused", method,
+                             str(error))
 
     def check_session(self, request: Any, context: Any) -> None:
         """Refuses a request naming a session its caller did not open (admins pass)."""

@@ -6,7 +6,6 @@ drift check build one without a service behind it).
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -70,9 +69,8 @@ async def check_access(request: Request) -> None:
 
 async def _audit_refusal(request: Request, who: str, target: str, why: str) -> None:
     backend: Backend | None = request.app.state.backend
-    if backend is not None:
-        with contextlib.suppress(Exception):  # the refusal stands even if the log fails
-            await run_in_threadpool(backend.service.audit, who, "refused", target, why)
+    if backend is not None:  # it never raises: the refusal stands
+        await run_in_threadpool(backend.service.audit, who, "refused", target, why)
 
 
 def create_app(backend: Backend | None, tokens: TokenBook | None = None) -> FastAPI:

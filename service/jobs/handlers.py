@@ -65,7 +65,7 @@ class JobsServicer:
             manager.quotas.check_fits(who, spec.num_slices, "SubmitJob")
         spec = spec.replace(accelerator_type=await self._blocking(self._resolve_type, spec))
         status = await self._blocking(manager.submit, spec, who)
-        await self._blocking(manager.store.record_audit, who, "submit", status.id,
+        await self._blocking(manager.audit, who, "submit", status.id,
                              f"{status.name} on {status.accelerator_type}")
         return to_message(status)
 
@@ -183,7 +183,7 @@ async def cancel_and_wait(manager: JobManager, job_id: str, blocking: _Blocking,
     deadline = Deadline(CANCEL_WAIT.seconds())
     await blocking(manager.check_owner, job_id, caller, "cancel")
     await blocking(manager.cancel, job_id, f"cancelled by {caller.name}")
-    await blocking(manager.store.record_audit, caller.name, "cancel", job_id)
+    await blocking(manager.audit, caller.name, "cancel", job_id)
     while True:  # until the job stops, or the deadline: the answer says which
         version = manager.events.version(job_id)
         status = await blocking(manager.status, job_id)

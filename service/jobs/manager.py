@@ -311,6 +311,14 @@ class JobManager:
                 f"token {caller.name!r} ({caller.role}) acts only on its own jobs; only "
                 "the job's owner or an admin may do that.")
 
+    def audit(self, who: str, action: str, target: str, detail: str = "") -> None:
+        """Appends to the audit log; a failure is logged, never raised: the action it
+        records already happened (a submission that raised here would be sent again)."""
+        try:
+            self.store.record_audit(who, action, target, detail)
+        except Exception:
+            logger.exception("the audit log missed: %s %s %s", who, action, target)
+
     def cancel(self, job_id: str, reason: str = "cancelled by a client") -> JobStatus:
         """Cancels a queued job at once, a running one at its next loop boundary (the
         returned status may still say ``RUNNING``); a finished job is left as it is."""
