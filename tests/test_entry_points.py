@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import hashlib
 import json
 import math
 import os
@@ -42,6 +42,7 @@ from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service import server
 from jaxpod.service.local_cluster import _read_line, descendants, is_running
 from jaxpod.service.serve_cli import check_listen_address
+from jaxpod.service.tokens import Principal, Role, TokenBook
 from jaxpod.timeouts import wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -292,32 +293,30 @@ def test_other_addresses_need_a_token(address: str) -> None:
     check_listen_address(address, "a-secret")  # with a token it is allowed
 
 
-def test_token_check_compares_bytes_in_constant_time(monkeypatch: pytest.MonkeyPatch
-                                                     ) -> None:
-    compared: list[tuple[Any, Any]] = []
-    original = hmac.compare_digest
-
-    def spy(a: Any, b: Any) -> bool:
-        compared.append((a, b))
-        return original(a, b)
-
-    monkeypatch.setattr(hmac, "compare_digest", spy)
-    check = server._TokenCheck("s3cret")
+def test_the_token_check_finds_tokens_by_hash_and_checks_roles() -> None:
+    book = TokenBook([(Principal("admin", Role.ADMIN), hashlib.sha256(b"s3cret").digest()),
+                      (Principal("eve", Role.VIEWER), hashlib.sha256(b"v1ew").digest())])
+    check = server._Authorize(book)
     allowed = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
 
     async def continuation(details: Any) -> Any:
         return allowed
 
-    def handler(metadata: tuple[tuple[str, str], ...]) -> Any:
-        details: Any = types.SimpleNamespace(
-            method="/jaxpod.v1.Coordinator/ClusterStatus", invocation_metadata=metadata)
+    def handler(method: str, metadata: tuple[tuple[str, str], ...]) -> Any:
+        details: Any = types.SimpleNamespace(method=method, invocation_metadata=metadata)
         return asyncio.run(check.intercept_service(continuation, details))
 
-    assert handler((("authorization", "Bearer s3cret"),)) is allowed
-    for wrong in ((("authorization", "Bearer s3creT"),), (("authorization", "s3cret"),), ()):
-        assert handler(wrong) is not allowed, wrong
-    assert len(compared) == 4
-    assert all(isinstance(a, bytes) and isinstance(b, bytes) for a, b in compared)
+    status, acquire = "/jaxpod.v1.Coordinator/ClusterStatus", "/jaxpod.v1.Coordinator/AcquireSlice"
+    for token in ("s3cret", "v1ew"):
+        assert handler(status, (("authorization", f"Bearer {token}"),)) is allowed
+    for wrong in ((("authorization", "Bearer s3creT"),), (("authorization", "s3cret"),),
+                  (("authorization", "Bearer "),), ()):
+        assert handler(status, wrong) is not allowed, wrong
+    assert handler(acquire, (("authorization", "Bearer s3cret"),)) is allowed
+    assert handler(acquire, (("authorization", "Bearer v1ew"),)) is not allowed  # a viewer
+    assert handler("/jaxpod.v1.Coordinator/NoSuchMethod",
+                   (("authorization", "Bearer s3cret"),)) is not allowed  # no role: refused
+    assert handler("/grpc.health.v1.Health/Check", ()) is allowed  # probes are open
 
 
 class _Provider:
