@@ -10,7 +10,10 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxpod.service.tokens import TokenBook
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_HTTP_PORT = 8080
@@ -189,7 +192,7 @@ def tls_files(cert: str | None, key: str | None) -> Any:
     return files
 
 
-def token_book(tokens_file: str | None, token: str | None) -> Any:
+def token_book(tokens_file: str | None, token: str | None) -> TokenBook | None:
     """The service's :class:`~jaxpod.service.tokens.TokenBook`: the tokens file's, else
     ``token`` as one admin, else ``None`` (open, loopback only).
 
@@ -206,7 +209,7 @@ def token_book(tokens_file: str | None, token: str | None) -> Any:
     return TokenBook.single(token) if token else None
 
 
-def _serve(args: argparse.Namespace, address: str, tokens: Any, cluster: Any,
+def _serve(args: argparse.Namespace, address: str, tokens: TokenBook | None, cluster: Any,
            tls: Any) -> int:
     from jaxpod.service.server import LISTENING, serve
 
