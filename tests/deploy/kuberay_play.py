@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -247,10 +248,23 @@ def expand(text: str, env: Mapping[str, str]) -> str:
 
 
 # ------------------------------------------------------------------------------ local
+#: Ports the play hands out: below Linux's ephemeral range (32768-60999), where the
+#: random ports Ray's processes bind (port 0) come from, and above Ray's worker ports
+#: (10002-19999). A port picked free in the ephemeral range could be taken by a Ray
+#: process of a pod started in between, before its own process binds it.
+PLAY_PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
+    for _ in range(200):
+        port = random.choice(PLAY_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+        return port
+    raise OSError(f"no free port in {PLAY_PORTS} on {LOOPBACK} after 200 tries")
 
 
 def pod_ip(index: int) -> str:
