@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
+import ssl
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
+
+import httpx
+
+from jaxpod.client.embedded import read_announcement
+from jaxpod.timeouts import Deadline, wait_for
 
 
 def use_cpu_devices(count: int) -> None:
@@ -235,3 +246,74 @@ class CommandChild:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+
+
+#: How long a benchmark waits for its ``jaxpod serve`` to start, and to stop.
+SERVE_START_S, SERVE_STOP_S = 300.0, 90.0
+
+
+class ServeProcess:
+    """``jaxpod serve --local --slices SLICES`` with free gRPC and HTTP ports, its own
+    token and state dir (removed when it stops): the service as users run it."""
+
+    def __init__(self, log_path: str, slices: str, tls: bool = False) -> None:
+        self.token = secrets.token_hex(16)
+        self.state_dir = tempfile.mkdtemp(prefix="jaxpod-bench-dashboard-")
+        self.log_path = log_path
+        env = {**os.environ, "JAXPOD_TOKEN": self.token}
+        env.pop("JAXPOD_ADDRESS", None)
+        command = [sys.executable, "-m", "jaxpod.cli", "serve", "--local", "--slices", slices,
+                   "--port", "0", "--http-port", "0", "--stop-on-stdin-eof", "--state-dir",
+                   self.state_dir]
+        #: The certificate clients trust (self-signed, for 127.0.0.1), with --tls.
+        self.ca: bytes | None = None
+        if tls:
+            cert, key = (os.path.join(self.state_dir, n) for n in ("cert.pem", "key.pem"))
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                            "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
+                            "-subj", "/CN=jaxpod bench", "-addext",
+                            "subjectAltName=IP:127.0.0.1", "-keyout", key, "-out", cert],
+                           check=True, capture_output=True)
+            with open(cert, "rb") as f:
+                self.ca = f.read()
+            command += ["--tls-cert", cert, "--tls-key", key]
+        #: What HTTP clients verify the service with.
+        self.verify: ssl.SSLContext | bool = (
+            ssl.create_default_context(cadata=self.ca.decode()) if self.ca else True)
+        with open(log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                start_new_session=True)
+        try:
+            deadline = Deadline(SERVE_START_S)
+            announced = self._announced(deadline)
+            scheme = "https" if tls else "http"
+            self.address, self.http = announced["address"], f"{scheme}://{announced['http']}"
+            ready = wait_for(self._ready, deadline.remaining(), max_poll_s=0.5)
+            if not ready:
+                raise RuntimeError(f"jaxpod serve was not ready in {SERVE_START_S:g}s:\n"
+                                   f"{self.log_tail()}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _announced(self, deadline: Deadline) -> dict[str, str]:
+        announced = read_announcement(self.process, deadline)
+        if announced is None:
+            raise RuntimeError(f"jaxpod serve did not start listening:\n{self.log_tail()}")
+        return announced
+
+    def _ready(self) -> bool:
+        assert self.process.poll() is None, f"jaxpod serve exited:\n{self.log_tail()}"
+        try:
+            return httpx.get(self.http + "/readyz", timeout=5,
+                             verify=self.verify).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log_tail(self, limit: int = 4000) -> str:
+        return log_tail(self.log_path, limit)
+
+    def stop(self) -> None:
+        stop_process(self.process, SERVE_STOP_S)
+        shutil.rmtree(self.state_dir, ignore_errors=True)

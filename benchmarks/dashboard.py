@@ -61,11 +61,8 @@ import asyncio
 import contextlib
 import os
 import resource
-import secrets
-import shutil
 import ssl
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -74,13 +71,11 @@ from typing import Any
 
 import httpx
 import numpy as np
-from _common import log_tail, report, stop_process, target
+from _common import ServeProcess, report, target
 
 import jaxpod
-from jaxpod.client.embedded import read_announcement
-from jaxpod.timeouts import Deadline, wait_for
+from jaxpod.timeouts import wait_for
 
-START_S, STOP_S = 300.0, 90.0
 SIZE = 256  # the step's matrices: SIZE x SIZE float32
 #: Steps per on-device loop: loops of tens of milliseconds, as a TPU job's loops are at
 #: least; the loop's host-side bookkeeping is then not what the job's rate measures.
@@ -95,72 +90,6 @@ def matmul_step(state: Any, batch: Any) -> Any:
     update = ctx.all_reduce("MEAN", batch.T @ y) / SIZE
     w = state["w"] - 1e-6 * update
     return {"w": w}, {"loss": (y ** 2).mean(axis=1)}
-
-
-class Service:
-    """``jaxpod serve --local --slices v4-8`` with free gRPC and HTTP ports."""
-
-    def __init__(self, log_path: str, tls: bool = False) -> None:
-        self.token = secrets.token_hex(16)
-        self.state_dir = tempfile.mkdtemp(prefix="jaxpod-bench-dashboard-")
-        self.log_path = log_path
-        env = {**os.environ, "JAXPOD_TOKEN": self.token}
-        env.pop("JAXPOD_ADDRESS", None)
-        command = [sys.executable, "-m", "jaxpod.cli", "serve", "--local", "--slices", "v4-8",
-                   "--port", "0", "--http-port", "0", "--stop-on-stdin-eof", "--state-dir",
-                   self.state_dir]
-        #: The certificate clients trust (self-signed, for 127.0.0.1), with --tls.
-        self.ca: bytes | None = None
-        if tls:
-            cert, key = (os.path.join(self.state_dir, n) for n in ("cert.pem", "key.pem"))
-            subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                            "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
-                            "-subj", "/CN=jaxpod bench", "-addext",
-                            "subjectAltName=IP:127.0.0.1", "-keyout", key, "-out", cert],
-                           check=True, capture_output=True)
-            with open(cert, "rb") as f:
-                self.ca = f.read()
-            command += ["--tls-cert", cert, "--tls-key", key]
-        #: What HTTP clients verify the service with.
-        self.verify: ssl.SSLContext | bool = (
-            ssl.create_default_context(cadata=self.ca.decode()) if self.ca else True)
-        with open(log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
-                start_new_session=True)
-        try:
-            deadline = Deadline(START_S)
-            announced = self._announced(deadline)
-            scheme = "https" if tls else "http"
-            self.address, self.http = announced["address"], f"{scheme}://{announced['http']}"
-            ready = wait_for(self._ready, deadline.remaining(), max_poll_s=0.5)
-            if not ready:
-                raise RuntimeError(f"jaxpod serve was not ready in {START_S:g}s:\n"
-                                   f"{self.log_tail()}")
-        except BaseException:
-            self.stop()
-            raise
-
-    def _announced(self, deadline: Deadline) -> dict[str, str]:
-        announced = read_announcement(self.process, deadline)
-        if announced is None:
-            raise RuntimeError(f"jaxpod serve did not start listening:\n{self.log_tail()}")
-        return announced
-
-    def _ready(self) -> bool:
-        assert self.process.poll() is None, f"jaxpod serve exited:\n{self.log_tail()}"
-        try:
-            return httpx.get(self.http + "/readyz", timeout=5,
-                             verify=self.verify).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def log_tail(self, limit: int = 4000) -> str:
-        return log_tail(self.log_path, limit)
-
-    def stop(self) -> None:
-        stop_process(self.process, STOP_S)
-        shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
 async def poll(url: str, token: str, pollers: int, interval_s: float, seconds: float,
@@ -296,7 +225,7 @@ def _own_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def server_p99(service: Service, route: str) -> float | None:
+def server_p99(service: ServeProcess, route: str) -> float | None:
     """The service's own p99 for ``route`` (ms), from its ``/metrics`` histogram: the
     upper bound of the bucket the 99th percentile falls in."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -337,7 +266,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     log_path = os.path.join(tempfile.gettempdir(), f"jaxpod-bench-dashboard-{os.getpid()}.log")
     print(f"starting jaxpod serve --local (log {log_path})", file=sys.stderr, flush=True)
-    service = Service(log_path, tls=args.tls)
+    service = ServeProcess(log_path, "v4-8", tls=args.tls)
     try:
         client = jaxpod.connect(service.address, token=service.token, tls_ca=service.ca)
         rng = np.random.default_rng(0)
