@@ -227,7 +227,7 @@ class Client:
                dataset_fn: Callable[..., Any] | None = None, steps_per_run: int = 1,
                outputs: Mapping[str, Any] | None = None, checkpoint_every: int | None = None,
                name: str | None = None, num_slices: int = 1, max_retries_preemption: int = 10,
-               max_retries_failure: int = 0,
+               max_retries_failure: int = 0, priority: int = 0,
                computation_shape: Sequence[int] | None = None,
                mesh: Mapping[str, int] | None = None, batch_sharding: Any = None) -> Job:
         """Submits a job: ``steps`` steps of ``step_fn`` on whole slices, run by the
@@ -258,6 +258,10 @@ class Client:
           num_slices: slices the job runs on.
           max_retries_preemption: retries after a lost host or a preempted slice.
           max_retries_failure: retries after an exception in the job's code.
+          priority: higher runs first (then submission order). When no slice of its
+            type is free, the job preempts the lowest-priority running job of strictly
+            lower priority: that job checkpoints at its next loop boundary, gives its
+            slice up, and waits again at the head of its priority, losing no step.
           computation_shape: logical devices per replica, as ``client.strategy`` and
             ``DeviceAssignment.build`` take it (``None``: one device per replica). The
             step reaches them through ``jaxpod.get_strategy()``, e.g.
@@ -286,8 +290,8 @@ class Client:
             initial_state=initial_state, dataset=dataset, dataset_fn=dataset_fn,
             steps_per_run=steps_per_run, outputs=outputs, checkpoint_every=checkpoint_every,
             name=name, num_slices=num_slices, max_retries_preemption=max_retries_preemption,
-            max_retries_failure=max_retries_failure, computation_shape=computation_shape,
-            mesh=mesh, batch_sharding=batch_sharding)
+            max_retries_failure=max_retries_failure, priority=priority,
+            computation_shape=computation_shape, mesh=mesh, batch_sharding=batch_sharding)
         return submit_spec(self, spec)
 
     def job(self, job_id: str) -> Job:

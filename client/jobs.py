@@ -67,7 +67,8 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int, accelerator_type: str
                dataset_fn: Callable[..., Any] | None, steps_per_run: int,
                outputs: Mapping[str, Any] | None, checkpoint_every: int | None,
                name: str | None, num_slices: int, max_retries_preemption: int,
-               max_retries_failure: int, computation_shape: Sequence[int] | None = None,
+               max_retries_failure: int, priority: int = 0,
+               computation_shape: Sequence[int] | None = None,
                mesh: Mapping[str, int] | None = None, batch_sharding: Any = None
                ) -> JobSpec:
     """Checks ``client.submit``'s arguments and builds the ``JobSpec`` it sends.
@@ -95,6 +96,9 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int, accelerator_type: str
     max_retries_failure = _check_int(
         "max_retries_failure", max_retries_failure, 0,
         "how often a job whose code raised is retried, e.g. 0 (never)")
+    priority = _check_int("priority", priority, -PRIORITY_LIMIT,
+                          "higher runs first and preempts lower ones, e.g. 0 (the default) "
+                          "or 10", PRIORITY_LIMIT)
     if checkpoint_every is not None:
         checkpoint_every = _check_int(
             "checkpoint_every", checkpoint_every, 1,
@@ -158,7 +162,7 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int, accelerator_type: str
         steps=steps, accelerator_type=accelerator_type, steps_per_run=steps_per_run,
         outputs=checked_outputs or None, checkpoint_every=checkpoint_every, name=name,
         num_slices=num_slices, max_retries_preemption=max_retries_preemption,
-        max_retries_failure=max_retries_failure, computation_shape=shape,
+        max_retries_failure=max_retries_failure, priority=priority, computation_shape=shape,
         mesh_axes=tuple(axes) if axes else None,
         mesh_shape=tuple(axes.values()) if axes else None,
         runtime_versions=runtime_versions(),
@@ -223,15 +227,22 @@ def _check_global_view(mesh: Any, batch_sharding: Any, computation_shape: Any
     return axes
 
 
-def _check_int(name: str, value: Any, minimum: int, meaning: str) -> int:
-    """``value`` as an int >= ``minimum``; numpy integers count, bools and floats don't."""
+#: Priorities travel as int32.
+PRIORITY_LIMIT = 2**31 - 1
+
+
+def _check_int(name: str, value: Any, minimum: int, meaning: str,
+               maximum: int | None = None) -> int:
+    """``value`` as an int in [``minimum``, ``maximum``]; numpy integers count, bools and
+    floats don't."""
+    wanted = (f"an int >= {minimum}" if maximum is None
+              else f"an int from {minimum} to {maximum}")
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"submit: {name} must be an int >= {minimum} ({meaning}). "
-                        f"Got {_show(value)}.")
-    if value < minimum:
-        raise ValueError(f"submit: {name} must be an int >= {minimum} ({meaning}). "
-                         f"Got {value!r}.")
-    return int(value)
+        raise TypeError(f"submit: {name} must be {wanted} ({meaning}). Got {_show(value)}.")
+    number = int(value)
+    if number < minimum or (maximum is not None and number > maximum):
+        raise ValueError(f"submit: {name} must be {wanted} ({meaning}). Got {value!r}.")
+    return number
 
 
 def _check_dataset(dataset: Any) -> None:

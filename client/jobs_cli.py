@@ -59,6 +59,9 @@ def add_commands(sub: Any) -> None:
     submit.add_argument("--steps", type=int, default=None, help="steps to run")
     submit.add_argument("--accelerator-type", default=None,
                         help="slice type, e.g. v4-16 (default: the cluster's first)")
+    submit.add_argument("--priority", type=int, default=None,
+                        help="higher runs first and preempts running jobs of lower "
+                             "priority (default 0)")
     _add_address(submit)
     submit.set_defaults(handler=_pipe_safe(run_submit))
 
@@ -179,7 +182,7 @@ def run_submit(args: argparse.Namespace) -> int:
     from jaxpod.client.jobs import SUBMIT_DEFAULTS, build_spec, submit_spec
 
     kwargs = load_job_file(args.file)
-    for flag in ("name", "steps", "accelerator_type"):
+    for flag in ("name", "steps", "accelerator_type", "priority"):
         if getattr(args, flag) is not None:
             kwargs[flag] = getattr(args, flag)
     if "steps" not in kwargs:
@@ -221,8 +224,9 @@ def run_jobs(args: argparse.Namespace) -> int:
     if not statuses:
         print(f"No {args.state.upper() + ' ' if args.state else ''}jobs.", file=sys.stderr)
         return 0
-    rows = [("ID", "NAME", "OWNER", "STATE", "STEP", "QUEUE", "ACCELERATOR", "CREATED")]
-    rows += [(s.id, s.name, s.owner or "-", s.state, f"{s.step}/{s.steps}",
+    rows = [("ID", "NAME", "OWNER", "PRIORITY", "STATE", "STEP", "QUEUE", "ACCELERATOR",
+             "CREATED")]
+    rows += [(s.id, s.name, s.owner or "-", str(s.priority), s.state, f"{s.step}/{s.steps}",
               "-" if s.queue_position is None else str(s.queue_position),
               s.accelerator_type or "-", _time(s.created_at)) for s in statuses]
     _print_rows(rows)
@@ -309,6 +313,7 @@ def _print_status(status: JobStatus, as_json: bool, history: Sequence[JobTransit
         return
     fields = [
         ("id", status.id), ("name", status.name), ("owner", status.owner or "-"),
+        ("priority", str(status.priority)),
         ("state", status.state),
         ("step", f"{status.step}/{status.steps}"),
         ("rate", "-" if status.steps_per_s is None else f"{status.steps_per_s:.4g} steps/s"),

@@ -87,8 +87,10 @@ class JobStatus:
         time (``None``: no steps ran yet).
       owner: the name of the token that submitted it (``"local"`` on a service without
         tokens; ``""`` for jobs recorded before owners were).
-      wait_reason: why a queued job does not start although its turn may have come (its
-        owner's slice quota); ``None`` otherwise.
+      wait_reason: why a queued job waits: its owner's slice quota, the jobs ahead of
+        it, a lower-priority job giving its slice up, or no free slice (``None``: not
+        queued).
+      priority: its priority (higher runs first, preempting lower ones).
     """
 
     id: str
@@ -108,6 +110,7 @@ class JobStatus:
     steps_per_s: float | None = None
     owner: str = ""
     wait_reason: str | None = None
+    priority: int = 0
 
     @property
     def done(self) -> bool:
@@ -228,6 +231,8 @@ class JobSpec:
     num_slices: int = 1
     max_retries_preemption: int = 10
     max_retries_failure: int = 0
+    #: Higher runs first; a job preempts running jobs of strictly lower priority.
+    priority: int = 0
     #: Logical devices per replica, as ``DeviceAssignment.build`` takes it (``None``: one).
     computation_shape: tuple[int, ...] | None = None
     #: A global-view job's mesh axis names (submit's ``mesh``; ``None``: per-replica).

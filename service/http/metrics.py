@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import grpc.aio
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -161,6 +161,20 @@ class ServiceCollector(Collector):
         for state, count in backend.job_counts().items():
             jobs.add_metric((state,), count)
         yield jobs
+        manager = backend.service.jobs
+        if manager is not None:
+            queued = GaugeMetricFamily("jaxpod_jobs_queued", "Jobs waiting for a slice, by "
+                                       "accelerator type.", labels=("accelerator_type",))
+            for kind, count in sorted(manager.queued().items()):
+                queued.add_metric((kind,), count)
+            yield queued
+            preempted = CounterMetricFamily(
+                "jaxpod_job_preemptions", "Job attempts preempted, by reason: priority (a "
+                "job of higher priority took the slice; nothing lost) or slice (a notice, a "
+                "lost host, a broken slice).", labels=("reason",))
+            for reason in ("priority", "slice"):
+                preempted.add_metric((reason,), manager.preemptions[reason])
+            yield preempted
 
         cluster = backend.cluster()
         slices = GaugeMetricFamily("jaxpod_slices", "Slices of the cluster by state "

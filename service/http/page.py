@@ -160,7 +160,7 @@ def shell(data: PageData) -> str:
 </p></noscript>
 <section><h2>Slices and hosts</h2><div id=slices class=slices></div></section>
 <section><h2>Jobs</h2><table id=jobs><thead><tr><th>id</th><th>name</th><th>owner</th>
-<th>type</th>
+<th>priority</th><th>type</th>
 <th>state</th><th>progress</th><th title="steps per wall-clock second">steps/s</th>
 <th>goodput %</th><th>attempts</th>
 <th>created</th></tr></thead><tbody></tbody></table></section>

@@ -43,6 +43,7 @@ from jaxpod.service.jobs.states import (
     Cancelled,
     Failed,
     JobStateData,
+    Pending,
     Retrying,
     Running,
     Succeeded,
@@ -64,16 +65,22 @@ SHUTDOWN = "the service stopped"
 
 
 class StopSignal:
-    """Asks a controller to stop between loops, saying why (the first reason wins)."""
+    """Asks a controller to stop between loops, saying why (the first reason wins, but
+    a cancel or shutdown overrides a request to yield)."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self._lock = threading.Lock()
         self.reason = ""
+        #: The job gives its slice to one of higher priority and waits again (it
+        #: checkpoints first); else it is cancelled or the service stops.
+        self.yielding = False
 
-    def request(self, reason: str) -> None:
-        if not self._event.is_set():
-            self.reason = reason
-            self._event.set()
+    def request(self, reason: str, *, yielding: bool = False) -> None:
+        with self._lock:
+            if not self._event.is_set() or (self.yielding and not yielding):
+                self.reason, self.yielding = reason, yielding
+                self._event.set()
 
     def is_set(self) -> bool:
         return self._event.is_set()
@@ -175,11 +182,14 @@ class JobController:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
-        """Runs the job until it is over, or left in flight by the service stopping."""
+        """Runs the job until it is over, left in flight by the service stopping, or
+        back in the queue (``PENDING``: it yielded its slice to a job of higher
+        priority)."""
         state: JobStateData | None = Allocating(self._parts.store.record_attempt(self.job_id))
         self._set_state(state)
         try:
-            while state is not None and not state.state.is_terminal:
+            while state is not None and not (state.state.is_terminal
+                                             or isinstance(state, Pending)):
                 state = self._step(state)
         except Exception:
             logger.exception("job %s: its controller failed", self.job_id)
@@ -305,12 +315,17 @@ class JobController:
 
     def _stopped(self, attempt: int | None, step: int,
                  ended: AttemptEnd | None = None) -> JobStateData | None:
-        """Cancelled, or left in flight when the service stops (no state change)."""
+        """Cancelled, left in flight when the service stops (no state change), or back
+        in the queue when it yielded to a job of higher priority (not a retry: its
+        budget is untouched, and it checkpointed first, so no step is lost)."""
         reason = self.stop.reason or "cancelled"
         if ended is None and attempt is not None:
             ended = AttemptEnd(attempt, reason, step)
         if self.stop.shutting_down:
             return self._set_state(None, ended=ended)
+        if self.stop.yielding:
+            self._parts.store.set_checkpoints(self.job_id, self._parts.checkpoints.kept())
+            return self._set_state(Pending(0), reason, ended=ended)
         return self._set_state(Cancelled(reason), ended=ended)
 
 

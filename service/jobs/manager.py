@@ -42,8 +42,23 @@ from jaxpod.service.jobs.controller import (
     StopSignal,
 )
 from jaxpod.service.jobs.goodput import GoodputClock, summary
-from jaxpod.service.jobs.policies import FifoQueues, QueuePolicy, RetryBudgets
-from jaxpod.service.jobs.states import Allocating, Cancelled, Succeeded
+from jaxpod.service.jobs.policies import (
+    FailureKind,
+    LowerPriorityYields,
+    PreemptionPolicy,
+    PriorityQueues,
+    QueuePolicy,
+    RetryBudgets,
+    RunningJob,
+)
+from jaxpod.service.jobs.states import (
+    Allocating,
+    Cancelled,
+    Pending,
+    Retrying,
+    Running,
+    Succeeded,
+)
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.quotas import SliceQuotas
 from jaxpod.service.tokens import Principal
@@ -133,7 +148,7 @@ class StoreWriter:
 #: The goodput category each state starts (``RUNNING``'s runner switches within it).
 _STATE_CATEGORIES: Mapping[JobState, str] = {
     JobState.ALLOCATING: goodput.ALLOCATING, JobState.RUNNING: goodput.SETUP,
-    JobState.RETRYING: goodput.RECOVERING}
+    JobState.RETRYING: goodput.RECOVERING, JobState.PENDING: goodput.QUEUED}
 
 
 class GoodputKeeper:
@@ -207,11 +222,13 @@ class JobManager:
         or URL every host reaches; default ``<state dir>/checkpoints``).
       queue: the queue policy (default: first in, first out per accelerator type).
       quotas: the owners' slice quotas (``None``: none); jobs over theirs wait.
+      preemption: which running job yields its slice to a queued one of higher
+        priority (default: the lowest priority below the waiting job's).
     """
 
     def __init__(self, store: JobStore, slices: JobSlices, checkpoint_dir: str | None = None,
-                 queue: QueuePolicy | None = None, quotas: SliceQuotas | None = None
-                 ) -> None:
+                 queue: QueuePolicy | None = None, quotas: SliceQuotas | None = None,
+                 preemption: PreemptionPolicy | None = None) -> None:
         self.store = store
         self.slices = slices
         self.quotas = quotas
@@ -220,7 +237,13 @@ class JobManager:
         self.checkpoint_dir = checkpoint_dir or str(store.state_dir / "checkpoints")
         self.events = JobEvents()
         self.goodput = GoodputKeeper(store)
-        self._queue = queue if queue is not None else FifoQueues()
+        self._queue = queue if queue is not None else PriorityQueues()
+        self._preemption = preemption if preemption is not None else LowerPriorityYields()
+        self._yielding: dict[str, str] = {}  # a job giving its slice up -> to which job
+        self._started: dict[str, float] = {}  # started jobs -> when (monotonic)
+        #: Attempts preempted so far, by why: ``priority`` (a job of higher priority
+        #: took the slice) or ``slice`` (a notice, a lost host, a broken slice).
+        self.preemptions: collections.Counter[str] = collections.Counter()
         self._lock = threading.Condition()
         self._specs: dict[str, JobSpec] = {}  # queued jobs' specs
         self._owners: dict[str, str] = {}  # queued and started jobs' owners
@@ -291,7 +314,8 @@ class JobManager:
         resolved, lower case); ``owner`` names the token that submitted it."""
         status = self.store.create_job(
             steps=spec.steps, payload=job_messages.to_message(spec).SerializeToString(),
-            name=spec.name, accelerator_type=spec.accelerator_type, owner=owner)
+            name=spec.name, accelerator_type=spec.accelerator_type, owner=owner,
+            priority=spec.priority)
         with self._lock:
             self.goodput.start(status.id)
             self._enqueue(status, spec)
@@ -406,15 +430,35 @@ class JobManager:
         run = controller.run_now if controller is not None else None
         return dataclasses.replace(
             status, queue_position=positions.get(status.id),
-            wait_reason=self._wait_reasons.get(status.id),
+            wait_reason=self._why_waiting(status, positions.get(status.id)),
             goodput=summary(totals) if totals else status.goodput,
             steps_per_s=run.rate.steps_per_s() if run is not None else status.steps_per_s)
 
+    def _why_waiting(self, status: JobStatus, position: int | None) -> str | None:
+        """What a queued job waits for, as its status says it."""
+        if status.state is not JobState.PENDING or position is None:
+            return None
+        quota = self._wait_reasons.get(status.id)
+        if quota is not None:
+            return f"over quota: {quota}"
+        if position > 0:
+            return (f"behind {position} queued job(s) of its type (higher priority, or "
+                    "submitted earlier)")
+        giving = [v for v, for_job in list(self._yielding.items()) if for_job == status.id]
+        if giving:
+            return f"job {giving[0]} is giving its slice up (checkpointing first)"
+        return f"no free {status.accelerator_type or 'slice'} slice"
+
     # ------------------------------------------------------------------ queueing
     def _enqueue(self, status: JobStatus, spec: JobSpec) -> None:
-        self._queue.push(status.id, status.accelerator_type)
+        self._queue.push(status.id, status.accelerator_type, spec.priority)
         self._specs[status.id] = spec
         self._owners[status.id] = status.owner
+
+    def queued(self) -> dict[str, int]:
+        """Queued jobs by accelerator type."""
+        with self._lock:
+            return dict(collections.Counter(s.accelerator_type or "" for s in self._specs.values()))
 
     def slices_of(self, owner: str) -> int:
         """The slices ``owner``'s started jobs hold or are acquiring."""
@@ -465,9 +509,32 @@ class JobManager:
                     free = False
                 if free:
                     started |= self._start_within_quota(accelerator_type, job_id, spec)
+                else:
+                    self._preempt_for(accelerator_type, job_id, spec)
             with self._lock:
                 if not (self._closed or started or self._kicked):
                     self._lock.wait(DISPATCH_RECHECK.seconds())
+
+    def _preempt_for(self, accelerator_type: str, job_id: str, spec: JobSpec) -> None:
+        """Asks a running job of lower priority (the preemption policy's choice) to give
+        its slice to ``job_id``: it checkpoints at its next loop boundary, releases the
+        slice and queues again. One job of a type yields at a time."""
+        with self._lock:
+            if any(self._active[j].spec.accelerator_type == accelerator_type
+                   for j in self._yielding if j in self._active):
+                return  # a slice of the type is being given up already
+            running = [RunningJob(j, c.spec.accelerator_type or "", c.spec.priority,
+                                  c.spec.num_slices, self._started.get(j, 0.0))
+                       for j, c in self._active.items() if isinstance(c.state, Running)]
+            victim = self._preemption.victim(spec.priority, accelerator_type, running)
+            if victim is None:
+                return
+            self._yielding[victim] = job_id
+            controller = self._active[victim]
+        reason = (f"preempted by job {job_id} (priority {spec.priority} over "
+                  f"{controller.spec.priority}): checkpointed, it waits for a slice again")
+        logger.info("job %s %s", victim, reason)
+        controller.stop.request(reason, yielding=True)
 
     def _start_within_quota(self, accelerator_type: str, job_id: str, spec: JobSpec) -> bool:
         if self.quotas is None:
@@ -486,6 +553,7 @@ class JobManager:
                 return False  # cancelled meanwhile
             spec = self._specs.pop(job_id)
             self._allocating.add(accelerator_type)  # before the dispatcher looks again
+            self._started[job_id] = time.monotonic()
             controller = self._controller(job_id, spec)
             thread = threading.Thread(target=self._run, args=(controller,),
                                       name=f"jaxpod-job-{job_id}", daemon=True)
@@ -527,17 +595,33 @@ class JobManager:
                 self._allocating.add(kind)
             elif isinstance(change.old, Allocating):
                 self._allocating.discard(kind)
+            if isinstance(change.new, Retrying) and change.new.cause.startswith(
+                    FailureKind.PREEMPTION.value):
+                self.preemptions["slice"] += 1
+            if isinstance(change.new, Pending):  # it yielded: first of its priority again
+                self.preemptions["priority"] += 1
+                self._yielding.pop(change.job_id, None)
+                self._specs[change.job_id] = controller.spec
+                self._queue.push(change.job_id, kind, controller.spec.priority, first=True)
             self._kick()
 
     def _run(self, controller: JobController) -> None:
+        job_id = controller.job_id
         try:
             controller.run()
         finally:
             with self._lock:
-                self._active.pop(controller.job_id, None)
-                self._threads.pop(controller.job_id, None)
-                self._owners.pop(controller.job_id, None)
+                if self._active.get(job_id) is controller:  # not started again since
+                    del self._active[job_id]
+                    self._threads.pop(job_id, None)
+                    self._started.pop(job_id, None)
+                self._yielding.pop(job_id, None)
+                if job_id not in self._specs and job_id not in self._active:
+                    self._owners.pop(job_id, None)  # over, not queued again
                 self._kick()
+        if isinstance(controller.state, Pending):  # the queue's positions moved
+            for other in self._queue_snapshot():
+                self.events.changed(other)
 
     def _progressed(self, job_id: str) -> None:
         """A loop was recorded: watchers wake; goodput is saved now and then."""

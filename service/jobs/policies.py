@@ -8,15 +8,20 @@ without touching the code that asks it.
   job's code against ``max_retries_failure``, a slice not found in time against
   nothing.
 * :class:`QueuePolicy`: which queued job may take a free slice next, and each job's
-  place. :class:`FifoQueues` is the default: one first-in first-out queue per
-  accelerator type.
+  place. :class:`PriorityQueues` is the default: one queue per accelerator type, by
+  priority, then first in, first out.
+* :class:`PreemptionPolicy`: which running job gives its slice to a queued job of
+  higher priority. :class:`LowerPriorityYields` is the default: the lowest priority
+  below the waiting job's (equal priorities never preempt).
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import enum
-from collections.abc import Set
+import itertools
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -94,8 +99,10 @@ class RetryBudgets:
 class QueuePolicy(Protocol):
     """The jobs waiting for slices, and which may start next."""
 
-    def push(self, job_id: str, accelerator_type: str) -> None:
-        """Queues a job (a new one, or one recovered on start, in creation order)."""
+    def push(self, job_id: str, accelerator_type: str, priority: int = 0,
+             first: bool = False) -> None:
+        """Queues a job (a new one, or one recovered on start, in creation order);
+        ``first``: at the head of its priority (it yielded its slice to a higher one)."""
 
     def remove(self, job_id: str) -> bool:
         """Takes a job out (it starts, or it was cancelled); whether it was queued."""
@@ -111,28 +118,69 @@ class QueuePolicy(Protocol):
         """Every queued job's position (0 is next), at one moment."""
 
 
-class FifoQueues:
-    """One first-in first-out queue per accelerator type. Not thread-safe: the job
-    manager calls it under its lock."""
+class PriorityQueues:
+    """One queue per accelerator type, by priority (higher first), then in the order
+    pushed: equal priorities are first in, first out. Not thread-safe: the job manager
+    calls it under its lock."""
 
     def __init__(self) -> None:
-        self._queues: dict[str, collections.deque[str]] = {}
+        self._queues: dict[str, list[tuple[int, int, str]]] = {}  # (-priority, order, id)
+        self._order = itertools.count(1)
 
-    def push(self, job_id: str, accelerator_type: str) -> None:
-        self._queues.setdefault(accelerator_type, collections.deque()).append(job_id)
+    def push(self, job_id: str, accelerator_type: str, priority: int = 0,
+             first: bool = False) -> None:
+        order = next(self._order)
+        bisect.insort(self._queues.setdefault(accelerator_type, []),
+                      (-priority, -order if first else order, job_id))
 
     def remove(self, job_id: str) -> bool:
         for queue in self._queues.values():
-            if job_id in queue:
-                queue.remove(job_id)
-                return True
+            for i, (_, _, queued) in enumerate(queue):
+                if queued == job_id:
+                    del queue[i]
+                    return True
         return False
 
     def candidates(self, busy_types: set[str], held_back: Set[str] = frozenset()
                    ) -> list[tuple[str, str]]:
-        firsts = ((t, next((j for j in q if j not in held_back), None))
+        firsts = ((t, next((j for _, _, j in q if j not in held_back), None))
                   for t, q in self._queues.items() if t not in busy_types)
         return [(t, job_id) for t, job_id in firsts if job_id is not None]
 
     def positions(self) -> dict[str, int]:
-        return {job_id: i for queue in self._queues.values() for i, job_id in enumerate(queue)}
+        return {job_id: i for queue in self._queues.values()
+                for i, (_, _, job_id) in enumerate(queue)}
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    """A started job, as a preemption policy sees it."""
+
+    job_id: str
+    accelerator_type: str
+    priority: int
+    num_slices: int
+    started: float  # when it started (monotonic): the later, the less work it has done
+
+
+class PreemptionPolicy(Protocol):
+    """Which running job gives its slice to a queued one that has none free."""
+
+    def victim(self, priority: int, accelerator_type: str,
+               running: Sequence[RunningJob]) -> str | None:
+        """The job to preempt for a queued job of ``priority`` waiting for a slice of
+        ``accelerator_type`` (``None``: none)."""
+
+
+class LowerPriorityYields:
+    """The lowest-priority running job of the type, of strictly lower priority than the
+    waiting one (equal priorities never preempt each other); among equals, the one
+    started last (it has the least to lose)."""
+
+    def victim(self, priority: int, accelerator_type: str,
+               running: Sequence[RunningJob]) -> str | None:
+        lower = [r for r in running
+                 if r.accelerator_type == accelerator_type and r.priority < priority]
+        if not lower:
+            return None
+        return min(lower, key=lambda r: (r.priority, -r.started)).job_id

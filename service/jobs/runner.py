@@ -274,8 +274,9 @@ class JobRun:
     def _check_stop(self, state: Any) -> None:
         if not self._stop.is_set():
             return
-        if self._stop.shutting_down and self.step > self.start_step:
-            self._checkpoint(state, wait=True)  # the next coordinator resumes here
+        if (self._stop.shutting_down or self._stop.yielding) and self.step > self.start_step:
+            # The next coordinator, or the job's next turn, resumes here.
+            self._checkpoint(state, wait=True)
         raise Stopped(self._stop.reason)
 
     def _check_notice(self, news: Sequence[HostNews], state: Any) -> None:

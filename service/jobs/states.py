@@ -26,12 +26,15 @@ __all__ = ["TERMINAL_STATES", "TRANSITIONS", "Allocating", "Cancelled", "Failed"
 _S = JobState
 #: Every allowed move, and only these. RETRYING -> FAILED: the retry budget can run out
 #: while the job waits for a new slice. ALLOCATING -> RETRYING: the coordinator
-#: restarted while the job was acquiring its slice.
+#: restarted while the job was acquiring its slice. ALLOCATING, RUNNING, RETRYING ->
+#: PENDING: a job of higher priority took its slice (it checkpointed first) and it
+#: waits in the queue again.
 TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
     _S.PENDING: frozenset({_S.ALLOCATING, _S.CANCELLED}),
-    _S.ALLOCATING: frozenset({_S.RUNNING, _S.FAILED, _S.CANCELLED, _S.RETRYING}),
-    _S.RUNNING: frozenset({_S.SUCCEEDED, _S.FAILED, _S.CANCELLED, _S.RETRYING}),
-    _S.RETRYING: frozenset({_S.ALLOCATING, _S.FAILED, _S.CANCELLED}),
+    _S.ALLOCATING: frozenset({_S.RUNNING, _S.FAILED, _S.CANCELLED, _S.RETRYING,
+                              _S.PENDING}),
+    _S.RUNNING: frozenset({_S.SUCCEEDED, _S.FAILED, _S.CANCELLED, _S.RETRYING, _S.PENDING}),
+    _S.RETRYING: frozenset({_S.ALLOCATING, _S.FAILED, _S.CANCELLED, _S.PENDING}),
     _S.SUCCEEDED: frozenset(),
     _S.FAILED: frozenset(),
     _S.CANCELLED: frozenset(),

@@ -197,11 +197,16 @@ _V8 = ["""CREATE TABLE audit (
     )"""]
 
 
+# v9: jobs' priorities (higher runs first).
+_V9 = ["ALTER TABLE jobs ADD COLUMN priority INTEGER NOT NULL DEFAULT 0"]
+
+
 #: MIGRATIONS[i] takes a database from schema version i to i + 1. Append only: never
 #: edit a released one (databases in the field were built by it).
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _statements(_V1), _statements(_V2), _statements(_V3), _statements(_V4),
-    _statements(_V5), _statements(_V6), _statements(_V7), _statements(_V8)]
+    _statements(_V5), _statements(_V6), _statements(_V7), _statements(_V8),
+    _statements(_V9)]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -269,7 +274,7 @@ class Recovery:
 #: A job's row as :func:`_status` reads it: its columns, its attempts so far, the rate
 #: of its last attempt that ran steps and ended, and its last transition's reason.
 _JOB_COLUMNS = ("id, name, accelerator_type, state, step, steps, error, created_at, "
-                "started_at, finished_at, owner, "
+                "started_at, finished_at, owner, priority, "
                 "(SELECT COUNT(*) FROM attempts a WHERE a.job_id = jobs.id), "
                 "(SELECT (a.step_reached - a.start_step) / (a.ended_at - a.running_at) "
                 " FROM attempts a WHERE a.job_id = jobs.id AND a.ended_at > a.running_at "
@@ -283,7 +288,7 @@ def _status(conn: sqlite3.Connection, row: Sequence[Any]) -> JobStatus:
     goodput (read in the caller's transaction). A cancelled job's ``error`` is who or
     what cancelled it."""
     (job_id, name, accelerator_type, state, step, steps, error, created_at, started_at,
-     finished_at, owner, attempts, steps_per_s, last_reason) = row
+     finished_at, owner, priority, attempts, steps_per_s, last_reason) = row
     metrics = {n: math.nan if v is None else v
                for n, v in conn.execute(_LATEST_METRICS, {"job": job_id}).fetchall()}
     totals = dict(conn.execute("SELECT category, seconds FROM goodput WHERE job_id = ? "
@@ -294,7 +299,8 @@ def _status(conn: sqlite3.Connection, row: Sequence[Any]) -> JobStatus:
         queue_position=None, error=last_reason if state is JobState.CANCELLED else error,
         metrics=metrics, goodput=summary(totals) if totals else None, created_at=created_at,
         started_at=started_at, finished_at=finished_at,
-        accelerator_type=accelerator_type or "", steps_per_s=steps_per_s, owner=owner)
+        accelerator_type=accelerator_type or "", steps_per_s=steps_per_s, owner=owner,
+        priority=priority)
 
 
 # --------------------------------------------------------------------------- the store
@@ -359,10 +365,11 @@ class JobStore:
 
     def create_job(self, *, steps: int, payload: bytes, name: str | None = None,
                    accelerator_type: str | None = None, job_id: str | None = None,
-                   owner: str = "") -> JobStatus:
+                   owner: str = "", priority: int = 0) -> JobStatus:
         """Record a new ``PENDING`` job; ``payload`` is its spec (the submitted
         ``JobSpec`` message, which the store does not read); ``name`` defaults to its
-        id; ``owner`` is the name of the token that submitted it."""
+        id; ``owner`` is the name of the token that submitted it; ``priority`` its
+        place among the queued (higher first)."""
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise JobStoreError(f"steps must be an int >= 1; got {steps!r}.")
         if not isinstance(payload, bytes | bytearray | memoryview):
@@ -374,9 +381,10 @@ class JobStore:
             with self._write() as conn:
                 conn.execute(
                     "INSERT INTO jobs (id, name, accelerator_type, payload, payload_path,"
-                    " created_at, state, steps, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " created_at, state, steps, owner, priority)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (job_id, name or job_id, accelerator_type, inline, rel_path, now,
-                     JobState.PENDING.value, steps, owner))
+                     JobState.PENDING.value, steps, owner, priority))
                 conn.execute("INSERT INTO transitions (job_id, from_state, to_state, at, reason)"
                              " VALUES (?, NULL, ?, ?, 'submitted')",
                              (job_id, JobState.PENDING.value, now))

@@ -19,10 +19,12 @@ from jaxpod.service.jobs import policies
 from jaxpod.service.jobs.manager import JobManager
 from jaxpod.service.jobs.policies import (
     FailureKind,
-    FifoQueues,
     GiveUp,
+    LowerPriorityYields,
+    PriorityQueues,
     Retry,
     RetryBudgets,
+    RunningJob,
 )
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.timeouts import wait_for
@@ -48,8 +50,31 @@ def test_retry_budgets_count_each_kind_against_its_own_budget(
     assert budgets.decide(failed) == GiveUp("ValueError: bad batch")
 
 
+def test_queues_order_by_priority_then_submission() -> None:
+    queues = PriorityQueues()
+    for job_id, priority in (("a", 0), ("b", 2), ("c", 0), ("d", 2), ("e", -1), ("f", 1)):
+        queues.push(job_id, "v4-8", priority)
+    assert sorted(queues.positions(), key=queues.positions().get) == [
+        "b", "d", "f", "a", "c", "e"]
+    queues.push("y", "v4-8", 0, first=True)  # a preempted job: the head of its priority
+    order = sorted(queues.positions(), key=queues.positions().get)
+    assert order == ["b", "d", "f", "y", "a", "c", "e"]
+    # A job its quota holds back is passed over, not waited on.
+    assert queues.candidates(set(), held_back={"b", "d"}) == [("v4-8", "f")]
+
+
+def test_the_lowest_priority_below_the_waiting_job_yields() -> None:
+    policy = LowerPriorityYields()
+    running = [RunningJob("p3", "v4-8", 3, 1, 10.0), RunningJob("p1-old", "v4-8", 1, 1, 1.0),
+               RunningJob("p1-new", "v4-8", 1, 1, 5.0), RunningJob("other", "v4-16", 0, 1, 0)]
+    assert policy.victim(5, "v4-8", running) == "p1-new"  # lowest; the least work lost
+    assert policy.victim(2, "v4-8", running) == "p1-new"
+    assert policy.victim(1, "v4-8", running) is None  # equal priorities never preempt
+    assert policy.victim(9, "v5e-8", running) is None  # only jobs of its type
+
+
 def test_fifo_queues_keep_order_per_type_and_skip_busy_types() -> None:
-    queues = FifoQueues()
+    queues = PriorityQueues()
     for job_id, kind in (("a", "v4-8"), ("b", "v4-16"), ("c", "v4-8"), ("d", "v4-16")):
         queues.push(job_id, kind)
     assert queues.positions() == {"a": 0, "c": 1, "b": 0, "d": 1}

@@ -78,6 +78,8 @@ def test_transition_table_is_the_design_one() -> None:
         (S.RUNNING, S.SUCCEEDED), (S.RUNNING, S.FAILED), (S.RUNNING, S.CANCELLED),
         (S.RUNNING, S.RETRYING),
         (S.RETRYING, S.ALLOCATING), (S.RETRYING, S.FAILED), (S.RETRYING, S.CANCELLED),
+        # a job of higher priority took its slice: it waits in the queue again
+        (S.ALLOCATING, S.PENDING), (S.RUNNING, S.PENDING), (S.RETRYING, S.PENDING),
     }
     for old, new in itertools.product(S, S):
         if (old, new) in expected:

@@ -331,7 +331,8 @@ def test_a_quota_refuses_a_strategy_and_holds_a_job_back_with_the_reason(
                          dataset=batches, initial_state={"total": np.float32(0)})
         job = quinn.submit(adding_step, steps=2, accelerator_type="v4-8", dataset=batches,
                            initial_state={"total": np.float32(0)})
-        assert wait_for(lambda: job.status().wait_reason is not None, 60), job.status()
+        assert wait_for(lambda: "over quota" in (job.status().wait_reason or ""), 60), (
+            job.status())
         waiting = job.status()
         assert waiting.state == "PENDING" and "max_slices 1" in (waiting.wait_reason or "")
         # The strategy still computes; closing it makes room and the job runs.

@@ -96,7 +96,7 @@
     const empty = body.querySelector("tr.empty");
     if (list.jobs.length && empty) empty.remove();
     if (!body.rows.length) {
-      body.append(h("tr", {class: "empty"}, h("td", {colspan: 10, class: "muted"}, "No jobs.")));
+      body.append(h("tr", {class: "empty"}, h("td", {colspan: 11, class: "muted"}, "No jobs.")));
     }
     text(byId("updated"), "updated " + new Date().toLocaleTimeString());
   }
@@ -105,6 +105,7 @@
     return h("tr", {"data-job-id": j.id},
       h("td", null, h("a", {href: "/?job=" + encodeURIComponent(j.id)}, j.id)),
       h("td", null, j.name), h("td", {class: "owner"}, j.owner || DASH),
+      h("td", {class: "priority"}, j.priority),
       h("td", null, j.accelerator_type), h("td", {class: "state"}),
       h("td", {class: "progress"}, h("progress"), " ", h("span", {class: "step"}), "/" + j.steps),
       h("td", {class: "rate"}), h("td", {class: "share"}), h("td", {class: "attempts"}),
