@@ -202,8 +202,9 @@ def _cancel_on_the_page(service: Service, issued: dict[str, str], job_id: str) -
                 page.wait_for_url(f"{service.http_url}/")
                 page.goto(f"{service.http_url}/?job={job_id}")
                 expect(page.locator("#caller")).to_have_text(f"{name} ({HOLDERS[name]})")
-                row = page.locator(f'#jobs tr[data-job-id="{job_id}"] td.owner')
-                expect(row).to_have_text("alice")
+                row = page.locator(f'#jobs tr[data-job-id="{job_id}"]')
+                expect(row.locator("td.owner")).to_have_text("alice")
+                expect(row.locator("td.priority")).to_have_text("0")
                 button = page.locator("#cancel-job")
                 if name in ("vera", "bob"):
                     expect(button).to_have_count(0)

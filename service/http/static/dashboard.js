@@ -96,7 +96,7 @@
     const empty = body.querySelector("tr.empty");
     if (list.jobs.length && empty) empty.remove();
     if (!body.rows.length) {
-      body.append(h("tr", {class: "empty"}, h("td", {colspan: 11, class: "muted"}, "No jobs.")));
+      body.append(h("tr", {class: "empty"}, h("td", {colspan: 12, class: "muted"}, "No jobs.")));
     }
     text(byId("updated"), "updated " + new Date().toLocaleTimeString());
   }
@@ -106,7 +106,7 @@
       h("td", null, h("a", {href: "/?job=" + encodeURIComponent(j.id)}, j.id)),
       h("td", null, j.name), h("td", {class: "owner"}, j.owner || DASH),
       h("td", {class: "priority"}, j.priority),
-      h("td", null, j.accelerator_type), h("td", {class: "state"}),
+      h("td", null, j.accelerator_type), h("td", {class: "state"}), h("td", {class: "queue"}),
       h("td", {class: "progress"}, h("progress"), " ", h("span", {class: "step"}), "/" + j.steps),
       h("td", {class: "rate"}), h("td", {class: "share"}), h("td", {class: "attempts"}),
       h("td", null, when(j.created_at)));
@@ -114,7 +114,11 @@
 
   function updateRow(row, j) {  // j: a JobSummary (the list's, or a status event's)
     stateCell(row.querySelector(".state"), j.state);
-    row.querySelector(".state").title = j.wait_reason || "";
+    // A queued job's place (1 is next) and, on hover, what it waits for.
+    const queue = row.querySelector(".queue");
+    text(queue, j.queue_position === null || j.queue_position === undefined
+      ? DASH : j.queue_position + 1);
+    queue.title = j.wait_reason || "";
     const bar = row.querySelector("progress");
     bar.max = j.steps;
     bar.value = j.step;
