@@ -161,7 +161,8 @@ def shell(data: PageData) -> str:
 <section><h2>Slices and hosts</h2><div id=slices class=slices></div></section>
 <section><h2>Jobs</h2><table id=jobs><thead><tr><th>id</th><th>name</th><th>owner</th>
 <th>priority</th><th>type</th>
-<th>state</th><th title="place in its queue (1 is next); hover: what it waits for">queue</th><th>progress</th><th title="steps per wall-clock second">steps/s</th>
+<th>state</th><th title="place in its queue (1 is next); hover: what it waits for">queue</th>
+<th>progress</th><th title="steps per wall-clock second">steps/s</th>
 <th>goodput %</th><th>attempts</th>
 <th>created</th></tr></thead><tbody></tbody></table></section>
 <section id=job-detail><h2>Job</h2></section>
