@@ -225,10 +225,11 @@ def run_jobs(args: argparse.Namespace) -> int:
         print(f"No {args.state.upper() + ' ' if args.state else ''}jobs.", file=sys.stderr)
         return 0
     rows = [("ID", "NAME", "OWNER", "PRIORITY", "STATE", "STEP", "QUEUE", "ACCELERATOR",
-             "CREATED")]
+             "CREATED", "WAITING FOR")]
     rows += [(s.id, s.name, s.owner or "-", str(s.priority), s.state, f"{s.step}/{s.steps}",
               "-" if s.queue_position is None else str(s.queue_position),
-              s.accelerator_type or "-", _time(s.created_at)) for s in statuses]
+              s.accelerator_type or "-", _time(s.created_at), s.wait_reason or "")
+             for s in statuses]
     _print_rows(rows)
     return 0
 
