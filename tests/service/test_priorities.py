@@ -156,3 +156,35 @@ def test_priority_then_submission_order_and_equal_priorities_never_preempt(
     assert started == expected
     assert all(jobs[n].status().started_at > blocker.status().finished_at - 1e-6
                for n in expected)
+
+
+def paced_count(state: Any, batch: Any) -> Any:
+    """A stateless step (``state`` is ``None``): it only outputs its rows' sum (the
+    job's SUM over replicas makes it the global batch's), held 30 ms on the host."""
+    import jax
+
+    def pause(v: Any) -> Any:
+        time.sleep(0.03)
+        return v
+
+    wait = jax.pure_callback(pause, jax.ShapeDtypeStruct((), np.float32), np.float32(0))
+    return None, {"total": batch.sum() + wait}
+
+
+def test_a_job_without_state_is_preempted_between_loops_and_resumes(client: Any) -> None:
+    batches = [np.full((8, 1), float(i + 1), np.float32) for i in range(3)]
+    low = client.submit(paced_count, steps=40, steps_per_run=2, accelerator_type="v4-16",
+                        dataset=batches, outputs={"total": "SUM"}, name="stateless",
+                        max_retries_preemption=0)
+    assert wait_for(lambda: low.status().state == "RUNNING" and low.status().step >= 6,
+                    120), low.status()
+    high = client.submit(quick_step, steps=2, accelerator_type="v4-16", priority=5,
+                         initial_state={"n": np.float32(0)}, dataset=[np.ones((8, 2))])
+    assert high.wait(timeout=300, progress=False).state == "SUCCEEDED"
+    final = low.wait(timeout=300, progress=False)
+    assert final.state == "SUCCEEDED" and final.step == 40
+    first, second = low.attempts()
+    assert f"preempted by job {high.id}" in (first.cause or "")
+    assert second.start_step == first.step_reached > 0  # resumed, nothing redone
+    # Its last output is that of step 40's batch, as an uninterrupted run's would be.
+    assert float(low.result().outputs["total"]) == float(batches[39 % 3].sum())

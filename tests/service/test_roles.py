@@ -7,7 +7,7 @@ document (so a method or route without a declared role fails here):
 * every gRPC method and HTTP route, for each role, is refused (``PERMISSION_DENIED`` /
   403, naming the role it needs) exactly when DESIGN §9 says, and otherwise reaches
   its handler; an unknown token is ``UNAUTHENTICATED`` / 401;
-* ownership: a submitter cannot cancel, or read the result or logs of, another's job,
+* ownership (on one v4-16): a submitter cannot cancel, or read the result or logs of, another's job,
   nor use another's session; an admin can; jobs show their owner, and the page (in
   headless Chromium, signed in per token) offers the cancel button only to those the
   service would let cancel.
@@ -88,7 +88,7 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, st
 def service(tmp_path_factory: pytest.TempPathFactory,
             tokens: tuple[Path, dict[str, str]]) -> Iterator[Service]:
     folder = tmp_path_factory.mktemp("roles-service")
-    with running_service(folder / "serve.log", "v4-8",
+    with running_service(folder / "serve.log", "v4-16",
                          args=("--tokens-file", str(tokens[0]),
                                "--state-dir", str(folder / "state"))) as s:
         yield s
@@ -229,7 +229,7 @@ def test_jobs_and_sessions_belong_to_their_owner(
           jaxpod.connect(service.address, token=issued["bob"]) as bob,
           jaxpod.connect(service.address, token=issued["root"]) as root,
           jaxpod.connect(service.address, token=issued["vera"]) as vera):
-        job = alice.submit(adding_step, steps=3, accelerator_type="v4-8", dataset=batches,
+        job = alice.submit(adding_step, steps=3, accelerator_type="v4-16", dataset=batches,
                            initial_state={"total": np.float32(0)}, outputs={"total": "SUM"})
         final = job.wait(timeout=300, progress=False)
         assert final.state == "SUCCEEDED", final.error
@@ -249,7 +249,7 @@ def test_jobs_and_sessions_belong_to_their_owner(
 
         # An admin cancels anyone's job, here with the page's button, which the page
         # offers only to those the service would let cancel it; the reason names who.
-        long_job = alice.submit(adding_step, steps=10**6, accelerator_type="v4-8",
+        long_job = alice.submit(adding_step, steps=10**6, accelerator_type="v4-16",
                                 dataset=batches, initial_state={"total": np.float32(0)})
         with pytest.raises(jaxpod.PermissionDeniedError):
             bob.job(long_job.id).cancel()
@@ -283,7 +283,7 @@ def test_the_audit_log_records_submissions_cancels_and_refusals(
           jaxpod.connect(service.address, token=issued["bob"]) as bob,
           jaxpod.connect(service.address, token=issued["vera"]) as vera,
           jaxpod.connect(service.address, token=issued["root"]) as root):
-        job = alice.submit(adding_step, steps=1, accelerator_type="v4-8", dataset=batches,
+        job = alice.submit(adding_step, steps=1, accelerator_type="v4-16", dataset=batches,
                            initial_state={"total": np.float32(0)}, name="audited")
         assert job.wait(timeout=300, progress=False).state == "SUCCEEDED"
         with pytest.raises(jaxpod.PermissionDeniedError):
@@ -323,14 +323,14 @@ def test_a_quota_refuses_a_strategy_and_holds_a_job_back_with_the_reason(
         service: Service, tokens: tuple[Path, dict[str, str]]) -> None:
     batches = [np.full((8, 3), 2.0, np.float32)]
     with jaxpod.connect(service.address, token=tokens[1]["quinn"]) as quinn:
-        strategy = quinn.strategy("v4-8")  # quinn's one slice
+        strategy = quinn.strategy("v4-16")  # quinn's one slice
         with pytest.raises(jaxpod.QuotaExceededError,
                            match="'quinn' holds 1 slice\\(s\\) of its max_slices 1"):
-            quinn.strategy("v4-8")
+            quinn.strategy("v4-16")
         with pytest.raises(jaxpod.QuotaExceededError, match="could never run"):
-            quinn.submit(adding_step, steps=2, accelerator_type="v4-8", num_slices=2,
+            quinn.submit(adding_step, steps=2, accelerator_type="v4-16", num_slices=2,
                          dataset=batches, initial_state={"total": np.float32(0)})
-        job = quinn.submit(adding_step, steps=2, accelerator_type="v4-8", dataset=batches,
+        job = quinn.submit(adding_step, steps=2, accelerator_type="v4-16", dataset=batches,
                            initial_state={"total": np.float32(0)})
         assert wait_for(lambda: "over quota" in (job.status().wait_reason or ""), 60), (
             job.status())
