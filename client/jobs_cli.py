@@ -218,35 +218,36 @@ def run_jobs(args: argparse.Namespace) -> int:
     check_state(args.state)  # before connecting: a typo needs no service to be told
     with _connect(args) as client:
         statuses = client.jobs(args.state)
-    if args.json:
-        print(json.dumps([dataclasses.asdict(s) for s in statuses], indent=1))
-        return 0
-    if not statuses:
-        print(f"No {args.state.upper() + ' ' if args.state else ''}jobs.", file=sys.stderr)
-        return 0
-    rows = [("ID", "NAME", "OWNER", "PRIORITY", "STATE", "STEP", "QUEUE", "ACCELERATOR",
-             "CREATED", "WAITING FOR")]
-    rows += [(s.id, s.name, s.owner or "-", str(s.priority), s.state, f"{s.step}/{s.steps}",
-              "-" if s.queue_position is None else str(s.queue_position),
-              s.accelerator_type or "-", _time(s.created_at), s.wait_reason or "")
-             for s in statuses]
-    _print_rows(rows)
+    _print_listing(
+        statuses, args.json, f"No {args.state.upper() + ' ' if args.state else ''}jobs.",
+        ("ID", "NAME", "OWNER", "PRIORITY", "STATE", "STEP", "QUEUE", "ACCELERATOR",
+         "CREATED", "WAITING FOR"),
+        lambda s: (s.id, s.name, s.owner or "-", str(s.priority), s.state,
+                   f"{s.step}/{s.steps}",
+                   "-" if s.queue_position is None else str(s.queue_position),
+                   s.accelerator_type or "-", _time(s.created_at), s.wait_reason or ""))
     return 0
 
 
 def run_audit(args: argparse.Namespace) -> int:
     with _connect(args) as client:
         records = client.audit(args.limit)
-    if args.json:
-        print(json.dumps([dataclasses.asdict(r) for r in records], indent=1))
-        return 0
-    if not records:
-        print("The audit log is empty.", file=sys.stderr)
-        return 0
-    rows = [("SEQ", "AT", "WHO", "ACTION", "TARGET", "DETAIL")]
-    rows += [(str(r.seq), _time(r.at), r.who, r.action, r.target, r.detail) for r in records]
-    _print_rows(rows)
+    _print_listing(records, args.json, "The audit log is empty.",
+                   ("SEQ", "AT", "WHO", "ACTION", "TARGET", "DETAIL"),
+                   lambda r: (str(r.seq), _time(r.at), r.who, r.action, r.target, r.detail))
     return 0
+
+
+def _print_listing(items: Sequence[Any], as_json: bool, empty: str, header: Sequence[str],
+                   row: Callable[[Any], Sequence[str]]) -> None:
+    """Records as a JSON list, or as a table of ``header`` and ``row(item)`` (on
+    stderr, ``empty`` when there are none)."""
+    if as_json:
+        print(json.dumps([dataclasses.asdict(item) for item in items], indent=1))
+    elif not items:
+        print(empty, file=sys.stderr)
+    else:
+        _print_rows([header, *(row(item) for item in items)])
 
 
 def _print_rows(rows: Sequence[Sequence[str]]) -> None:
