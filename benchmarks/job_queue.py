@@ -21,7 +21,7 @@ Figures (medians over rounds):
 
 The last line of output is the JSON report.
 
-Usage: ``python benchmarks/queue.py [--quick]``
+Usage: ``python benchmarks/job_queue.py [--quick]``
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def main() -> None:
                "high_submit_to_first_step_s": round(median["high_submit_to_first_step_s"], 3),
                "victim_loop_s": round(median["victim_loop_s"], 4),
                "steps_lost_per_priority_preemption": median["steps_lost"]}
-    report("queue", figures, {
+    report("job_queue", figures, {
         "high_submit_to_first_step_s": target(
             figures["high_submit_to_first_step_s"], "<=", 2.0 + figures["victim_loop_s"]),
         "steps_lost_per_priority_preemption": target(
