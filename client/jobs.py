@@ -33,6 +33,7 @@ from jaxpod.jobs import (
     InitialState,
     JobCheckpoint,
     JobDetails,
+    JobProfile,
     JobResult,
     JobSpec,
     JobStatus,
@@ -40,6 +41,7 @@ from jaxpod.jobs import (
     Transition,
     check_mesh_axes,
     check_outputs,
+    check_profile_seconds,
     is_reiterable,
 )
 from jaxpod.proto import coordinator_pb2 as pb
@@ -424,6 +426,29 @@ class Job:
         of, where the service's hosts wrote it and when. A finished job keeps its last
         ones (a cancelled job's state is there)."""
         return list(self.details("checkpoints()").checkpoints)
+
+    def profile(self, seconds: float = 5.0) -> JobProfile:
+        """Traces every host of the running job with ``jax.profiler`` for ``seconds``,
+        from its next loop boundary, and returns where the trace is once written: a
+        folder under the job's checkpoint folder with one ``host-<i>/`` per host, in
+        TensorBoard's layout (``tensorboard --logdir PATH``, xprof, or
+        ``jax.profiler.ProfileData.from_file`` on a ``files`` entry read it). The job
+        runs on meanwhile.
+
+        Raises:
+          ValueError: ``seconds`` is not in (0, 300], or the job is not running.
+          jaxpod.PermissionDeniedError: the job is another token's (and this one is
+            not an admin).
+        """
+        request = pb.ProfileJobRequest(job_id=self.id, seconds=check_profile_seconds(seconds))
+        self._client.check_open("profile()")
+        reply = self._client.call(self._client.stub.ProfileJob, request,
+                                  what=f"profile() of job {self.id}", timeout=rpc.CALL_TIMEOUT)
+        return from_message(JobProfile, reply)
+
+    def profiles(self) -> list[JobProfile]:
+        """The profiles taken of the job, oldest first."""
+        return list(self.details("profiles()").profiles)
 
     def cancel(self) -> JobStatus:
         """Cancels the job: a queued one leaves the queue; a running one stops at its

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from jaxpod.client.client import Client
-    from jaxpod.jobs import HostInput, JobAttempt, JobCheckpoint, JobStatus, JobTransition
+    from jaxpod.jobs import JobDetails, JobStatus
 
 ADDRESS_ENV = "JAXPOD_ADDRESS"
 TOKEN_ENV = "JAXPOD_TOKEN"
@@ -84,6 +84,19 @@ def add_commands(sub: Any) -> None:
     cancel.add_argument("job_id", metavar="ID", help="the job's id")
     _add_address(cancel)
     cancel.set_defaults(handler=_pipe_safe(run_cancel))
+
+    profile = sub.add_parser(
+        "profile", help="trace every host of a running job with jax.profiler and print "
+                        "where the trace is",
+        description="Trace every host of a running job with jax.profiler for --seconds, "
+                    "from its next loop boundary, and print the trace's folder (one "
+                    "host-<i>/ per host, TensorBoard's layout: tensorboard --logdir FOLDER).")
+    profile.add_argument("job_id", metavar="ID", help="the job's id")
+    profile.add_argument("--seconds", type=float, default=5.0,
+                         help="how long each host traces (default 5)")
+    profile.add_argument("--json", action="store_true", help="print the profile as JSON")
+    _add_address(profile)
+    profile.set_defaults(handler=_pipe_safe(run_profile))
 
     audit = sub.add_parser("audit", help="who submitted, cancelled or was refused what "
                                          "(an admin token's)")
@@ -261,9 +274,7 @@ def run_job(args: argparse.Namespace) -> int:
     with _connect(args) as client:
         job = client.job(args.job_id)
         if not args.watch:
-            details = job.details()
-            _print_status(details.status, args.json, details.history, details.attempts,
-                          details.hosts, details.checkpoints)
+            _print_details(job.details(), args.json)
             return 0
         try:
             last = None
@@ -302,16 +313,25 @@ def run_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_status(status: JobStatus, as_json: bool, history: Sequence[JobTransition] = (),
-                  attempts: Sequence[JobAttempt] = (), hosts: Sequence[HostInput] = (),
-                  checkpoints: Sequence[JobCheckpoint] = ()) -> None:
-    if as_json:
-        print(json.dumps({**dataclasses.asdict(status),
-                          "history": [dataclasses.asdict(t) for t in history],
-                          "attempts": [dataclasses.asdict(a) for a in attempts],
-                          "hosts": [dataclasses.asdict(h) for h in hosts],
-                          "checkpoints": [dataclasses.asdict(c) for c in checkpoints]},
-                         indent=1))
+def run_profile(args: argparse.Namespace) -> int:
+    with _connect(args) as client:
+        print(f"jaxpod: tracing job {args.job_id} for {args.seconds:g} s from its next loop "
+              "boundary...", file=sys.stderr)
+        profile = client.job(args.job_id).profile(args.seconds)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(profile), indent=1))
+        return 0
+    print(f"jaxpod: {len(profile.files)} trace file(s), {profile.seconds:g} s per host",
+          file=sys.stderr)
+    print(profile.path)
+    return 0
+
+
+def _print_details(details: JobDetails, as_json: bool) -> None:
+    status = details.status
+    if as_json:  # the status's fields at the top, then the rest
+        rest = dataclasses.asdict(details)
+        print(json.dumps({**rest.pop("status"), **rest}, indent=1))
         return
     fields = [
         ("id", status.id), ("name", status.name), ("owner", status.owner or "-"),
@@ -331,24 +351,29 @@ def _print_status(status: JobStatus, as_json: bool, history: Sequence[JobTransit
         print(f"{key + ':':<16}{value}")
     if status.goodput:
         print(_goodput(status.goodput))
-    if history:
+    if details.history:
         print("history:")
-        for t in history:
+        for t in details.history:
             print(f"  {_time(t.at)}  {t.from_state or '(submitted)'} -> {t.to_state}"
                   + (f"  {t.reason.splitlines()[0]}" if t.reason else ""))
-    if attempts:
+    if details.attempts:
         print("attempts:")
-        for a in attempts:
+        for a in details.attempts:
             end = (f"ended {_time(a.ended_at)} ({a.cause}, step {a.step_reached})"
                    if a.ended_at else "running")
             print(f"  #{a.number}  started {_time(a.started_at)}, {end}")
-    if checkpoints:
+    if details.checkpoints:
         print("checkpoints:")
-        for c in checkpoints:
+        for c in details.checkpoints:
             print(f"  step {c.step}  {_time(c.saved_at)}  {c.path}")
-    if hosts:
+    if details.profiles:
+        print("profiles:")
+        for p in details.profiles:
+            print(f"  {_time(p.started_at)}  {p.seconds:g} s  {len(p.files)} trace file(s)  "
+                  f"{p.path}")
+    if details.hosts:
         print("input per host (running attempt):")
-        for h in hosts:
+        for h in details.hosts:
             print(f"  host {h.host}  waited {h.input_wait_s:.3f} s  "
                   f"{h.input_queue_depth} chunk(s) ready")
     if status.error:

@@ -34,9 +34,10 @@ from jaxpod.errors import (
     SessionError,
     UnknownFunctionError,
 )
-from jaxpod.jobs import check_spmd
+from jaxpod.jobs import JobProfile, check_profile_seconds, check_spmd
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
+from jaxpod.proto.job_messages import from_message
 from jaxpod.scope import current_strategy_stand_in, strategy_scope
 from jaxpod.shipping import ShippedFunction, ship, ship_object
 from jaxpod.tf_compat import TFCompatMixin
@@ -637,6 +638,28 @@ class RemoteStrategy(TFCompatMixin):
         return [{f.name: getattr(h, f.name) for f in h.DESCRIPTOR.fields}
                 for h in reply.hosts]
 
+    def profile(self, seconds: float = 60.0) -> SliceProfile:
+        """A ``jax.profiler`` trace of every host of the slice, as a context manager:
+        the trace starts when the ``with`` block starts (after the operations sent
+        before it) and ends when it ends (after the operations sent in it), or after
+        ``seconds``, whichever comes first::
+
+            with strategy.profile() as traced:
+                for _ in range(10):
+                    state, loss = strategy.run(step, args=(state, next(iterator)))
+            print(traced.result.path)   # one host-<i>/ per host, TensorBoard's layout
+
+        The hosts write it under the service's checkpoint dir
+        (``sessions/<session>/profiles/<time>/``); ``result`` is a
+        :class:`jaxpod.JobProfile` once the block ended.
+        """
+        return SliceProfile(self, check_profile_seconds(seconds))
+
+    def _profile(self, seconds: float, stop: bool) -> JobProfile:
+        request = pb.ProfileSliceRequest(**self._ids(), seconds=seconds, stop=stop)
+        return from_message(JobProfile, self._call(self._stub.ProfileSlice, request,
+                                                   "profile"))
+
     def close(self) -> None:
         """Waits for the operations sent, releases the slice (every value on it goes
         with it), then raises the failure of an asynchronous operation not raised yet,
@@ -764,3 +787,25 @@ def _is_full(outputs: pb.Tree) -> bool:
     return not any(ref.has_valid_rows and any(v != ref.shape[0] for v in ref.valid_rows)
                    for ref in value_refs(outputs))
 
+
+class SliceProfile:
+    """``strategy.profile()``: starts the hosts' trace on entering, ends it on leaving;
+    ``result`` is the :class:`jaxpod.JobProfile` then."""
+
+    def __init__(self, strategy: RemoteStrategy, seconds: float) -> None:
+        self._strategy = strategy
+        self.seconds = seconds
+        #: Where the trace goes (its folder), once started.
+        self.started: JobProfile | None = None
+        #: The trace written, once the block ended.
+        self.result: JobProfile | None = None
+
+    def __enter__(self) -> SliceProfile:
+        self.started = self._strategy._profile(self.seconds, stop=False)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        # The block's own error goes first: ending the trace may fail for its cause.
+        with contextlib.suppress(Exception) if kind is not None else contextlib.nullcontext():
+            self.result = self._strategy._profile(0.0, stop=True)

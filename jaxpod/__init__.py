@@ -32,7 +32,14 @@ from jaxpod.errors import (
     WorkerLostError,
     WorkerStartError,
 )
-from jaxpod.jobs import JobAttempt, JobCheckpoint, JobResult, JobStatus, JobTransition
+from jaxpod.jobs import (
+    JobAttempt,
+    JobCheckpoint,
+    JobProfile,
+    JobResult,
+    JobStatus,
+    JobTransition,
+)
 from jaxpod.scope import get_strategy, mesh
 from jaxpod.types import AutoShardPolicy, InputContext, InputOptions, ReduceOp, ValueContext
 
@@ -71,6 +78,7 @@ __all__ = [
     "JobCheckpoint",
     "JobFailedError",
     "JobNotFoundError",
+    "JobProfile",
     "JobResult",
     "JobStatus",
     "JobTransition",

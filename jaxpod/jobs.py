@@ -2,10 +2,11 @@
 
 The job's types are defined here and nowhere else: :class:`JobSpec` (what was submitted),
 :class:`JobState` (the state machine's names), :class:`JobStatus`, :class:`Transition`,
-:class:`Attempt`, :class:`HostInput`, :class:`JobCheckpoint`, :class:`JobDetails` and
-:class:`JobResult`. The job store, the job manager, the SDK and the HTTP API all use
-them; protobuf messages exist only at the gRPC edge (:mod:`jaxpod.proto.job_messages`
-converts, field by field, by name) and the HTTP API's models are derived from them.
+:class:`Attempt`, :class:`HostInput`, :class:`JobCheckpoint`, :class:`JobProfile`,
+:class:`JobDetails` and :class:`JobResult`. The job store, the job manager, the SDK
+and the HTTP API all use them; protobuf messages exist only at the gRPC edge
+(:mod:`jaxpod.proto.job_messages` converts, field by field, by name) and the HTTP API's
+models are derived from them.
 
 The client wraps the user's objects before shipping them: the step function in a
 :class:`JobStep`, which checks what it returns and keeps only the declared outputs; a
@@ -169,15 +170,35 @@ class JobCheckpoint:
 
 
 @dataclass(frozen=True)
+class JobProfile:
+    """A ``jax.profiler`` trace of a running job, one per host.
+
+    Attributes:
+      path: its folder, with one ``host-<i>/`` folder per host in TensorBoard's layout
+        (``tensorboard --logdir PATH`` or xprof opens it).
+      started_at: when the hosts started tracing (seconds since the epoch).
+      seconds: how long each host traced.
+      files: the trace files the hosts wrote (``*.xplane.pb``), in host order.
+    """
+
+    path: str
+    started_at: float
+    seconds: float
+    files: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class JobDetails:
     """A job read in full: its status, every state change, every attempt, each host's
-    input feed in the running attempt and its committed checkpoints (oldest first)."""
+    input feed in the running attempt, its committed checkpoints and its profiles
+    (oldest first)."""
 
     status: JobStatus
     history: tuple[Transition, ...] = ()
     attempts: tuple[Attempt, ...] = ()
     hosts: tuple[HostInput, ...] = ()
     checkpoints: tuple[JobCheckpoint, ...] = ()
+    profiles: tuple[JobProfile, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -295,6 +316,20 @@ class JobResult:
     metrics: Mapping[str, list[tuple[int, float]]] = field(default_factory=dict)
     steps: int = 0
     note: str | None = None
+
+
+#: The longest profile one request may ask for (a trace grows with its length).
+MAX_PROFILE_SECONDS = 300.0
+
+
+def check_profile_seconds(seconds: Any) -> float:
+    """``seconds`` as a float if a profile may last that long; a ``ValueError`` saying
+    why not."""
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or \
+            not 0 < float(seconds) <= MAX_PROFILE_SECONDS:
+        raise ValueError(f"A profile lasts more than 0 and at most {MAX_PROFILE_SECONDS:g} "
+                         f"seconds; got seconds={seconds!r}. Pass e.g. seconds=5.")
+    return float(seconds)
 
 
 def check_outputs(outputs: Any) -> dict[str, str]:

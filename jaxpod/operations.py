@@ -564,6 +564,29 @@ class RestoreCheckpoint(Operation["tuple[ValueInfos, Any]"]):
 
 
 @dataclass(frozen=True)
+class StartProfile(Operation[None]):
+    """Starts a ``jax.profiler`` trace into ``<folder>/host-<i>`` on every host; each
+    host ends it after ``seconds``."""
+
+    folder: str
+    seconds: float
+    counts_as_work: ClassVar[bool] = False
+
+    def apply(self, host: Host) -> None:
+        return host.start_profile(self)
+
+
+@dataclass(frozen=True)
+class StopProfile(Operation["list[str]"]):
+    """Ends the host's trace if it still runs; the trace files it wrote."""
+
+    counts_as_work: ClassVar[bool] = False
+
+    def apply(self, host: Host) -> list[str]:
+        return host.stop_profile(self)
+
+
+@dataclass(frozen=True)
 class PreemptionNotices(Operation["Notice | None"]):
     """The host's notice of a coming preemption (``None``: none came). No device work:
     the coordinator asks after every on-device loop and before keeping a slice warm."""
@@ -628,6 +651,10 @@ class Host(Protocol):
     def restore_checkpoint(self, op: RestoreCheckpoint) -> tuple[ValueInfos, Any]: ...
 
     def replica_value(self, op: ReplicaValue) -> Any: ...
+
+    def start_profile(self, op: StartProfile) -> None: ...
+
+    def stop_profile(self, op: StopProfile) -> list[str]: ...
 
 
 def values_in(infos: ValueInfos) -> Dropped:

@@ -213,6 +213,20 @@ class SliceRequest(_message.Message):
     dropped: Dropped
     def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
 
+class ProfileSliceRequest(_message.Message):
+    __slots__ = ("session_id", "slice_id", "seconds", "stop", "dropped")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLICE_ID_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    slice_id: str
+    seconds: float
+    stop: bool
+    dropped: Dropped
+    def __init__(self, session_id: _Optional[str] = ..., slice_id: _Optional[str] = ..., seconds: _Optional[float] = ..., stop: _Optional[bool] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
+
 class SliceStatsResponse(_message.Message):
     __slots__ = ("hosts",)
     HOSTS_FIELD_NUMBER: _ClassVar[int]
@@ -709,19 +723,41 @@ class JobCheckpoint(_message.Message):
     saved_at: float
     def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., saved_at: _Optional[float] = ...) -> None: ...
 
+class JobProfile(_message.Message):
+    __slots__ = ("path", "started_at", "seconds", "files")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    started_at: float
+    seconds: float
+    files: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, path: _Optional[str] = ..., started_at: _Optional[float] = ..., seconds: _Optional[float] = ..., files: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ProfileJobRequest(_message.Message):
+    __slots__ = ("job_id", "seconds")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class JobDetails(_message.Message):
-    __slots__ = ("status", "history", "attempts", "hosts", "checkpoints")
+    __slots__ = ("status", "history", "attempts", "hosts", "checkpoints", "profiles")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     HOSTS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    PROFILES_FIELD_NUMBER: _ClassVar[int]
     status: JobStatus
     history: _containers.RepeatedCompositeFieldContainer[JobTransition]
     attempts: _containers.RepeatedCompositeFieldContainer[JobAttempt]
     hosts: _containers.RepeatedCompositeFieldContainer[HostInput]
     checkpoints: _containers.RepeatedCompositeFieldContainer[JobCheckpoint]
-    def __init__(self, status: _Optional[_Union[JobStatus, _Mapping]] = ..., history: _Optional[_Iterable[_Union[JobTransition, _Mapping]]] = ..., attempts: _Optional[_Iterable[_Union[JobAttempt, _Mapping]]] = ..., hosts: _Optional[_Iterable[_Union[HostInput, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[JobCheckpoint, _Mapping]]] = ...) -> None: ...
+    profiles: _containers.RepeatedCompositeFieldContainer[JobProfile]
+    def __init__(self, status: _Optional[_Union[JobStatus, _Mapping]] = ..., history: _Optional[_Iterable[_Union[JobTransition, _Mapping]]] = ..., attempts: _Optional[_Iterable[_Union[JobAttempt, _Mapping]]] = ..., hosts: _Optional[_Iterable[_Union[HostInput, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[JobCheckpoint, _Mapping]]] = ..., profiles: _Optional[_Iterable[_Union[JobProfile, _Mapping]]] = ...) -> None: ...
 
 class JobList(_message.Message):
     __slots__ = ("jobs",)

@@ -114,6 +114,11 @@ class CoordinatorStub:
                 request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.SliceRequest.SerializeToString,
                 response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.SliceStatsResponse.FromString,
                 _registered_method=True)
+        self.ProfileSlice = channel.unary_unary(
+                '/jaxpod.v1.Coordinator/ProfileSlice',
+                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.ProfileSliceRequest.SerializeToString,
+                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobProfile.FromString,
+                _registered_method=True)
         self.ClusterStatus = channel.unary_unary(
                 '/jaxpod.v1.Coordinator/ClusterStatus',
                 request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.Empty.SerializeToString,
@@ -158,6 +163,11 @@ class CoordinatorStub:
                 '/jaxpod.v1.Coordinator/GetJobLogs',
                 request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobLogsRequest.SerializeToString,
                 response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobLogs.FromString,
+                _registered_method=True)
+        self.ProfileJob = channel.unary_unary(
+                '/jaxpod.v1.Coordinator/ProfileJob',
+                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.ProfileJobRequest.SerializeToString,
+                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobProfile.FromString,
                 _registered_method=True)
         self.ListAudit = channel.unary_unary(
                 '/jaxpod.v1.Coordinator/ListAudit',
@@ -275,6 +285,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProfileSlice(self, request, context):
+        """Starts (stop=false) or ends a jax.profiler trace on every host of the slice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ClusterStatus(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -330,6 +347,13 @@ class CoordinatorServicer:
 
     def GetJobLogs(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProfileJob(self, request, context):
+        """A jax.profiler trace on every host of a running job; answers when it is written.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -424,6 +448,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.SliceRequest.FromString,
                     response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.SliceStatsResponse.SerializeToString,
             ),
+            'ProfileSlice': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProfileSlice,
+                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.ProfileSliceRequest.FromString,
+                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobProfile.SerializeToString,
+            ),
             'ClusterStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.ClusterStatus,
                     request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.Empty.FromString,
@@ -468,6 +497,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetJobLogs,
                     request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobLogsRequest.FromString,
                     response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobLogs.SerializeToString,
+            ),
+            'ProfileJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProfileJob,
+                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.ProfileJobRequest.FromString,
+                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobProfile.SerializeToString,
             ),
             'ListAudit': grpc.unary_unary_rpc_method_handler(
                     servicer.ListAudit,
@@ -918,6 +952,33 @@ class Coordinator:
             _registered_method=True)
 
     @staticmethod
+    def ProfileSlice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxpod.v1.Coordinator/ProfileSlice',
+            jaxpod_dot_proto_dot_coordinator__pb2.ProfileSliceRequest.SerializeToString,
+            jaxpod_dot_proto_dot_coordinator__pb2.JobProfile.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ClusterStatus(request,
             target,
             options=(),
@@ -1150,6 +1211,33 @@ class Coordinator:
             '/jaxpod.v1.Coordinator/GetJobLogs',
             jaxpod_dot_proto_dot_coordinator__pb2.JobLogsRequest.SerializeToString,
             jaxpod_dot_proto_dot_coordinator__pb2.JobLogs.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProfileJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxpod.v1.Coordinator/ProfileJob',
+            jaxpod_dot_proto_dot_coordinator__pb2.ProfileJobRequest.SerializeToString,
+            jaxpod_dot_proto_dot_coordinator__pb2.JobProfile.FromString,
             options,
             channel_credentials,
             insecure,

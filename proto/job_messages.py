@@ -30,7 +30,7 @@ MESSAGES: dict[type, type[Message]] = {
     jobs.JobSpec: pb.JobSpec, jobs.JobStatus: pb.JobStatus, jobs.Transition: pb.JobTransition,
     jobs.Attempt: pb.JobAttempt, jobs.HostInput: pb.HostInput,
     jobs.JobCheckpoint: pb.JobCheckpoint, jobs.JobDetails: pb.JobDetails,
-    jobs.AuditRecord: pb.AuditRecord}
+    jobs.JobProfile: pb.JobProfile, jobs.AuditRecord: pb.AuditRecord}
 
 
 def to_message(value: Any) -> Any:

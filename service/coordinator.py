@@ -14,7 +14,9 @@ import concurrent.futures
 import functools
 import logging
 import math
+import os
 import secrets
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
@@ -38,10 +40,12 @@ from jaxpod.errors import (
 from jaxpod.operations import StepItems
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
-from jaxpod.proto import tensors
+from jaxpod.proto import job_messages, tensors
 from jaxpod.service.group_engine import DefinedFunction, GatherParts, GroupValue
+from jaxpod.service.jobs.checkpoints import join
 from jaxpod.service.jobs.handlers import JobsServicer
 from jaxpod.service.jobs.manager import JobManager
+from jaxpod.service.profiles import SliceProfiler
 from jaxpod.service.quotas import SliceQuotas
 from jaxpod.service.replica_group import OPERATION_TIMEOUT
 from jaxpod.service.sessions import HeldSlice, Session, SessionManager
@@ -85,9 +89,15 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
 
     def __init__(self, slices: SliceProvider, sessions: SessionManager | None = None,
                  max_workers: int = 32, jobs: JobManager | None = None,
-                 tokens: TokenBook | None = None, quotas: SliceQuotas | None = None) -> None:
+                 tokens: TokenBook | None = None, quotas: SliceQuotas | None = None,
+                 checkpoint_dir: str | None = None) -> None:
         self.slices = slices
         self.jobs = jobs
+        #: Where sessions' profiles go, under ``sessions/<holder label>/``: the jobs'
+        #: checkpoint dir, which every host can reach.
+        self.checkpoint_dir = checkpoint_dir or (
+            jobs.checkpoint_dir if jobs is not None
+            else os.path.join(tempfile.gettempdir(), "jaxpod-checkpoints"))
         self.tokens = tokens
         self.sessions = sessions if sessions is not None else SessionManager()
         self.quotas = quotas if quotas is not None else SliceQuotas(tokens, self.sessions)
@@ -472,6 +482,19 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
         _, held = self._slice(request)
         stats = await self._blocking(held.engine.stats)
         return pb.SliceStatsResponse(hosts=[pb.HostStats(**s) for s in stats])
+
+    async def ProfileSlice(self, request: pb.ProfileSliceRequest, context: Any
+                           ) -> pb.JobProfile:
+        session, held = self._slice(request)
+        if held.profiler is None:
+            held.profiler = SliceProfiler(join(self.checkpoint_dir, "sessions",
+                                               tensors.holder_label(session.id)))
+        if request.stop:
+            profile = await self._blocking(held.profiler.stop, held.engine.stop_profile)
+        else:
+            profile = await self._blocking(held.profiler.start, held.engine.start_profile,
+                                           request.seconds)
+        return job_messages.to_message(profile)
 
     async def ClusterStatus(self, request: pb.Empty, context: Any) -> pb.ClusterStatusResponse:
         slices = await self._blocking(self.slices.cluster)

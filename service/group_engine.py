@@ -389,6 +389,17 @@ class GroupEngine:
                                                    init.id if init else None))
         return self._wrap(answers[0][0]), [position for _, position in answers]
 
+    # ----------------------------------------------------------------- profiles
+    def start_profile(self, folder: str, seconds: float) -> None:
+        """Starts a ``jax.profiler`` trace on every host into ``<folder>/host-<i>``;
+        each host ends its own after ``seconds``."""
+        self._call(ops.StartProfile(folder, seconds))
+
+    def stop_profile(self) -> list[str]:
+        """Ends the hosts' traces if they still run; every trace file written, in host
+        order."""
+        return [name for files in self._call(ops.StopProfile()) for name in files]
+
     def preemption_notices(self, timeout: float | None = None) -> list[ops.Notice | None]:
         """Each host's notice of a coming preemption (``None`` where none came), in
         host order. A host with one is about to be killed: checkpoint and release.

@@ -27,10 +27,10 @@ RPC_ROLES: Mapping[str, Role] = MappingProxyType({
     "Put": _SUBMITTER, "DistributeDataset": _SUBMITTER, "CreateIterator": _SUBMITTER,
     "Stream": _SUBMITTER, "Reduce": _SUBMITTER, "Gather": _SUBMITTER,
     "LocalResults": _SUBMITTER, "Fetch": _SUBMITTER, "Free": _SUBMITTER,
-    "SliceStats": _SUBMITTER,
+    "SliceStats": _SUBMITTER, "ProfileSlice": _SUBMITTER,
     # Of its own jobs only (an admin: anyone's), checked on the job.
     "SubmitJob": _SUBMITTER, "CancelJob": _SUBMITTER, "GetJobResult": _SUBMITTER,
-    "GetJobLogs": _SUBMITTER,
+    "GetJobLogs": _SUBMITTER, "ProfileJob": _SUBMITTER,
     "ListAudit": Role.ADMIN,
 })
 
@@ -48,6 +48,7 @@ ROUTE_ROLES: Mapping[tuple[str, str], Role | None] = MappingProxyType({
     ("GET", "/api/v1/jobs"): _VIEWER, ("GET", "/api/v1/jobs/{job_id}"): _VIEWER,
     ("GET", "/api/v1/jobs/{job_id}/events"): _VIEWER,
     ("POST", "/api/v1/jobs/{job_id}/cancel"): _SUBMITTER,  # its own jobs, or an admin
+    ("POST", "/api/v1/jobs/{job_id}/profile"): _SUBMITTER,  # the same
     ("GET", "/api/v1/audit"): Role.ADMIN,
 })
 

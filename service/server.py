@@ -249,7 +249,8 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
     store = JobStore(state_dir) if state_dir is not None else None
     jobs = (JobManager(store, provider, checkpoint_dir, quotas=quotas)
             if store is not None else None)
-    service = CoordinatorService(provider, sessions, jobs=jobs, tokens=tokens, quotas=quotas)
+    service = CoordinatorService(provider, sessions, jobs=jobs, tokens=tokens, quotas=quotas,
+                                 checkpoint_dir=checkpoint_dir)
     grpc_serving = False
     backend = None
     interceptors: list[grpc.aio.ServerInterceptor] = []

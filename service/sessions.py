@@ -29,6 +29,7 @@ from jaxpod.errors import (
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto.tensors import op_of
 from jaxpod.service.group_engine import GroupDataset, GroupEngine, GroupIterator, GroupValue
+from jaxpod.service.profiles import SliceProfiler
 from jaxpod.service.tokens import LOCAL, Principal
 from jaxpod.timeouts import Timeout
 
@@ -69,6 +70,8 @@ class HeldSlice:
     applied_op: int = 0
     open_streams: int = 0
     progress: threading.Condition = field(default_factory=threading.Condition)
+    #: Its ``strategy.profile`` traces (made on the first).
+    profiler: SliceProfiler | None = None
 
     def wait_applied(self, op: int, timeout_s: float) -> None:
         """Waits until the stream has applied operation ``op``.

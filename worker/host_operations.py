@@ -39,6 +39,7 @@ from jaxpod.worker.global_view import (
     reduce_global,
 )
 from jaxpod.worker.output_capture import OutputCapture
+from jaxpod.worker.profiles import HostProfiler
 from jaxpod.worker.value_store import ValueStore
 
 
@@ -56,6 +57,7 @@ class HostOperations(ops.Host):
         self.store = ValueStore()
         self.functions = FunctionRegistry()
         self.checkpoints = HostCheckpoints()
+        self.profiler = HostProfiler()
         self.iterators: dict[int, Any] = {}
         self.datasets: dict[int, Any] = {}
         self._next_id = 1
@@ -107,11 +109,13 @@ class HostOperations(ops.Host):
     def close(self) -> None:
         """Stops every iterator's infeed, drops the datasets, stops capturing output
         (putting the process's streams back), discarding what was captured, and closes
-        the checkpoint managers once their writes are committed."""
+        the checkpoint managers once their writes are committed, and ends any profile
+        capture."""
         self.iterators.clear()
         self.datasets.clear()
         self._output.discard()
         self.checkpoints.close()
+        self.profiler.discard()
 
     # ------------------------------------------------------------------ helpers
     def _drop(self, dropped: Dropped) -> None:
@@ -360,6 +364,12 @@ class HostOperations(ops.Host):
             op.directory, op.step, op.keep, op.skeleton, self.engine.mesh,
             self.engine.host_index, targets=targets)
         return self._keep_values(state), position
+
+    def start_profile(self, op: ops.StartProfile) -> None:
+        self.profiler.start(f"{op.folder.rstrip('/')}/host-{self.process_id}", op.seconds)
+
+    def stop_profile(self, op: ops.StopProfile) -> list[str]:
+        return self.profiler.stop()
 
 
 def _is_value(x: Any) -> bool:

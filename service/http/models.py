@@ -16,6 +16,7 @@ from jaxpod.jobs import (
     HostInput,
     JobCheckpoint,
     JobDetails,
+    JobProfile,
     JobState,
     JobStatus,
     Transition,
@@ -135,7 +136,9 @@ else:
                                                   "attempt, as last read (empty when none "
                                                   "runs)")),
         checkpoints=(list[JobCheckpoint], Field(description="committed checkpoints, "
-                                                            "oldest first")))
+                                                            "oldest first")),
+        profiles=(list[JobProfile], Field(description="jax.profiler traces taken of it, "
+                                                      "oldest first")))
 
 
 class JobList(BaseModel):
@@ -202,4 +205,5 @@ def detail_of(details: JobDetails, series: dict[str, list[tuple[int, float]]],
         "attempt_records": list(details.attempts), "goodput": dict(details.status.goodput or {}),
         "series": {name: [(step, finite(v)) for step, v in thin(kept, points)]
                    for name, kept in sorted(series.items())},
-        "hosts": list(details.hosts), "checkpoints": list(details.checkpoints)})
+        "hosts": list(details.hosts), "checkpoints": list(details.checkpoints),
+        "profiles": list(details.profiles)})

@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-from jaxpod.jobs import HostInput
+from jaxpod.jobs import MAX_PROFILE_SECONDS, HostInput, JobProfile
 from jaxpod.service.http import models
 from jaxpod.service.http.backend import Backend
 from jaxpod.service.jobs import handlers
@@ -220,6 +220,17 @@ async def cancel_job(request: Request, backend: BackendDep, job_id: JobId
     status = await handlers.cancel_and_wait(backend.jobs, job_id, _blocking,
                                             request.state.principal)
     return models.summary_of(status)
+
+
+@jobs.post("/jobs/{job_id}/profile", response_model=JobProfile,
+           responses={**NOT_FOUND, **FORBIDDEN},
+           summary="Trace every host of a running job with jax.profiler for `seconds` "
+                   "(from its next loop boundary); answers once the trace is written")
+async def profile_job(request: Request, backend: BackendDep, job_id: JobId,
+                      seconds: Annotated[float, Query(gt=0, le=MAX_PROFILE_SECONDS)] = 5.0
+                      ) -> JobProfile:
+    return await handlers.profile_job(backend.jobs, job_id, seconds, _blocking,
+                                      request.state.principal)
 
 
 @jobs.get("/jobs/{job_id}/events", response_class=StreamingResponse, responses={

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-from jaxpod.jobs import JobSpec, JobStatus, check_outputs
+from jaxpod.jobs import JobProfile, JobSpec, JobStatus, check_outputs, check_profile_seconds
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto.job_messages import from_message, to_message
 from jaxpod.service.jobs.manager import JobManager
@@ -34,7 +34,7 @@ MAX_AUDIT_PAGE = 10_000
 
 
 class JobsServicer:
-    """``SubmitJob`` ... ``GetJobLogs``; the class using it provides ``jobs``,
+    """``SubmitJob`` ... ``ProfileJob``, ``ListAudit``; the class using it provides ``jobs``,
     ``slices`` and ``_blocking``."""
 
     jobs: JobManager | None
@@ -120,6 +120,12 @@ class JobsServicer:
         return pb.JobLogs(lines=[pb.LogLine(seq=x.seq, host=x.host, line=x.line, at=x.at)
                                  for x in lines])
 
+    async def ProfileJob(self, request: pb.ProfileJobRequest, context: Any
+                         ) -> pb.JobProfile:
+        return to_message(await profile_job(self._manager(), request.job_id,
+                                            request.seconds, self._blocking,
+                                            self.caller(context)))
+
     async def ListAudit(self, request: pb.AuditRequest, context: Any) -> pb.AuditLog:
         limit = request.limit or 100
         if not 1 <= limit <= MAX_AUDIT_PAGE or request.before < 0:
@@ -173,6 +179,16 @@ async def watch_statuses(manager: JobManager, job_id: str, blocking: _Blocking,
         if status.state.is_terminal:
             return
         await manager.events.wait(job_id, version, WATCH_RECHECK.resolve(recheck_s))
+
+
+async def profile_job(manager: JobManager, job_id: str, seconds: float,
+                      blocking: _Blocking, caller: Principal) -> JobProfile:
+    """A profile of the running job, if ``caller`` owns it (or is an admin); answers
+    once the hosts wrote it (the gRPC and HTTP edges share it)."""
+    check_profile_seconds(seconds)
+    await blocking(manager.check_owner, job_id, caller, "profile")
+    await blocking(manager.audit, caller.name, "profile", job_id, f"{seconds:g} s")
+    return await blocking(manager.profile, job_id, seconds)
 
 
 async def cancel_and_wait(manager: JobManager, job_id: str, blocking: _Blocking,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxpod.errors import PermissionDeniedError
-from jaxpod.jobs import HostInput, JobDetails, JobSpec, JobState, JobStatus
+from jaxpod.jobs import HostInput, JobDetails, JobProfile, JobSpec, JobState, JobStatus
 from jaxpod.proto import job_messages
 from jaxpod.service.jobs import goodput
 from jaxpod.service.jobs.checkpoints import JobCheckpoints
@@ -60,6 +60,7 @@ from jaxpod.service.jobs.states import (
     Succeeded,
 )
 from jaxpod.service.jobs.store import JobStore
+from jaxpod.service.profiles import ProfileRequest
 from jaxpod.service.quotas import SliceQuotas
 from jaxpod.service.tokens import Principal
 from jaxpod.timeouts import Timeout
@@ -379,11 +380,35 @@ class JobManager:
 
     def details(self, job_id: str) -> JobDetails:
         """The job in full: its status, history, attempts, the running attempt's host
-        input figures and its checkpoints."""
+        input figures, its checkpoints and its profiles."""
         status = self.status(job_id)
         return JobDetails(
             status, tuple(self.store.history(job_id)), tuple(self.store.attempts(job_id)),
-            self.host_inputs(job_id), tuple(self.store.checkpoints(job_id)))
+            self.host_inputs(job_id), tuple(self.store.checkpoints(job_id)),
+            tuple(self.store.profiles(job_id)))
+
+    def profile(self, job_id: str, seconds: float) -> JobProfile:
+        """A ``jax.profiler`` trace of ``seconds`` on every host of the job's running
+        attempt, started at its next loop boundary; answers once the hosts wrote it
+        (see :mod:`jaxpod.service.profiles`).
+
+        Raises:
+          ValueError: the job is not running on a slice, or its attempt ended first.
+          TimeoutError: the trace was not written in time (its loops are too long).
+        """
+        request = ProfileRequest(seconds)
+        status = self.store.get(job_id)
+        controller = self._active.get(job_id)
+        run = controller.run_now if controller is not None else None
+        if run is None:
+            raise ValueError(
+                f"Job {job_id} is {status.state.value}, not running on a slice: a profile "
+                "traces a running job's steps. Profile it while `jaxpod job "
+                f"{job_id}` says RUNNING.")
+        run.profiling.ask(request)
+        profile = request.wait()
+        self.store.add_profile(job_id, profile)
+        return profile
 
     def host_inputs(self, job_id: str) -> tuple[HostInput, ...]:
         """Each host's input feed in the job's running attempt, as last read (empty when

@@ -53,6 +53,7 @@ from jaxpod.service.jobs.checkpoints import JobCheckpoints
 from jaxpod.service.jobs.codec import JobStoreError, check_storable, skeleton_from, skeleton_of
 from jaxpod.service.jobs.goodput import GoodputClock
 from jaxpod.service.jobs.store import JobStore
+from jaxpod.service.profiles import Profiling
 from jaxpod.shipping import ShippedFunction, ship_object
 from jaxpod.timeouts import Timeout
 
@@ -161,6 +162,8 @@ class JobRun:
         self.hosts: tuple[HostInput, ...] = ()
         self.rate = StepRate(self.start_step, RATE_WINDOW.seconds())
         self._input_waited = 0.0  # the longest host input wait moved to INPUT_WAIT so far
+        #: Profiles asked of this attempt (``JobManager.profile``).
+        self.profiling = Profiling(self.checkpoints.directory)
 
     def run(self) -> Finished:
         """Runs the remaining steps; raises what the job's code raised, a slice
@@ -168,6 +171,7 @@ class JobRun:
         engine, spec, clock = self.engine, self.spec, self._clock
         clock.switch(goodput.SETUP)
         engine.capture_output(True)
+        ended = "it finished"  # what a profile request still waiting is told
         try:
             if spec.mesh:  # a global-view job: one jax.jit program over the slice
                 engine.set_global_view(spec.mesh, ShippedFunction(
@@ -193,6 +197,9 @@ class JobRun:
                 self.step += k
                 outputs = self._reduce(raw)
                 self._record(self.step, outputs)
+                if self.profiling.active:
+                    clock.switch(goodput.MONITORING)
+                    self.profiling.at_boundary(engine.start_profile, engine.stop_profile)
                 if time.monotonic() >= self._next_host_poll:
                     clock.switch(goodput.MONITORING)
                     self._next_host_poll = time.monotonic() + HOST_POLL.seconds()
@@ -206,10 +213,12 @@ class JobRun:
                 self._checkpoint(state, wait=True, during=goodput.RESULT)
             return Finished(outputs, self.step)
         except BaseException as e:
+            ended = f"{type(e).__name__}: {e}"
             if not isinstance(e, SLICE_FAILURES):  # else the hosts cannot commit it
                 self._settle_checkpoints()
             raise
         finally:
+            self.profiling.finish(engine.stop_profile, ended)
             self._poll_hosts()  # what the job printed last
             with contextlib.suppress(Exception):  # the slice may be gone: nothing to stop
                 engine.capture_output(False)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import builtins
 import itertools
+import json
 import math
 import secrets
 import sqlite3
@@ -33,7 +34,15 @@ from typing import Any
 import numpy as np
 
 from jaxpod.errors import JobNotFoundError, VersionMismatchError
-from jaxpod.jobs import Attempt, AuditRecord, JobCheckpoint, JobState, JobStatus, Transition
+from jaxpod.jobs import (
+    Attempt,
+    AuditRecord,
+    JobCheckpoint,
+    JobProfile,
+    JobState,
+    JobStatus,
+    Transition,
+)
 from jaxpod.service.jobs.codec import JobStoreError, load_trees, save_trees
 from jaxpod.service.jobs.files import write_file_atomically
 from jaxpod.service.jobs.goodput import PRODUCTIVE_SHARE, WALL_S, summary
@@ -201,12 +210,23 @@ _V8 = ["""CREATE TABLE audit (
 _V9 = ["ALTER TABLE jobs ADD COLUMN priority INTEGER NOT NULL DEFAULT 0"]
 
 
+# v10: jax.profiler traces captured of running jobs.
+_V10 = ["""CREATE TABLE profiles (
+        job_id TEXT NOT NULL REFERENCES jobs(id),
+        started_at REAL NOT NULL,
+        path TEXT NOT NULL,                     -- its folder (a URL or path)
+        seconds REAL NOT NULL,
+        files TEXT NOT NULL,                    -- the trace files, a JSON list
+        PRIMARY KEY (job_id, path)
+    )"""]
+
+
 #: MIGRATIONS[i] takes a database from schema version i to i + 1. Append only: never
 #: edit a released one (databases in the field were built by it).
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _statements(_V1), _statements(_V2), _statements(_V3), _statements(_V4),
     _statements(_V5), _statements(_V6), _statements(_V7), _statements(_V8),
-    _statements(_V9)]
+    _statements(_V9), _statements(_V10)]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -664,6 +684,24 @@ class JobStore:
             rows = conn.execute("SELECT step, path, saved_at FROM checkpoints WHERE "
                                 "job_id = ? ORDER BY step", (job_id,)).fetchall()
         return [JobCheckpoint(*r) for r in rows]
+
+    def add_profile(self, job_id: str, profile: JobProfile) -> None:
+        """Records a profile captured of the job."""
+        with self._write() as conn:
+            self._require(conn, job_id)
+            conn.execute("INSERT OR REPLACE INTO profiles (job_id, started_at, path, seconds, "
+                         "files) VALUES (?, ?, ?, ?, ?)",
+                         (job_id, profile.started_at, profile.path, profile.seconds,
+                          json.dumps(list(profile.files))))
+
+    def profiles(self, job_id: str) -> builtins.list[JobProfile]:
+        """The job's recorded profiles, oldest first."""
+        with self._read() as conn:
+            self._require(conn, job_id)
+            rows = conn.execute("SELECT path, started_at, seconds, files FROM profiles "
+                                "WHERE job_id = ? ORDER BY started_at", (job_id,)).fetchall()
+        return [JobProfile(path, at, seconds, tuple(json.loads(files)))
+                for path, at, seconds, files in rows]
 
     # ------------------------------------------------------------------ results
 

@@ -209,7 +209,8 @@ def test_status_from_maps_absent_fields_to_none() -> None:
 
 def test_status_from_carries_goodput_and_jaxpod_job_shows_it(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from jaxpod.client.jobs_cli import _print_status
+    from jaxpod.client.jobs_cli import _print_details
+    from jaxpod.jobs import JobDetails
 
     goodput = {"queued": 1.0, "productive": 6.0, "compiling": 2.0, "lost_work": 0.0,
                "other": 1.0, "wall_s": 10.0, "productive_share": 0.6}
@@ -217,7 +218,7 @@ def test_status_from_carries_goodput_and_jaxpod_job_shows_it(
                            created_at=1.0, goodput=goodput)
     status = status_from(message)
     assert status.goodput == goodput
-    _print_status(status, as_json=False)
+    _print_details(JobDetails(status), as_json=False)
     out = capsys.readouterr().out
     section = out[out.index("goodput:"):].splitlines()
     assert section[0].split() == ["goodput:", "60.0%", "productive", "of", "10.000", "s",
@@ -225,9 +226,10 @@ def test_status_from_carries_goodput_and_jaxpod_job_shows_it(
     assert [line.split() for line in section[1:]] == [  # largest first, zeros left out
         ["productive", "6.000", "s", "60.0%"], ["compiling", "2.000", "s", "20.0%"],
         ["other", "1.000", "s", "10.0%"], ["queued", "1.000", "s", "10.0%"]]
-    _print_status(status, as_json=True)
+    _print_details(JobDetails(status), as_json=True)
     assert json.loads(capsys.readouterr().out)["goodput"] == goodput
-    _print_status(status_from(pb.JobStatus(id="j2", state="PENDING")), as_json=False)
+    _print_details(JobDetails(status_from(pb.JobStatus(id="j2", state="PENDING"))),
+                   as_json=False)
     assert "goodput" not in capsys.readouterr().out
 
 

@@ -190,7 +190,8 @@ def test_every_route_has_a_role_and_is_refused_exactly_below_it(
 
 def _cancel_on_the_page(service: Service, issued: dict[str, str], job_id: str) -> None:
     """Each holder signs in to the page showing ``job_id`` (alice's, not over): who may
-    cancel it sees the button, the others do not; root presses it."""
+    cancel or profile it sees the buttons, the others do not; alice takes a profile
+    with hers and root cancels the job."""
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=chromium_path(), headless=True)
         try:
@@ -208,8 +209,15 @@ def _cancel_on_the_page(service: Service, issued: dict[str, str], job_id: str) -
                 button = page.locator("#cancel-job")
                 if name in ("vera", "bob"):
                     expect(button).to_have_count(0)
+                    expect(page.locator("#profile-job")).to_have_count(0)
                 else:
                     expect(button).to_be_visible()
+                if name == "alice":  # her job's profile: a trace file per host, listed
+                    expect(page.locator("#detail-state")).to_have_text("RUNNING",
+                                                                       timeout=60_000)
+                    page.locator("#profile-job").click()
+                    expect(page.locator("#profiles tbody tr td").nth(2)).to_have_text(
+                        "2", timeout=120_000)
                 if name == "root":
                     button.click()
                     expect(page.locator("#detail-state")).to_have_text("CANCELLED",
@@ -239,7 +247,8 @@ def test_jobs_and_sessions_belong_to_their_owner(
 
         theirs = bob.job(job.id)
         for what, act in (("cancel", theirs.cancel), ("GetJobResult", theirs.result),
-                          ("GetJobLogs", theirs.logs)):
+                          ("GetJobLogs", theirs.logs),
+                          ("profile", lambda: theirs.profile(1))):
             with pytest.raises(jaxpod.PermissionDeniedError,
                                match=f"{what}: job {job.id} belongs to 'alice'"):
                 act()

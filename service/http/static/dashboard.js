@@ -9,6 +9,7 @@
   const RATE_POINTS = 120;
   const CHART_POINTS = 2000;  // a series longer than twice this keeps every other point
   const DASH = "–";           // what an empty figure shows
+  const PROFILE_SECONDS = 5;  // how long the Profile button traces each host
   const SVG = "http://www.w3.org/2000/svg";
   const initial = JSON.parse(document.getElementById("initial").textContent);
   const caller = initial.caller;  // who is signed in: the page offers what its role may do
@@ -155,7 +156,11 @@
     section.replaceChildren(h("h2", null, "Job"),
       h("p", null, h("b", null, d.name), " (" + d.id + ", " + (d.owner || DASH) + ") ",
         h("span", {id: "detail-state"}), " step ", h("span", {id: "detail-step"}), "/" + d.steps,
-        mayCancel(d) ? h("button", {id: "cancel-job", type: "button"}, "Cancel") : null),
+        mayControl(d) ? h("button", {id: "cancel-job", type: "button"}, "Cancel") : null,
+        mayControl(d) ? h("button", {id: "profile-job", type: "button",
+                                    title: "trace every host with jax.profiler for " +
+                                           PROFILE_SECONDS + " s"},
+                         "Profile " + PROFILE_SECONDS + " s") : null),
       h("pre", {id: "detail-error", class: "bad", hidden: ""}),
       h("p", {id: "detail-wait", class: "muted", hidden: ""}),
       h("p", {id: "detail-checkpoint", class: "muted"}),
@@ -166,19 +171,23 @@
         table("goodput", "goodput (s)", []),
         table("history", "history", ["at", "from", "to", "reason"]),
         table("attempts", "attempts", ["#", "started", "ended", "step", "cause"]),
+        table("profiles", "profiles (jax.profiler, one host-<i>/ per host)",
+              ["started", "seconds", "trace files", "folder"]),
         table("hosts", "input per host (running attempt)", [
           "host", ["input wait (s)", "seconds its steps waited for input not ready yet"],
           ["queue depth", "chunks of steps ready in its infeed"]])));
     const cancel = byId("cancel-job");
     if (cancel) cancel.addEventListener("click", () => cancelShown(cancel));
+    const profile = byId("profile-job");
+    if (profile) profile.addEventListener("click", () => profileShown(profile));
     showStatus(d);
     fillDetail(d);
     addPoints(d.series);
   }
 
-  // What the server allows (the role table, and a submitter's own jobs): the button is
-  // only offered where the request would succeed.
-  function mayCancel(j) {
+  // What the server allows (the role table, and a submitter's own jobs): Cancel and
+  // Profile are only offered where the request would succeed.
+  function mayControl(j) {
     return caller.role === "admin" || (caller.role === "submitter" && j.owner === caller.name);
   }
 
@@ -188,6 +197,21 @@
       method: "POST", credentials: "same-origin", headers: {Accept: "application/json"}});
     if (r.ok) showStatus(await r.json());
     else button.disabled = false;
+  }
+
+  // A profile answers once the hosts wrote it: the button says so meanwhile.
+  async function profileShown(button) {
+    button.disabled = true;
+    text(button, "Profiling\u2026");
+    try {
+      await fetch("/api/v1/jobs/" + encodeURIComponent(shown) + "/profile?seconds=" +
+                  PROFILE_SECONDS, {method: "POST", credentials: "same-origin",
+                                    headers: {Accept: "application/json"}});
+      await refreshDetail(shown);
+    } finally {
+      text(button, "Profile " + PROFILE_SECONDS + " s");
+      button.disabled = false;
+    }
   }
 
   function chart(id, metric) {
@@ -230,8 +254,11 @@
   // The job's status (its detail, or a status event): the heading, its row, its error.
   function showStatus(j) {
     stateCell(byId("detail-state"), j.state);
+    const over = ["SUCCEEDED", "FAILED", "CANCELLED"].includes(j.state);
     const cancel = byId("cancel-job");
-    if (cancel) cancel.hidden = ["SUCCEEDED", "FAILED", "CANCELLED"].includes(j.state);
+    if (cancel) cancel.hidden = over;
+    const profile = byId("profile-job");
+    if (profile) profile.hidden = j.state !== "RUNNING";
     text(byId("detail-step"), j.step);
     const wait = byId("detail-wait");
     if (wait) {
@@ -260,7 +287,7 @@
     fill("hosts", hosts.map(x => [x.host, fmt(x.input_wait_s, 3), x.input_queue_depth]));
   }
 
-  function fillDetail(d) {  // last checkpoint, goodput, history, attempts, hosts
+  function fillDetail(d) {  // last checkpoint, goodput, history, attempts, profiles, hosts
     const saved = d.checkpoints[d.checkpoints.length - 1];
     text(byId("detail-checkpoint"), saved
       ? "last checkpoint: step " + saved.step + ", " + when(saved.saved_at) + ", " + saved.path
@@ -269,6 +296,8 @@
     fill("history", d.history.map(t => [when(t.at), t.from_state, t.to_state, t.reason]));
     fill("attempts", d.attempt_records.map(a => [a.number, when(a.started_at),
                                                   when(a.ended_at), a.step_reached, a.cause]));
+    fill("profiles", d.profiles.map(x => [when(x.started_at), fmt(x.seconds, 3),
+                                           x.files.length, x.path]), "none");
     fillHosts(d.hosts);
   }
 
