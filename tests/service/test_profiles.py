@@ -4,7 +4,8 @@
 /api/v1/jobs/{id}/profile`` trace every host with ``jax.profiler`` at the job's next loop
 boundary. Each host's trace lands under the job's checkpoint folder in TensorBoard's
 layout and parses, with ``jax.profiler.ProfileData``, as the XSpace protobuf it is,
-holding the worker's operations, the compiled step's runs and its host callback. The job's result is still exact.
+holding the worker's operations, the compiled step's runs and its host callback. The
+job's result is still exact.
 """
 
 from __future__ import annotations
