@@ -125,9 +125,9 @@ def dataset() -> list[np.ndarray]:
     return [rng.normal(size=n).astype(np.float32) for n in (16, 16, 8)]
 
 
-def submit(client: Any, name: str) -> Any:
+def submit(client: Any, name: str, accelerator: str = ACCELERATOR) -> Any:
     return client.submit(
-        pid_printing_step, steps=STEPS, accelerator_type=ACCELERATOR,
+        pid_printing_step, steps=STEPS, accelerator_type=accelerator,
         steps_per_run=STEPS_PER_RUN,
         initial_state={"w": np.linspace(0, 1, STATE_FLOATS, dtype=np.float32),
                        "n": np.int32(0)},
@@ -168,9 +168,10 @@ def check_same(job: Any, got: dict[str, np.ndarray], expected: dict[str, np.ndar
 
 
 # ------------------------------------------------------------------ the job runs
-def uninterrupted(client: Any, name: str) -> tuple[dict[str, np.ndarray], Any, float]:
+def uninterrupted(client: Any, name: str, accelerator: str = ACCELERATOR
+                  ) -> tuple[dict[str, np.ndarray], Any, float]:
     start = time.perf_counter()
-    job = submit(client, name)
+    job = submit(client, name, accelerator)
     final = follow_job(job, lambda status: None, JOB_TIMEOUT_S)[-1][1]
     elapsed = time.perf_counter() - start
     if final.attempts != 1:
@@ -179,9 +180,10 @@ def uninterrupted(client: Any, name: str) -> tuple[dict[str, np.ndarray], Any, f
 
 
 def interrupted(client: Any, name: str, sig: signal.Signals, host: int,
-                expected: dict[str, np.ndarray]) -> dict[str, Any]:
+                expected: dict[str, np.ndarray], accelerator: str = ACCELERATOR
+                ) -> dict[str, Any]:
     """One job whose ``host`` worker gets ``sig`` past ``INTERRUPT_AT``; its figures."""
-    job = submit(client, name)
+    job = submit(client, name, accelerator)
     sent: list[tuple[float, int]] = []
 
     def interrupt(status: Any) -> None:
