@@ -5,10 +5,10 @@ A real ``jaxpod serve --local`` (one simulated v4-8: 1 host, 4 chips; its own to
 state dir and free ports) runs one long job: a data-parallel matmul step
 (``steps_per_run`` steps per loop, its loss recorded as a metric every loop). While it
 runs, the job's rate is measured in alternating phases of ``--phase-s`` seconds (10;
-5 with ``--quick``): ``quiet`` (no HTTP traffic) and ``polled`` (32 concurrent
+3 with ``--quick``): ``quiet`` (no HTTP traffic) and ``polled`` (32 concurrent
 pollers, each on its own keep-alive connection, each sending ``GET /api/v1/jobs`` with
 the bearer token every ``--interval-s``, 1 s as the page does; a poller that falls
-behind sends its next request at once): quiet, then ``--rounds`` (6; 3 with
+behind sends its next request at once): quiet, then ``--rounds`` (6; 2 with
 ``--quick``) pairs of polled and quiet, so every polled phase has a quiet one on each
 side. The pollers speak bare HTTP/1.1 on asyncio streams, the leanest client there is:
 they share the machine's cores with the service and the job.
@@ -248,7 +248,7 @@ def server_p99(service: ServeProcess, route: str) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="5 s phases, 3 rounds")
+    parser.add_argument("--quick", action="store_true", help="3 s phases, 2 rounds")
     parser.add_argument("--pollers", type=int, default=32)
     parser.add_argument("--interval-s", type=float, default=1.0,
                         help="each poller's period (0: back to back)")
@@ -260,8 +260,8 @@ def main() -> None:
                         help="apart: the job's host workers on a core of their own, as "
                              "on a slice (default); shared: every process on every core")
     args = parser.parse_args()
-    phase_s = args.phase_s or (5.0 if args.quick else 10.0)
-    rounds = args.rounds or (3 if args.quick else 6)
+    phase_s = args.phase_s or (3.0 if args.quick else 10.0)
+    rounds = args.rounds or (2 if args.quick else 6)
 
     load_before = os.getloadavg()[0]
     log_path = os.path.join(tempfile.gettempdir(), f"jaxpod-bench-dashboard-{os.getpid()}.log")
