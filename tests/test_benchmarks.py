@@ -1,9 +1,16 @@
-"""The benchmark scripts as files: checks that need no run of them."""
+"""The benchmark scripts as files, and the pages that publish their figures
+(``.ci/run`` runs every script through ``benchmarks/run_all.py --quick``)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -18,3 +25,54 @@ def test_no_benchmark_module_shadows_the_standard_library() -> None:
     assert not shadowing, (
         f"benchmarks/{{{', '.join(shadowing)}}}.py shadow standard-library modules of "
         "the same name; rename them")
+
+
+def _publish() -> Any:
+    spec = importlib.util.spec_from_file_location("publish", BENCHMARKS / "publish.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_published_pages_show_every_target_met_or_not(tmp_path: Path) -> None:
+    publish = _publish()
+    area = SimpleNamespace(script="checkpoint", title="Checkpoints", question="Q?")
+    growth = SimpleNamespace(script="growth", title="Growth", question="G?")
+    hosts, seconds = [1, 2, 4], [1.0, 1.5, 2.5]
+    slope = float(np.polyfit(hosts, seconds, 1)[0])
+    results = {
+        "generated_at": "2026-11-27 10:00 UTC", "command": "python benchmarks/run_all.py",
+        "quick": False, "seconds": 12.0, "notes": {},
+        "machine": {"cores": 2, "cpu": "x86_64", "memory_gib": 24.0, "system": "Linux",
+                    "python": "3.11", "jax": "0.x", "jaxpod": "0.1", "accelerators": "none"},
+        "benchmarks": {
+            "checkpoint": {"command": "python benchmarks/checkpoint.py", "seconds": 5.0,
+                           "exit": 0,
+                           "figures": {"job_save_s": 0.4, "plain_save_s": 0.6},
+                           "targets": {
+                               "save_throughput_vs_orbax": {"value": 1.5, "target": ">= 0.9",
+                                                            "met": True},
+                               "restore_vs_orbax": {"value": 1.2, "target": "<= 1.1",
+                                                    "met": False}}},
+            "growth": {"command": "python benchmarks/growth.py", "seconds": 6.0, "exit": 0,
+                       "figures": {"hosts": hosts, "cores": 2, "allocation_s": seconds,
+                                   "allocation_s_per_host": slope,
+                                   "allocation_s_at_64": 1 + 64 * slope,
+                                   "allocation_s_at_256": 1 + 256 * slope},
+                       "targets": {}}}}
+    (tmp_path / "README.md").write_text(f"x\n{publish.SUMMARY_START}\nold\n"
+                                        f"{publish.SUMMARY_END}\ny\n")
+    written = publish.write_pages(results, tmp_path, [area, growth])
+    page = (tmp_path / "docs" / "benchmarks.md").read_text()
+    assert "**1 of 2 targets met.**" in page
+    assert ("| `save_throughput_vs_orbax` | job_save_s = 0.4 | plain_save_s = 0.6 | 1.5 "
+            "| >= 0.9 | **met** |") in page
+    assert "| `restore_vs_orbax` | - | - | 1.2 | <= 1.1 | **not met** |" in page
+    assert f"| `allocation_s` | 1 | 1.5 | 2.5 | {slope:.4g} |" in page
+    plot = tmp_path / "docs" / "benchmarks" / "growth.png"
+    assert plot in written and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    readme = (tmp_path / "README.md").read_text()
+    assert "old" not in readme and readme.startswith("x\n") and readme.endswith("y\n")
+    assert "job checkpoints saved at 1.5x the throughput" in readme
+    assert json.loads((tmp_path / "results.json").read_text()) == results

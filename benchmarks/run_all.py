@@ -1,0 +1,198 @@
+"""Every benchmark in one run, and the pages that publish their figures.
+
+Runs each script of ``benchmarks/`` as a child process (``--quick`` passed on), reads
+its last line (the JSON report) and writes:
+
+* ``results.json``: every report, with the machine, the command and each script's
+  run time and exit status;
+* ``docs/benchmarks.md``: one table per area (each figure, its lower bound or peer
+  measured in the same run, the ratio, the target, met or not), the machine and the
+  command, and the cost-growth plot ``docs/benchmarks/growth.png``;
+* the headline summary between the ``benchmarks:summary`` markers of ``README.md``.
+
+A full run writes them in the repository (``benchmarks/results.json`` and the docs);
+``--quick`` (under 5 minutes on 2 cores) writes them under ``--out`` (a temporary
+folder unless given), so a smoke run never replaces the published figures. A script
+that fails is recorded as failed and makes this one exit 1, after the others ran.
+
+Usage: ``python benchmarks/run_all.py [--quick] [--only engine,service,...] [--out DIR]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+#: Longest one script may run (a full checkpoint run takes ~20 min on 2 cores).
+SCRIPT_TIMEOUT_S = float(os.environ.get("JAXPOD_BENCH_SCRIPT_TIMEOUT_S", 3600))
+
+
+@dataclasses.dataclass(frozen=True)
+class Area:
+    """One benchmark script and the table it fills."""
+
+    script: str
+    title: str
+    question: str  # what the table answers
+
+
+AREAS = (
+    Area("engine", "Engine (in-process)", "What does jaxpod's in-process strategy cost over "
+         "a hand-written `lax.scan` and a bare `jax.jit` call on the same devices?"),
+    Area("infeed", "Input pipeline", "Does the infeed hide input time behind compute?"),
+    Area("allocate", "Allocation", "How long does acquiring and releasing a 2-host slice take?"),
+    Area("service", "Remote strategy", "What does reaching the hosts through the service "
+         "cost: run latency, `run_steps` against the workers and plain JAX, gather "
+         "against a raw gRPC stream?"),
+    Area("step_loop", "Remote custom loop and cold start", "A TF2-style custom loop "
+         "remote against in-process on the same chips; `run`+`reduce` latency; "
+         "`jaxpod.connect()` with nothing running to the first result."),
+    Area("jobs", "Jobs", "Submit to first step, re-acquiring a warm slice, jobs per "
+         "minute, goodput, against Ray Train's `JaxTrainer` on the same cluster."),
+    Area("recovery", "Recovery", "A host killed or told of its preemption: time to the "
+         "resumed first step, steps lost, bit-identical results."),
+    Area("checkpoint", "Checkpoints", "Host-written orbax checkpoints through a job against "
+         "plain orbax on plain `jax.distributed` processes; the step loop's stall; "
+         "resume far against near."),
+    Area("sharded", "Sharded (global-view) jobs", "A `mesh=` job's steps/s against the same "
+         "`jax.jit` step on plain `jax.distributed` processes."),
+    Area("dashboard", "Dashboard", "32 pollers of the job list: p99 latency, and a running "
+         "job's steps/s against no pollers."),
+    Area("job_queue", "Priorities", "A high-priority job preempting a running one: submit to "
+         "its first step, steps lost."),
+    Area("growth", "Cost growth with hosts", "The same figures on 1, 2, 4 (and 8) "
+         "simulated hosts, fitted per host and read at 64 and 256 hosts."),
+)
+
+
+def peer_installed() -> bool:
+    """Whether Ray Train (the jobs benchmark's peer) can be imported."""
+    try:
+        return importlib.util.find_spec("ray.train") is not None and \
+            importlib.util.find_spec("pandas") is not None
+    except ImportError:
+        return False
+
+
+def script_args(area: Area, quick: bool, notes: dict[str, str]) -> list[str]:
+    args = ["--quick"] if quick else []
+    if area.script == "jobs" and not peer_installed():
+        notes[area.script] = ("Ray Train's `JaxTrainer` (the peer) was not measured: "
+                              "`ray[train]` is not installed here (`pip install -e "
+                              "'.[bench]'`).")
+        args += ["--parts", "reacquire,jobs"]
+    return args
+
+
+def run_script(area: Area, args: list[str], logs: Path) -> dict[str, Any]:
+    """Runs one script; its report plus how it ran (its output goes to ``logs``)."""
+    command = [sys.executable, str(HERE / f"{area.script}.py"), *args]
+    log = logs / f"{area.script}.log"
+    start = time.monotonic()
+    with open(log, "w") as out:
+        try:
+            done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT,
+                                  timeout=SCRIPT_TIMEOUT_S, cwd=REPO)
+            code = done.returncode
+        except subprocess.TimeoutExpired:
+            code = -1
+    seconds = time.monotonic() - start
+    lines = log.read_text(errors="replace").splitlines()
+    entry: dict[str, Any] = {"command": " ".join(["python", f"benchmarks/{area.script}.py",
+                                                  *args]),
+                             "seconds": round(seconds, 1), "exit": code, "log": str(log)}
+    try:
+        reported = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        reported = None
+    if code != 0 or not isinstance(reported, dict) or reported.get("benchmark") is None:
+        entry["error"] = "\n".join(lines[-15:]) or "(no output)"
+        return entry
+    entry.update(figures=reported["figures"], targets=reported["targets"])
+    return entry
+
+
+def machine() -> dict[str, Any]:
+    import jax
+
+    import jaxpod
+
+    with open("/proc/meminfo") as f:
+        total_kib = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
+    return {"cores": os.cpu_count(), "memory_gib": round(total_kib / 2**20, 1),
+            "cpu": platform.processor() or platform.machine(),
+            "system": f"{platform.system()} {platform.release()}",
+            "python": platform.python_version(), "jax": jax.__version__,
+            "jaxpod": jaxpod.__version__,
+            "accelerators": "none: TPU hosts simulated on CPU, one virtual device per chip"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="every script's --quick (a smoke run, < 5 min on 2 cores)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated scripts (default: all): "
+                             + ",".join(a.script for a in AREAS))
+    parser.add_argument("--out", default=None,
+                        help="where results.json and docs/ go (default: the repository "
+                             "for a full run, a temporary folder with --quick)")
+    args = parser.parse_args()
+    chosen = [a for a in AREAS if args.only is None or a.script in args.only.split(",")]
+    unknown = set(args.only.split(",")) - {a.script for a in AREAS} if args.only else set()
+    if unknown or not chosen:
+        parser.error(f"--only takes scripts from {[a.script for a in AREAS]}; got {args.only}")
+    out = Path(args.out) if args.out else (
+        Path(tempfile.mkdtemp(prefix="jaxpod-bench-")) if args.quick else REPO)
+    logs = Path(tempfile.mkdtemp(prefix="jaxpod-bench-logs-"))
+    started = time.time()
+    notes: dict[str, str] = {}
+    results: dict[str, Any] = {
+        "generated_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+        "command": "python benchmarks/run_all.py" + (" --quick" if args.quick else "")
+                   + (f" --only {args.only}" if args.only else ""),
+        "quick": args.quick, "machine": machine(), "benchmarks": {}, "notes": notes}
+    for area in chosen:
+        print(f"run_all: {area.script} ...", flush=True)
+        entry = run_script(area, script_args(area, args.quick, notes), logs)
+        results["benchmarks"][area.script] = entry
+        met = [t["met"] for t in entry.get("targets", {}).values()]
+        print(f"run_all: {area.script} {'FAILED' if 'error' in entry else 'done'} in "
+              f"{entry['seconds']:.0f} s; targets met {sum(met)}/{len(met)}", flush=True)
+        if "error" in entry:
+            print(entry["error"], flush=True)
+    results["seconds"] = round(time.time() - started, 1)
+
+    from publish import write_pages
+
+    written = write_pages(results, out, AREAS)
+    failed = [name for name, e in results["benchmarks"].items() if "error" in e]
+    print(f"run_all: {len(chosen) - len(failed)}/{len(chosen)} scripts ran in "
+          f"{results['seconds']:.0f} s; wrote " + ", ".join(str(p) for p in written)
+          + (f"; logs in {logs}" if failed else ""), flush=True)
+    if failed:
+        print(f"run_all: FAILED: {', '.join(failed)}", file=sys.stderr)
+    from _common import report
+
+    report("run_all", {"scripts": len(chosen), "failed": failed,
+                       "seconds": results["seconds"]},
+           {f"{name}.{figure}": t for name, e in results["benchmarks"].items()
+            for figure, t in e.get("targets", {}).items()})
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    sys.exit(main())
