@@ -14,7 +14,8 @@ from typing import Any
 PAIRS: dict[str, dict[str, tuple[str, str]]] = {
     "engine": {"run_steps_vs_plain_ratio": ("run_steps_ms_per_step", "plain_scan_ms_per_step"),
                "run_vs_bare_jit_ratio": ("run_us_per_call", "bare_jit_us_per_call")},
-    "service": {"remote_vs_workers_step_ratio": ("remote_ms_per_step",
+    "service": {"run_reduce_p50_ms": ("run_reduce_p50_ms", "inprocess_run_reduce_p50_ms"),
+                "remote_vs_workers_step_ratio": ("remote_ms_per_step",
                                                  "inside_workers_ms_per_step"),
                 "gather_vs_raw_ratio": ("gather_gbps", "raw_grpc_gbps")},
     "checkpoint": {"save_throughput_vs_orbax": ("job_save_s", "plain_save_s"),
@@ -191,7 +192,9 @@ def render(results: dict[str, Any], areas: Sequence[Any]) -> str:
         "edit. -->",
         "",
         f"Figures of {kind}, generated {results['generated_at']} by `{results['command']}` "
-        f"in {fmt(results.get('seconds'))} s. **{met} of {len(all_targets)} targets met.**",
+        f"in {fmt(results.get('seconds'))} s"
+        + "".join(f"; then `{c}`" for c in results.get("reruns", []))
+        + f". **{met} of {len(all_targets)} targets met.**",
         "",
         f"Machine: {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB, {m['system']}; "
         f"Python {m['python']}, JAX {m['jax']}, jaxpod {m['jaxpod']}; accelerators: "
@@ -207,8 +210,9 @@ def render(results: dict[str, Any], areas: Sequence[Any]) -> str:
         entry = results["benchmarks"].get(area.script)
         if entry is None:
             continue
+        when = f", run {entry['ran_at']}" if "ran_at" in entry else ""
         lines += [f"## {area.title}", "", area.question, "",
-                  f"`{entry['command']}` ({fmt(entry['seconds'])} s)", ""]
+                  f"`{entry['command']}` ({fmt(entry['seconds'])} s{when})", ""]
         if "error" in entry:
             lines += ["**The script failed** (exit "
                       f"{entry['exit']}); its last lines:", "", "```",
