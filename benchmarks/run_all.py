@@ -12,8 +12,10 @@ its last line (the JSON report) and writes:
 
 A full run writes them in the repository (``benchmarks/results.json`` and the docs);
 ``--quick`` (under 5 minutes on 2 cores) writes them under ``--out`` (a temporary
-folder unless given), so a smoke run never replaces the published figures. A script
-that fails is recorded as failed and makes this one exit 1, after the others ran.
+folder unless given), so a smoke run never replaces the published figures. ``--only``
+runs some scripts and replaces just their entries of the results already there (the
+page says when each ran). A script that fails is recorded as failed and makes this
+one exit 1, after the others ran.
 
 Usage: ``python benchmarks/run_all.py [--quick] [--only engine,service,...] [--out DIR]``
 """
@@ -112,6 +114,7 @@ def run_script(area: Area, args: list[str], logs: Path) -> dict[str, Any]:
     lines = log.read_text(errors="replace").splitlines()
     entry: dict[str, Any] = {"command": " ".join(["python", f"benchmarks/{area.script}.py",
                                                   *args]),
+                             "ran_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                              "seconds": round(seconds, 1), "exit": code, "log": str(log)}
     try:
         reported = json.loads(lines[-1]) if lines else None
@@ -122,6 +125,22 @@ def run_script(area: Area, args: list[str], logs: Path) -> dict[str, Any]:
         return entry
     entry.update(figures=reported["figures"], targets=reported["targets"])
     return entry
+
+
+def merged(results: dict[str, Any], out: Path) -> dict[str, Any]:
+    """``results`` of some scripts over those published under ``out`` by an earlier
+    run of the same kind (its other entries kept); ``results`` when none was."""
+    published = out / "benchmarks" / "results.json"
+    if not published.exists():
+        return results
+    earlier = json.loads(published.read_text())
+    if earlier.get("quick") != results["quick"] or \
+            set(results["benchmarks"]) >= set(earlier.get("benchmarks", {})):
+        return results
+    earlier["benchmarks"].update(results["benchmarks"])
+    earlier.setdefault("notes", {}).update(results["notes"])
+    earlier.setdefault("reruns", []).append(results["command"])
+    return earlier
 
 
 def machine() -> dict[str, Any]:
@@ -173,21 +192,21 @@ def main() -> int:
               f"{entry['seconds']:.0f} s; targets met {sum(met)}/{len(met)}", flush=True)
         if "error" in entry:
             print(entry["error"], flush=True)
-    results["seconds"] = round(time.time() - started, 1)
+    elapsed = results["seconds"] = round(time.time() - started, 1)
+    results = merged(results, out)
 
     from publish import write_pages
 
     written = write_pages(results, out, AREAS)
-    failed = [name for name, e in results["benchmarks"].items() if "error" in e]
+    failed = [a.script for a in chosen if "error" in results["benchmarks"][a.script]]
     print(f"run_all: {len(chosen) - len(failed)}/{len(chosen)} scripts ran in "
-          f"{results['seconds']:.0f} s; wrote " + ", ".join(str(p) for p in written)
+          f"{elapsed:.0f} s; wrote " + ", ".join(str(p) for p in written)
           + (f"; logs in {logs}" if failed else ""), flush=True)
     if failed:
         print(f"run_all: FAILED: {', '.join(failed)}", file=sys.stderr)
     from _common import report
 
-    report("run_all", {"scripts": len(chosen), "failed": failed,
-                       "seconds": results["seconds"]},
+    report("run_all", {"scripts": len(chosen), "failed": failed, "seconds": elapsed},
            {f"{name}.{figure}": t for name, e in results["benchmarks"].items()
             for figure, t in e.get("targets", {}).items()})
     return 1 if failed else 0
