@@ -14,7 +14,8 @@ Two parts run one after the other on this machine, never at once:
   state and whose step holds each step for half the plain save time, so the writes of
   its periodic checkpoints (every 4 steps) end before the next one is asked for.
 
-Figures (medians over repeats; state 1 GiB, 128 MiB with ``--quick``):
+Figures (medians over repeats, the plain ones over at least 3 in a full run; state 1 GiB,
+64 MiB with ``--quick``, one repeat of each, the longer job 28 steps):
 
 1. ``save_throughput_vs_orbax`` (target >= 0.9): plain save-to-commit seconds over the
    job's final checkpoint's seconds (goodput ``result``: from its last loop to the
@@ -68,6 +69,7 @@ HOSTS, CHIPS = 2, 4
 REPLICAS = HOSTS * CHIPS
 MIB = 1 << 20
 STEPS, LONG_STEPS, CHECKPOINT_EVERY = 12, 44, 4
+QUICK_LONG_STEPS = 28  # 6 periodic checkpoints against the short job's 2
 D2H_SAMPLES = 3  # per round: the copy is short and the machine shared
 NOTICE_AFTER = 2  # the restore job's notice: once running past this step
 NEAR_STEP = 10
@@ -344,21 +346,21 @@ def resume_job(client: Any, notify_at: int, name: str) -> float:
 
 
 def measure_jobs(client: Any, mib: int, repeats: int, plain: dict[str, float],
-                 far: int) -> dict[str, Any]:
+                 far: int, long_steps: int = LONG_STEPS) -> dict[str, Any]:
     n = state_floats(mib)
     # Each step waits half the plain save: 4 steps between checkpoints are two saves.
     pause_s = max(0.05, plain.get("save_s", 1.0) / 2)
     saving = [big_state_job(client, n, pause_s, f"bench-save-{i}", notice=False)
               for i in range(repeats)]
     longer = [big_state_job(client, n, pause_s, f"bench-save-long-{i}", notice=False,
-                            steps=LONG_STEPS) for i in range(repeats)]
+                            steps=long_steps) for i in range(repeats)]
     restoring = [big_state_job(client, n, pause_s, f"bench-restore-{i}", notice=True)
                  for i in range(repeats)]
     near = [resume_job(client, NEAR_STEP, f"bench-resume-near-{i}") for i in range(repeats)]
     farther = [resume_job(client, far, f"bench-resume-far-{i}") for i in range(repeats)]
     # Periodic checkpoints (none at the last step: the final one is the result's).
     periodic = STEPS // CHECKPOINT_EVERY - 1
-    more = LONG_STEPS // CHECKPOINT_EVERY - 1 - periodic
+    more = long_steps // CHECKPOINT_EVERY - 1 - periodic
 
     def med(runs: list[dict[str, float]], key: str, per: int = 1) -> float:
         return float(statistics.median(r.get(key, 0.0) / per for r in runs))
@@ -382,7 +384,7 @@ def measure_jobs(client: Any, mib: int, repeats: int, plain: dict[str, float],
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     args = parse_parts(parser, PARTS)
-    mib = 128 if args.quick else 1024
+    mib = 64 if args.quick else 1024
     repeats = 1 if args.quick else 3
     far = 500 if args.quick else 10_000
     figures: dict[str, Any] = {"accelerator_type": ACCELERATOR, "state_mib": mib,
@@ -390,7 +392,7 @@ def main() -> None:
     targets: dict[str, Any] = {}
     plain: dict[str, float] = {}
     if "plain" in args.parts:
-        plain = measure_plain(mib, max(3, repeats))
+        plain = measure_plain(mib, repeats if args.quick else max(3, repeats))
         figures.update({f"plain_{k}": v for k, v in plain.items()})
         print(f"plain orbax: {plain}", flush=True)
     if "jobs" in args.parts:
@@ -400,7 +402,8 @@ def main() -> None:
         with LocalTPUCluster(ACCELERATOR) as cluster, \
                 running_service(cluster.address, "checkpoint") as service, \
                 jaxpod.connect(service.address, token=service.token) as client:
-            figures.update(measure_jobs(client, mib, repeats, plain, far))
+            figures.update(measure_jobs(client, mib, repeats, plain, far,
+                                        QUICK_LONG_STEPS if args.quick else LONG_STEPS))
         figures["resume_to_first_step_far_vs_near"] = (
             figures["resume_to_first_step_far_s"] / figures["resume_to_first_step_near_s"])
         targets["resume_to_first_step_far_vs_near"] = target(
