@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from jaxpod.jobs import JobProfile, check_profile_seconds
@@ -86,6 +86,12 @@ class _Capture:
 
     def due(self) -> bool:
         return time.monotonic() >= self.started + self.seconds
+
+    def written(self, files: Sequence[str]) -> JobProfile:
+        """The profile once the hosts wrote ``files`` (traced until now, at most its
+        seconds)."""
+        traced = min(self.seconds, time.monotonic() - self.started)
+        return JobProfile(self.folder, self.started_at, round(traced, 3), tuple(files))
 
 
 class Profiling:
@@ -155,11 +161,10 @@ class Profiling:
     def _collect(self, stop: Callable[[], list[str]]) -> None:
         capture = self._running
         assert capture is not None
-        files = tuple(stop())
+        profile = capture.written(stop())
         self._running = None
-        traced = min(capture.seconds, time.monotonic() - capture.started)
         for r in capture.requests:
-            r.answer(JobProfile(capture.folder, capture.started_at, round(traced, 3), files))
+            r.answer(profile)
 
 
 class SliceProfiler:
@@ -200,6 +205,4 @@ class SliceProfiler:
             if capture is None:
                 raise ValueError("No profile of this slice is being taken: start one with "
                                  "`with strategy.profile(seconds):`.")
-            files = tuple(end())
-        traced = min(capture.seconds, time.monotonic() - capture.started)
-        return JobProfile(capture.folder, capture.started_at, round(traced, 3), files)
+            return capture.written(end())
