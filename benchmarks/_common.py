@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -12,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -317,3 +318,18 @@ class ServeProcess:
     def stop(self) -> None:
         stop_process(self.process, SERVE_STOP_S)
         shutil.rmtree(self.state_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def kept_log_on_failure(service: Any, log_path: str) -> Iterator[Any]:
+    """``service`` (a started ``jaxpod serve`` with ``log_tail`` and ``stop``) for the
+    ``with`` block: stopped after it, its log printed and kept if the block failed,
+    else removed."""
+    try:
+        yield service
+    except BaseException:
+        print(f"jaxpod serve log (kept at {log_path}):\n{service.log_tail()}", flush=True)
+        raise
+    finally:
+        service.stop()
+    os.unlink(log_path)

@@ -37,7 +37,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np
-from _common import ServeProcess, report, target
+from _common import ServeProcess, kept_log_on_failure, report, target
 
 import jaxpod
 from jaxpod.timeouts import wait_for
@@ -110,21 +110,14 @@ def main() -> None:
     rounds = 1 if args.quick else 3
     log_path = os.path.join(tempfile.gettempdir(), f"jaxpod-bench-queue-{os.getpid()}.log")
     print(f"starting jaxpod serve --local (log {log_path})", file=sys.stderr, flush=True)
-    service = ServeProcess(log_path, "v4-16")
-    try:
-        with jaxpod.connect(service.address, token=service.token) as client:
-            samples = []
-            for index in range(rounds):
-                samples.append(one_round(client, index))
-                print(f"round {index}: " + ", ".join(f"{k} {v:.3f}"
-                                                     for k, v in samples[-1].items()),
-                      file=sys.stderr, flush=True)
-    except BaseException:
-        print(f"jaxpod serve log (kept at {log_path}):\n{service.log_tail()}", flush=True)
-        raise
-    finally:
-        service.stop()
-    os.unlink(log_path)
+    with kept_log_on_failure(ServeProcess(log_path, "v4-16"), log_path) as service, \
+            jaxpod.connect(service.address, token=service.token) as client:
+        samples = []
+        for index in range(rounds):
+            samples.append(one_round(client, index))
+            print(f"round {index}: " + ", ".join(f"{k} {v:.3f}"
+                                                 for k, v in samples[-1].items()),
+                  file=sys.stderr, flush=True)
     median = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
     figures = {"rounds": rounds,
                "high_submit_to_first_step_s": round(median["high_submit_to_first_step_s"], 3),

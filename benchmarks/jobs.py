@@ -90,7 +90,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import log_tail, parse_parts, report, stop_process, target
+from _common import kept_log_on_failure, log_tail, parse_parts, report, stop_process, target
 
 ACCELERATOR = "v4-16"
 ROWS = 64  # rows of the one global batch: 8 per replica on a v4-16
@@ -304,14 +304,8 @@ def running_service(ray_address: str, benchmark: str = "jobs") -> Iterator[Servi
     service = Service(ray_address, log_path)
     print(f"jaxpod serve ready at {service.address} in {time.perf_counter() - start:.1f} s "
           f"(log {log_path})", flush=True)
-    try:
+    with kept_log_on_failure(service, log_path):
         yield service
-    except BaseException:
-        print(f"jaxpod serve log (kept at {log_path}):\n{service.log_tail()}", flush=True)
-        raise
-    finally:
-        service.stop()
-    os.unlink(log_path)
 
 
 # ----------------------------------------------------------------- the jaxpod part
