@@ -298,14 +298,19 @@ class HostCheckpoints:
         # directory -> the one under way (its error is raised by the next call).
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="jaxpod-checkpoint-save")
         self._saving: dict[str, Future[None]] = {}
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="jaxpod-checkpoint-compile")
 
     def _program(self, to_storage: bool, layout: Layout, leaves: tuple[LeafSpec, ...]
                  ) -> Any:
         key = (to_storage, layout.mesh, layout.gather, leaves)
         program = self._programs.get(key)
         if program is None:
-            program = self._programs[key] = (layout.to_storage(leaves) if to_storage
-                                             else layout.from_storage(leaves))
+            if to_storage:
+                program = layout.to_storage(leaves)
+            else:  # compiled for the arrays orbax restores, while it reads them
+                program = layout.from_storage(leaves).lower(
+                    *[layout.target(leaf) for leaf in leaves]).compile()
+            self._programs[key] = program
         return program
 
     def _manager(self, directory: str, keep: int) -> Any:
@@ -431,13 +436,15 @@ class HostCheckpoints:
         if targets is not None:
             return self._restore_global(manager, step, skeleton, specs, targets), position
         layout = Layout(mesh, gather)
+        leaves = tuple(specs[i] for i in jax.tree.leaves(skeleton))
+        # A fresh worker compiles the layout change while orbax reads, not after.
+        program = self._compiler.submit(self._program, False, layout, leaves)
         abstract = trees.thaw(skeleton, lambda i: layout.target(specs[i]))
         restore = ocp.args.PyTreeRestore(
             abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
         restored = manager.restore(step, args=ocp.args.Composite(**{STATE: restore}))[STATE]
         stored, treedef = jax.tree.flatten(restored)
-        leaves = tuple(specs[i] for i in jax.tree.leaves(skeleton))
-        values = self._program(False, layout, leaves)(*stored)
+        values = program.result()(*stored)
         return jax.tree.unflatten(treedef, [PerReplica(v) for v in values]), position
 
     @staticmethod
