@@ -20,7 +20,7 @@ PAIRS: dict[str, dict[str, tuple[str, str]]] = {
                 "gather_vs_raw_ratio": ("gather_gbps", "raw_grpc_gbps")},
     "checkpoint": {"save_throughput_vs_orbax": ("job_save_s", "plain_save_s"),
                    "stall_vs_d2h": ("job_stall_per_checkpoint_s", "plain_d2h_s"),
-                   "restore_vs_orbax": ("job_restore_s", "plain_restore_s"),
+                   "restore_vs_orbax": ("job_restore_s", "plain_restore_job_checkpoint_s"),
                    "resume_to_first_step_far_vs_near": ("resume_to_first_step_far_s",
                                                         "resume_to_first_step_near_s")},
     "step_loop": {"loop_remote_vs_inprocess": ("loop_remote_ms_per_step",
