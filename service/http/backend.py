@@ -93,8 +93,8 @@ class Backend:
     def job_list(self, state: str | None, limit: int, offset: int) -> models.JobList:
         manager = self.jobs
         statuses = manager.statuses(state, limit, offset)
-        total = (offset + len(statuses) if len(statuses) < limit and (statuses or not offset)
-                 else len(manager.store.list(state)))
+        counts = manager.store.counts()
+        total = sum(counts.values()) if state is None else counts[JobState.parse(state).value]
         return models.JobList(jobs=[models.summary_of(s) for s in statuses], total=total,
                               limit=limit, offset=offset)
 
@@ -105,11 +105,9 @@ class Backend:
 
     def job_counts(self) -> dict[str, int]:
         """Jobs by state (every state, zeros included)."""
-        counts = dict.fromkeys((s.value for s in JobState), 0)
-        if self.service.jobs is not None:
-            for status in self.service.jobs.store.list():
-                counts[status.state.value] += 1
-        return counts
+        if self.service.jobs is None:
+            return dict.fromkeys((s.value for s in JobState), 0)
+        return self.service.jobs.store.counts()
 
     def unfinished(self) -> list[JobStatus]:
         """Statuses of the jobs not over yet (what per-job metrics cover)."""

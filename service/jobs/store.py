@@ -758,6 +758,16 @@ class JobStore:
         self._changed()
         return Recovery(requeue=requeue, resumed=resumed)
 
+    def counts(self) -> dict[str, int]:
+        """How many jobs are in each state (every state, zeros included): one indexed
+        count, not a read of every job."""
+        counts = dict.fromkeys((s.value for s in JobState), 0)
+        with self._read() as conn:
+            for state, count in conn.execute(
+                    "SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall():
+                counts[state] = int(count)
+        return counts
+
     def list(self, state: JobState | str | None = None, limit: int | None = None,
              offset: int = 0) -> builtins.list[JobStatus]:
         """Jobs in creation order, optionally only those in ``state``; ``limit`` and

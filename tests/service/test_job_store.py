@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import math
@@ -609,6 +610,9 @@ def test_list_orders_by_creation_filters_and_pages(tmp_path: Path) -> None:
         assert [j.id for j in store.list(limit=2, offset=4)] == ["a"]
         assert [j.id for j in store.list(state="PENDING", limit=1, offset=1)] == ["c"]
         assert store.list(state=S.SUCCEEDED) == []
+        # Counts come from one query; they match counting the listed jobs.
+        listed = collections.Counter(j.state.value for j in store.list())
+        assert store.counts() == {s.value: listed.get(s.value, 0) for s in S}
         with pytest.raises(ValueError, match="Unknown job state 'DONE'"):
             store.list(state="DONE")
         with pytest.raises(JobStoreError, match="limit and offset must be >= 0"):
