@@ -68,6 +68,99 @@ class HostPlacement:
     name: str | None = None
 
 
+class WorkerLauncher(Protocol):
+    """Starts, calls and stops a group's :class:`HostWorker` processes: Ray actors
+    (:class:`RayWorkers`) or plain processes of this machine
+    (:class:`~jaxpod.service.process_workers.ProcessWorkers`). Everything after the
+    start (operations, resets, faults) goes over the operation channels, the same
+    whichever started the workers."""
+
+    def start(self, placements: Sequence[HostPlacement], devices_per_host: int,
+              platform: str) -> list[Any]:
+        """One started worker per placement, in host order (constructed, not joined)."""
+        ...
+
+    def call(self, workers: Sequence[Any], method: str, args: Sequence[tuple[Any, ...]],
+             deadline: float, what: str, limit: float) -> list[Any]:
+        """``method(*args[i])`` on each worker at once; their results in order.
+
+        Raises:
+          WorkerStartError: some did not answer by ``deadline`` (monotonic; ``what``
+            and ``limit`` word the message); what a call raised, as it raised it.
+        """
+        ...
+
+    def stop(self, workers: Sequence[Any], limit: float) -> None:
+        """Asks every worker to leave its group (``shutdown``), waits up to ``limit``
+        seconds, then kills them."""
+        ...
+
+    def kill(self, workers: Sequence[Any]) -> None:
+        """Kills the workers at once (those gone already are skipped)."""
+        ...
+
+
+class RayWorkers:
+    """Host workers as Ray actors, each pinned to its placement-group bundle."""
+
+    def start(self, placements: Sequence[HostPlacement], devices_per_host: int,
+              platform: str) -> list[Any]:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from jaxpod.service.resolvers.ray import RAY_NAMESPACE
+
+        actor_cls = ray.remote(HostWorker)
+        # A restart launches while Ray may still hold the killed actors' names.
+        suffix = uuid.uuid4().hex[:6]
+        return [
+            actor_cls.options(
+                num_cpus=p.num_cpus, resources=p.resources,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    p.placement_group, placement_group_bundle_index=p.bundle_index),
+                **({"name": f"{p.name}:{suffix}", "namespace": RAY_NAMESPACE}
+                   if p.name else {}),
+            ).remote(i, len(placements), devices_per_host, platform, p.env, p.unset_env)
+            for i, p in enumerate(placements)
+        ]
+
+    def call(self, workers: Sequence[Any], method: str, args: Sequence[tuple[Any, ...]],
+             deadline: float, what: str, limit: float) -> list[Any]:
+        import ray
+
+        refs = [getattr(w, method).remote(*a) for w, a in zip(workers, args, strict=True)]
+        _, pending = ray.wait(refs, num_returns=len(refs),
+                              timeout=max(0.0, deadline - time.monotonic()))
+        if pending:
+            raise not_answered([i for i, r in enumerate(refs) if r in pending],
+                                len(refs), what, limit)
+        return list(ray.get(refs))
+
+    def stop(self, workers: Sequence[Any], limit: float) -> None:
+        import ray
+
+        refs = [w.shutdown.remote() for w in workers]
+        ray.wait(refs, num_returns=len(refs), timeout=limit)
+        self.kill(workers)
+
+    def kill(self, workers: Sequence[Any]) -> None:
+        if not workers:
+            return
+        import ray
+
+        for w in workers:
+            with contextlib.suppress(Exception):  # gone already
+                ray.kill(w)
+
+
+def not_answered(missing: list[int], hosts: int, what: str, limit: float
+                  ) -> WorkerStartError:
+    return WorkerStartError(
+        f"Hosts {missing} of {hosts} did not {what} within {limit:g}s "
+        f"({START_TIMEOUT.env_var}). Check that every host of the slice is up and can "
+        "reach host 0's coordinator port.")
+
+
 @dataclass(frozen=True)
 class _Recipe:
     """How a group's workers were started, to start them again in the same place."""
@@ -76,6 +169,7 @@ class _Recipe:
     devices_per_host: int
     platform: str
     start_timeout_s: float | None
+    launcher: WorkerLauncher
 
 
 class ReplicaGroup:
@@ -121,16 +215,18 @@ class ReplicaGroup:
 
     @classmethod
     def start(cls, placements: Sequence[HostPlacement], devices_per_host: int,
-              platform: str = SIMULATED_PLATFORM, start_timeout_s: float | None = None
-              ) -> ReplicaGroup:
-        """Starts one worker per placement and forms the ``jax.distributed`` group.
+              platform: str = SIMULATED_PLATFORM, start_timeout_s: float | None = None,
+              launcher: WorkerLauncher | None = None) -> ReplicaGroup:
+        """Starts one worker per placement (as Ray actors unless ``launcher`` says
+        otherwise) and forms the ``jax.distributed`` group.
 
         Raises:
           WorkerStartError: a worker did not start or some host did not join within
             the start time-out (``JAXPOD_WORKER_START_TIMEOUT_S``); every started
             worker is stopped first.
         """
-        recipe = _Recipe(tuple(placements), devices_per_host, platform, start_timeout_s)
+        recipe = _Recipe(tuple(placements), devices_per_host, platform, start_timeout_s,
+                         launcher or RayWorkers())
         return cls(*_launch(recipe), recipe)
 
     def _reset(self, why: str) -> SliceResetError:
@@ -138,7 +234,7 @@ class ReplicaGroup:
         error to raise, saying what happened to the slice's values."""
         assert self._recipe is not None
         self._close_channels()
-        _kill(self._workers)
+        self._recipe.launcher.kill(self._workers)
         try:
             self._workers, self.info, self._channels = _launch(self._recipe)
         except WorkerStartError as e:
@@ -147,7 +243,7 @@ class ReplicaGroup:
                                    "release the slice and acquire a new one.")
         if self._stopped:  # released meanwhile
             self._close_channels()
-            _kill(self._workers)
+            self._recipe.launcher.kill(self._workers)
             return SliceResetError(f"{why}; the slice was released meanwhile.")
         # Ids go on from where they were: a value from before the reset must never
         # name one made after it (nor its finalizer free that one).
@@ -279,20 +375,19 @@ class ReplicaGroup:
         worker, whose others would wait for it in ``jax.distributed.shutdown``."""
         self._stopped = True
         self._close_channels()
-        _kill(self._workers)
+        self._launcher.kill(self._workers)
         self._broken = "stopped"
 
     def stop(self, timeout: float | None = None) -> None:
         """Shuts the group down (``jax.distributed.shutdown`` with a limit), then kills."""
-        import ray
-
         self._stopped = True  # a reset under way stops the workers it started
-        limit = STOP_TIMEOUT.resolve(timeout)
         self._close_channels()
-        refs = [w.shutdown.remote() for w in self._workers]
-        ray.wait(refs, num_returns=len(refs), timeout=limit)
-        _kill(self._workers)
+        self._launcher.stop(self._workers, STOP_TIMEOUT.resolve(timeout))
         self._broken = "stopped"
+
+    @property
+    def _launcher(self) -> WorkerLauncher:
+        return self._recipe.launcher if self._recipe is not None else RayWorkers()
 
 
 def _host_error(results: list[Any], failed: list[int], name: str) -> BaseException:
@@ -324,69 +419,34 @@ class DropSource(Protocol):
     def restore(self, dropped: Dropped) -> None: ...
 
 
-def _get_all(refs: list[Any], deadline: float, what: str, limit: float) -> list[Any]:
-    import ray
-
-    _, pending = ray.wait(refs, num_returns=len(refs),
-                          timeout=max(0.0, deadline - time.monotonic()))
-    if pending:
-        missing = [i for i, r in enumerate(refs) if r in pending]
-        raise WorkerStartError(
-            f"Hosts {missing} of {len(refs)} did not {what} within {limit:g}s "
-            f"({START_TIMEOUT.env_var}). Check that every host of the slice is up and can "
-            "reach host 0's coordinator port."
-        )
-    return list(ray.get(refs))
-
-
-def _kill(workers: list[Any]) -> None:
-    import ray
-
-    for w in workers:
-        with contextlib.suppress(Exception):  # gone already
-            ray.kill(w)
-
-
 def _launch(recipe: _Recipe) -> tuple[list[Any], list[dict[str, int]], list[socket.socket]]:
     """Starts the recipe's workers and connects to them: workers, info, channels."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from jaxpod.service.resolvers.ray import RAY_NAMESPACE
-
-    placements, platform = recipe.placements, recipe.platform
+    placements, launcher = recipe.placements, recipe.launcher
     limit = START_TIMEOUT.resolve(recipe.start_timeout_s)
     deadline = time.monotonic() + limit
-    actor_cls = ray.remote(HostWorker)
-    # A restart launches while Ray may still hold the killed actors' names.
-    suffix = uuid.uuid4().hex[:6]
-    workers: list[Any] = [
-        actor_cls.options(
-            num_cpus=p.num_cpus, resources=p.resources,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                p.placement_group, placement_group_bundle_index=p.bundle_index),
-            **({"name": f"{p.name}:{suffix}", "namespace": RAY_NAMESPACE} if p.name else {}),
-        ).remote(i, len(placements), recipe.devices_per_host, platform, p.env, p.unset_env)
-        for i, p in enumerate(placements)
-    ]
+    workers: list[Any] = []
     channels: list[socket.socket] = []
     try:
-        address = ray.get(workers[0].node_address.remote(), timeout=limit)
-        port = ray.get(workers[0].reserve_port.remote(), timeout=limit)
-        coordinator = f"{address}:{port}"
-        refs = [w.initialize.remote(coordinator, max(1.0, deadline - time.monotonic()))
-                for w in workers]
-        info = _get_all(refs, deadline, "join the jax.distributed group", limit)
+        workers = launcher.start(placements, recipe.devices_per_host, recipe.platform)
+
+        def on_all(method: str, *args: Any, what: str) -> list[Any]:
+            return launcher.call(workers, method, [args] * len(workers), deadline, what,
+                                 limit)
+
+        first = workers[:1]
+        (address,) = launcher.call(first, "node_address", [()], deadline, "start", limit)
+        (port,) = launcher.call(first, "reserve_port", [()], deadline, "start", limit)
+        info = on_all("initialize", f"{address}:{port}",
+                      max(1.0, deadline - time.monotonic()),
+                      what="join the jax.distributed group")
         key = channel.new_key()
-        addresses = _get_all([w.open_channel.remote(key) for w in workers], deadline,
-                             "open their operation channel", limit)
-        for address in addresses:
+        for where in on_all("open_channel", key, what="open their operation channel"):
             channels.append(channel.connect(
-                address, key, max(1.0, deadline - time.monotonic())))
+                where, key, max(1.0, deadline - time.monotonic())))
     except BaseException as e:
         for sock in channels:
             sock.close()
-        _kill(workers)
+        launcher.kill(workers)
         if isinstance(e, WorkerStartError):
             raise
         raise WorkerStartError(
