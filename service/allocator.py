@@ -47,7 +47,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from jaxpod.errors import AllocationCancelledError, AllocationTimeoutError
 from jaxpod.service.orphans import object_name
-from jaxpod.service.resolvers.base import DEFAULT_MEGASCALE_PORT, SliceInfo
+from jaxpod.service.resolvers.base import ALLOCATION_TIMEOUT, DEFAULT_MEGASCALE_PORT, SliceInfo
 from jaxpod.service.resolvers.ray import (
     POD_TYPE_LABEL,
     SLICE_NAME_LABEL,
@@ -61,7 +61,6 @@ from jaxpod.timeouts import Deadline, Timeout, wait_for
 
 logger = logging.getLogger(__name__)
 
-ALLOCATION_TIMEOUT = Timeout("JAXPOD_ALLOCATION_TIMEOUT_S", 60.0)
 #: How long a head reservation on a slice that looked idle may stay pending before
 #: the claim counts as lost to a concurrent request (and is retried elsewhere).
 HEAD_CLAIM_TIMEOUT = Timeout("JAXPOD_HEAD_CLAIM_TIMEOUT_S", 2.0)
@@ -250,6 +249,16 @@ class Allocation:
     def released(self) -> bool:
         """Whether :meth:`release` ran."""
         return self._released
+
+    def names(self) -> list[str]:
+        """The slices' names, in ``MEGASCALE_SLICE_ID`` order."""
+        return [s.info.name for s in self.slices]
+
+    def describe(self) -> dict[str, Any]:
+        """What a held slice reports of this allocation."""
+        return {"accelerator_type": self.slices[0].info.accelerator_type,
+                "num_slices": len(self.slices), "num_hosts": len(self.hosts),
+                "slice_names": self.names()}
 
     def placement_groups(self) -> tuple[PlacementGroup, ...]:
         """Every placement group this allocation holds (hosts first, then heads)."""

@@ -17,7 +17,7 @@ import math
 import os
 import secrets
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -68,6 +68,11 @@ class SliceProvider(Protocol):
     def acquire(self, request: pb.AcquireSliceRequest, slice_id: str) -> HeldSlice: ...
 
     def cluster(self) -> list[pb.ClusterSlice]: ...
+
+    def snapshot(self) -> Sequence[Any]:
+        """Every slice with its hosts and health, as the resolvers read them (objects
+        with ``info``, a ``SliceInfo``, and ``problems``): for the status page."""
+        ...
 
     def has_free(self, accelerator_type: str, num_slices: int) -> bool:
         """Whether an acquire of that shape would get slices without waiting."""

@@ -57,6 +57,7 @@ from jaxpod.service.coordinator import (
 from jaxpod.service.jobs.manager import JobManager
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.quotas import SliceQuotas
+from jaxpod.service.resolvers.base import ALLOCATION_TIMEOUT
 from jaxpod.service.sessions import SessionManager
 from jaxpod.service.status import status_of
 from jaxpod.service.tokens import TokenBook, denial
@@ -258,7 +259,7 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
         from jaxpod.service.http.backend import Backend  # FastAPI: only when serving HTTP
         from jaxpod.service.http.metrics import ServiceMetrics
 
-        backend = Backend(service, provider.state, _ray_snapshot, lambda: grpc_serving,
+        backend = Backend(service, provider.state, provider.snapshot, lambda: grpc_serving,
                           metrics=ServiceMetrics())
         backend.metrics.watch(backend)
         interceptors.append(backend.metrics.interceptor())
@@ -339,13 +340,6 @@ def _stop_on_eof(stop: asyncio.Event) -> None:
         stop.set()
 
 
-def _ray_snapshot() -> Sequence[Any]:
-    """The Ray cluster's slices with their hosts (for the HTTP dashboard)."""
-    from jaxpod.service.resolvers.ray import snapshot  # imports Ray: here only
-
-    return snapshot()[0]
-
-
 class _DeferredSlices:
     """The slice provider once the cluster is up.
 
@@ -406,8 +400,6 @@ class _DeferredSlices:
     def acquire(self, request: pb.AcquireSliceRequest, slice_id: str) -> Any:
         if self._target is not None:
             return self._target.acquire(request, slice_id)
-        from jaxpod.service.allocator import ALLOCATION_TIMEOUT  # imports Ray: here only
-
         deadline = Deadline(ALLOCATION_TIMEOUT.resolve(request.timeout_s or None))
         target = self._wait(
             deadline, f"acquiring a {request.accelerator_type or '?'} slice",
@@ -433,6 +425,12 @@ class _DeferredSlices:
             Deadline(timeout.seconds()), "cluster status",
             f"{timeout.env_var}, default {timeout.default_s:g}s", timeout.env_var,
             ServiceUnavailableError).cluster()
+
+    def snapshot(self) -> Sequence[Any]:
+        """The cluster's slices with their hosts (for the page); only once ready."""
+        if self._target is None:
+            raise ServiceUnavailableError("the cluster is not up yet")
+        return self._target.snapshot()
 
     def close(self) -> None:
         if self._target is not None:

@@ -10,22 +10,24 @@ slice where some host has a preemption notice is stopped instead.
 
 from __future__ import annotations
 
+import abc
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from jaxpod.errors import SliceResetError
 from jaxpod.proto import coordinator_pb2 as pb
-from jaxpod.service.allocator import Allocation, SliceAllocator
 from jaxpod.service.group_engine import GroupEngine
-from jaxpod.service.orphans import object_name
 from jaxpod.service.replica_group import HostPlacement, ReplicaGroup
 from jaxpod.service.sessions import HeldSlice
 from jaxpod.timeouts import Timeout
 from jaxpod.worker.host_worker import SIMULATED_PLATFORM
+
+if TYPE_CHECKING:  # the allocator imports Ray: a provider without it never does
+    from jaxpod.service.allocator import Allocation, SliceAllocator
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ WarmKey = tuple[str, int]
 def placements(allocation: Allocation) -> list[HostPlacement]:
     """One placement per allocated host, in JAX process-id order; each worker is named
     ``jaxpod:<instance>:<allocation>:host-<process id>`` (plus a per-launch suffix)."""
+    from jaxpod.service.orphans import object_name  # imports Ray
+
     cpus = allocation.request.cpus_per_host
     return [
         HostPlacement(placement_group=s.placement_group, bundle_index=h.bundle_index,
@@ -69,14 +73,28 @@ def start_replica_group(allocation: Allocation, platform: str = SIMULATED_PLATFO
                               start_timeout_s)
 
 
+class Held(Protocol):
+    """The capacity one acquire holds: a Ray :class:`Allocation`, or a local one."""
+
+    def names(self) -> list[str]:
+        """Its slices' names."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """What a ``HeldSlice`` reports of it (type, slices, hosts, names)."""
+        ...
+
+    def release(self) -> None: ...
+
+
 @dataclass(eq=False)
 class WarmSlice:
     """A released slice whose workers were reset and wait for the next acquire; it
-    keeps its placement groups (so Ray counts it as held) but has no holder."""
+    keeps its capacity (so no other acquire can take it) but has no holder."""
 
     key: WarmKey
     group: ReplicaGroup
-    allocation: Allocation
+    allocation: Held
     functions: weakref.WeakKeyDictionary[Any, str]
 
     def stop(self) -> None:
@@ -90,28 +108,38 @@ class WarmSlice:
             self.allocation.release()
 
 
-class RaySlices:
-    """The coordinator's slice provider: allocation, host workers, device assignment.
+class PooledSlices(abc.ABC):
+    """A slice provider's common part: acquire, release, and the warm pool.
 
     Released slices stay warm, one pool per :data:`WarmKey`, until an acquire of the
     same shape takes them, an acquire that finds no free capacity needs them, or
-    :meth:`close`.
-
-    Args:
-      allocator: whole-slice allocation on the Ray cluster this process joined.
-      platform: ``"cpu"`` for simulated hosts, ``"tpu"`` on real ones.
-      start_timeout_s: overrides ``JAXPOD_WORKER_START_TIMEOUT_S``.
+    :meth:`close`. Subclasses say where capacity and workers come from.
     """
 
-    def __init__(self, allocator: SliceAllocator | None = None,
-                 platform: str = SIMULATED_PLATFORM,
-                 start_timeout_s: float | None = None) -> None:
-        self.allocator = allocator or SliceAllocator()
-        self.platform = platform
-        self.start_timeout_s = start_timeout_s
+    def __init__(self) -> None:
         self._warm: list[WarmSlice] = []
         self._lock = threading.Lock()
         self._closed = False
+
+    @abc.abstractmethod
+    def _allocate(self, request: pb.AcquireSliceRequest, key: WarmKey) -> Held:
+        """Holds ``key[1]`` whole slices of ``key[0]`` (waiting as the request allows)."""
+
+    @abc.abstractmethod
+    def _start_group(self, held: Held) -> ReplicaGroup:
+        """Starts the held slices' host workers as one replica group."""
+
+    @abc.abstractmethod
+    def _idle_slices(self, accelerator_type: str) -> int:
+        """Slices of the type that nothing holds, warm ones excluded."""
+
+    @abc.abstractmethod
+    def cluster(self) -> list[pb.ClusterSlice]:
+        """Every slice of the cluster."""
+
+    @abc.abstractmethod
+    def snapshot(self) -> Sequence[Any]:
+        """Every slice with its hosts and health (see ``SliceProvider.snapshot``)."""
 
     def warm(self) -> list[WarmSlice]:
         """The warm slices now, oldest first."""
@@ -138,15 +166,14 @@ class RaySlices:
             if any(w.key == key for w in self._warm):
                 return True
             warm = sum(w.key[1] for w in self._warm if w.key[0] == key[0])
-        return warm + _idle_slices(key[0]) >= num_slices
+        return warm + self._idle_slices(key[0]) >= num_slices
 
     def _start(self, request: pb.AcquireSliceRequest, slice_id: str, key: WarmKey
                ) -> HeldSlice:
-        allocation = self.allocator.allocate(request.accelerator_type, key[1],
-                                             timeout_s=request.timeout_s or None)
+        allocation = self._allocate(request, key)
         group: ReplicaGroup | None = None
         try:
-            group = start_replica_group(allocation, self.platform, self.start_timeout_s)
+            group = self._start_group(allocation)
             engine = GroupEngine(group)
             _configure(engine, request)
         except BaseException:
@@ -168,24 +195,24 @@ class RaySlices:
                 self._park(warm)  # every worker answered: the request itself is wrong
                 raise
             logger.warning("warm slice %s is lost (%s: %s); stopping it and starting "
-                           "fresh workers", _names(warm.allocation), type(e).__name__, e)
+                           "fresh workers", warm.allocation.names(), type(e).__name__, e)
             _stop_quietly(warm)
             return None
         notices = [n for n in engine.preemption_notices() if n is not None]
         if notices:  # told of its preemption while it waited warm: about to be killed
             logger.warning("warm slice %s has a preemption notice (%s); stopping it and "
-                           "starting fresh workers", _names(warm.allocation),
+                           "starting fresh workers", warm.allocation.names(),
                            notices[0].reason)
             _stop_quietly(warm)
             return None
         return self._held(slice_id, engine, warm.allocation, warm.key)
 
-    def _held(self, slice_id: str, engine: GroupEngine, allocation: Allocation,
+    def _held(self, slice_id: str, engine: GroupEngine, allocation: Held,
               key: WarmKey) -> HeldSlice:
         return HeldSlice(slice_id, engine, self._releaser(engine, allocation, key),
-                         _describe(allocation))
+                         allocation.describe())
 
-    def _releaser(self, engine: GroupEngine, allocation: Allocation, key: WarmKey
+    def _releaser(self, engine: GroupEngine, allocation: Held, key: WarmKey
                   ) -> Callable[[], None]:
         """The slice's release (idempotent): its workers reset and kept warm."""
         lock = threading.Lock()
@@ -212,15 +239,15 @@ class RaySlices:
             resets = None if any(notices) else engine.reset_workers(WARM_RESET_TIMEOUT.seconds())
         except Exception as e:
             logger.warning("slice %s failed its reset (%s: %s); stopping its workers",
-                           _names(warm.allocation), type(e).__name__, e)
+                           warm.allocation.names(), type(e).__name__, e)
             warm.stop()
             return
         if resets is None:
             logger.warning("slice %s has preemption notices %s; stopping its workers",
-                           _names(warm.allocation), notices)
+                           warm.allocation.names(), notices)
             warm.stop()
             return
-        logger.info("slice %s kept warm; freed per host: %s", _names(warm.allocation),
+        logger.info("slice %s kept warm; freed per host: %s", warm.allocation.names(),
                     [(r.values, r.datasets, r.iterators) for r in resets])
         self._park(warm)
 
@@ -245,13 +272,13 @@ class RaySlices:
         free any: slices of other types are other hosts."""
         with self._lock:
             blocking = [w for w in self._warm if w.key[0] == key[0]]
-        if not blocking or _idle_slices(key[0]) >= key[1]:
+        if not blocking or self._idle_slices(key[0]) >= key[1]:
             return
         with self._lock:
             evicted = [w for w in blocking if w in self._warm]
             self._warm = [w for w in self._warm if w not in evicted]
         for w in evicted:
-            logger.info("stopping warm slice %s to make room for %s", _names(w.allocation),
+            logger.info("stopping warm slice %s to make room for %s", w.allocation.names(),
                         key)
             _stop_quietly(w)
 
@@ -264,12 +291,50 @@ class RaySlices:
         for w in warm:
             _stop_quietly(w)
 
-    def cluster(self) -> list[pb.ClusterSlice]:
+
+
+class RaySlices(PooledSlices):
+    """The coordinator's slice provider on a Ray cluster: whole-slice allocation
+    (placement groups), host workers as Ray actors, device assignment.
+
+    Args:
+      allocator: whole-slice allocation on the Ray cluster this process joined.
+      platform: ``"cpu"`` for simulated hosts, ``"tpu"`` on real ones.
+      start_timeout_s: overrides ``JAXPOD_WORKER_START_TIMEOUT_S``.
+    """
+
+    def __init__(self, allocator: SliceAllocator | None = None,
+                 platform: str = SIMULATED_PLATFORM,
+                 start_timeout_s: float | None = None) -> None:
+        from jaxpod.service.allocator import SliceAllocator
+
+        super().__init__()
+        self.allocator = allocator or SliceAllocator()
+        self.platform = platform
+        self.start_timeout_s = start_timeout_s
+
+    def _allocate(self, request: pb.AcquireSliceRequest, key: WarmKey) -> Held:
+        return self.allocator.allocate(request.accelerator_type, key[1],
+                                       timeout_s=request.timeout_s or None)
+
+    def _start_group(self, held: Held) -> ReplicaGroup:
+        return start_replica_group(cast("Allocation", held), self.platform,
+                                   self.start_timeout_s)
+
+    def _idle_slices(self, accelerator_type: str) -> int:
         from jaxpod.service.resolvers.ray import snapshot
 
         slices, _ = snapshot()
+        return sum(1 for s in slices if s.idle and s.info.accelerator_type == accelerator_type)
+
+    def snapshot(self) -> Sequence[Any]:
+        from jaxpod.service.resolvers.ray import snapshot
+
+        return snapshot()[0]
+
+    def cluster(self) -> list[pb.ClusterSlice]:
         return [pb.ClusterSlice(name=s.info.name, accelerator_type=s.info.accelerator_type,
-                                num_hosts=len(s.hosts)) for s in slices]
+                                num_hosts=len(s.hosts)) for s in self.snapshot()]
 
 
 def _key(request: pb.AcquireSliceRequest) -> WarmKey:
@@ -281,29 +346,10 @@ def _configure(engine: GroupEngine, request: pb.AcquireSliceRequest) -> None:
                      request.num_replicas or None)
 
 
-def _idle_slices(accelerator_type: str) -> int:
-    from jaxpod.service.resolvers.ray import snapshot
-
-    slices, _ = snapshot()
-    return sum(1 for s in slices if s.idle and s.info.accelerator_type == accelerator_type)
-
-
 def _stop_quietly(warm: WarmSlice) -> None:
     """Stops a warm slice; a failure is logged (nobody waits on it, and the next one
     must still be stopped)."""
     try:
         warm.stop()
     except Exception:
-        logger.exception("stopping warm slice %s failed", _names(warm.allocation))
-
-
-def _names(allocation: Allocation) -> list[str]:
-    return [s.info.name for s in allocation.slices]
-
-
-def _describe(allocation: Allocation) -> dict[str, Any]:
-    first = allocation.slices[0].info
-    return {"accelerator_type": first.accelerator_type,
-            "num_slices": len(allocation.slices),
-            "num_hosts": len(allocation.hosts),
-            "slice_names": [s.info.name for s in allocation.slices]}
+        logger.exception("stopping warm slice %s failed", warm.allocation.names())

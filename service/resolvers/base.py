@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from jaxpod.service.topology import SliceShape
+from jaxpod.timeouts import Timeout
 
 #: Port of the ``jax.distributed`` coordinator on host 0, as JAX's own Cloud TPU
 #: cluster detection uses (``jax._src.clusters.cloud_tpu_cluster.coordinator_port``).
@@ -25,6 +26,9 @@ DEFAULT_MEGASCALE_PORT = 8081
 #: Makes Ray use the loopback address on Linux: only for the simulated local cluster.
 #: Here, not in ``resolvers.ray``, so the cluster's launcher starts before Ray loads.
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+#: How long an acquire waits for whole slices of its type to be free (every provider's;
+#: here so that a provider without Ray names it without importing Ray).
+ALLOCATION_TIMEOUT = Timeout("JAXPOD_ALLOCATION_TIMEOUT_S", 60.0)
 
 _HOSTNAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
 
