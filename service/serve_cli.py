@@ -25,6 +25,9 @@ STATE_DIR_ENV = "JAXPOD_STATE_DIR"
 #: Where job checkpoints go when --checkpoint-dir is not given.
 CHECKPOINT_DIR_ENV = "JAXPOD_CHECKPOINT_DIR"
 TLS_CERT_ENV, TLS_KEY_ENV = "JAXPOD_TLS_CERT", "JAXPOD_TLS_KEY"
+#: How ``--local`` runs the simulated hosts (``--provider``).
+PROVIDER_ENV = "JAXPOD_LOCAL_PROVIDER"
+PROVIDERS = ("ray", "processes")
 
 
 def default_state_dir() -> str:
@@ -100,6 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "$RAY_ADDRESS")
     parser.add_argument("--slices", default=None, metavar="TYPES",
                         help="with --local: the simulated slices (default v4-16)")
+    parser.add_argument("--provider", default=None, choices=PROVIDERS,
+                        help="with --local: how the simulated hosts run: 'ray' nodes of a "
+                             "local Ray cluster, or plain 'processes' (no Ray: starts "
+                             f"in about a second) (default ${PROVIDER_ENV}, else ray)")
     parser.add_argument("--lease", type=float, default=None, metavar="SECONDS",
                         help="default session lease (default $JAXPOD_SESSION_LEASE_S or 30)")
     parser.add_argument("--stop-on-stdin-eof", action="store_true",
@@ -144,8 +151,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if not -1 <= args.http_port <= 65535:
         raise ValueError(f"--http-port must be a port (0 picks a free one; -1 turns HTTP "
                          f"off); got {args.http_port}.")
-    if args.slices and not args.local:
-        raise ValueError("--slices needs --local (it describes the simulated cluster).")
+    if (args.slices or args.provider) and not args.local:
+        raise ValueError("--slices and --provider need --local (they describe the "
+                         "simulated cluster).")
+    provider = args.provider or os.environ.get(PROVIDER_ENV) or "ray"
+    if provider not in PROVIDERS:
+        raise ValueError(f"${PROVIDER_ENV}={provider!r} is not a provider; expected one of "
+                         f"{', '.join(PROVIDERS)}.")
     logging.getLogger(__name__).debug("malloc tuned for large buffers: %s", tuned)
     tokens_file = args.tokens_file or os.environ.get(TOKENS_FILE_ENV) or None
     tokens = token_book(tokens_file, os.environ.get(TOKEN_ENV) or None)
@@ -158,7 +170,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "function travel in clear text to anyone on the network path. Give "
             "--tls-cert and --tls-key (or $%s and $%s).", address, TLS_CERT_ENV, TLS_KEY_ENV)
     cluster: Any = None
-    if args.local:  # first: the simulated hosts start while this process imports
+    if args.local and provider == "ray":  # first: the hosts start while this imports
         from jaxpod.service.local_cluster import DEFAULT_SLICES, LocalTPUCluster
 
         cluster = LocalTPUCluster(args.slices or DEFAULT_SLICES).launch()
@@ -214,6 +226,11 @@ def _serve(args: argparse.Namespace, address: str, tokens: TokenBook | None, clu
     from jaxpod.service.server import LISTENING, serve
 
     def make_slices() -> Any:
+        if args.local and cluster is None:  # --provider processes
+            from jaxpod.service.local_cluster import DEFAULT_SLICES
+            from jaxpod.service.process_workers import LocalProcessSlices
+
+            return LocalProcessSlices(args.slices or DEFAULT_SLICES)
         from jaxpod.service.workers import RaySlices
 
         if cluster is not None:
@@ -250,9 +267,8 @@ def _serve(args: argparse.Namespace, address: str, tokens: TokenBook | None, clu
                           http_port=None if args.http_port < 0 else args.http_port,
                           checkpoint_dir=checkpoint_dir, tls=tls))
     finally:
-        import ray
-
-        if ray.is_initialized():
+        ray = sys.modules.get("ray")  # not imported by a service without Ray
+        if ray is not None and ray.is_initialized():
             ray.shutdown()
     return 0
 

@@ -1,0 +1,283 @@
+"""Host workers as plain processes of this machine, started without Ray.
+
+A simulated v4-16 (2 hosts x 4 chips) whose workers ``ProcessWorkers`` starts: real
+multi-process JAX over gloo, the same operation channels and ``GroupEngine`` as Ray
+actors get. Answers are compared with numpy; fault tests kill real processes by pid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from serve_process import all_gone, kill_service, start_service
+
+import jaxpod
+from jaxpod.errors import AllocationTimeoutError, WorkerLostError, WorkerStartError
+from jaxpod.proto import coordinator_pb2 as pb
+from jaxpod.service.group_engine import GroupEngine
+from jaxpod.service.local_cluster import descendants, plan_slices
+from jaxpod.service.process_workers import LocalProcessSlices, ProcessWorkers
+from jaxpod.service.replica_group import HostPlacement, ReplicaGroup
+from jaxpod.service.sessions import HeldSlice
+from jaxpod.timeouts import wait_for
+
+DEVICES_PER_HOST = 4
+
+
+def _placements(accelerator_type: str = "v4-16") -> list[HostPlacement]:
+    (simulated,) = plan_slices(accelerator_type)
+    return [HostPlacement(None, i, {}, env=simulated.host_env(i))
+            for i in range(simulated.shape.num_hosts)]
+
+
+def _start() -> ReplicaGroup:
+    return ReplicaGroup.start(_placements(), DEVICES_PER_HOST, launcher=ProcessWorkers(),
+                              start_timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[GroupEngine]:
+    replica_group = _start()
+    try:
+        yield GroupEngine(replica_group)
+    finally:
+        replica_group.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_workers_are_this_machines_processes_with_their_hosts_env(
+        group: GroupEngine) -> None:
+    info = group.group.info
+    assert [i["process_index"] for i in info] == [0, 1]
+    assert all(i["global_devices"] == 8 and i["local_devices"] == 4 for i in info)
+    assert group.num_replicas_in_sync == 8
+    for pid in group.group.pids:
+        with open(f"/proc/{pid}/stat") as f:
+            assert int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
+    # Each host's TPU variables are set in its worker, before JAX started.
+    worker_ids = group.experimental_distribute_values_from_function(
+        lambda ctx: np.int32(os.environ["TPU_WORKER_ID"]))
+    assert [int(w) for w in group.experimental_local_results(worker_ids)] == [0] * 4 + [1] * 4
+
+
+def _step(x: jax.Array, scale: jax.Array) -> dict[str, jax.Array]:
+    ctx = jaxpod.get_replica_context()
+    assert ctx is not None
+    return {"y": x * scale + ctx.replica_id_in_sync_group,
+            "total": ctx.all_reduce("SUM", jnp.sum(x, axis=0))}
+
+
+def test_run_reduce_and_gather_match_numpy(group: GroupEngine) -> None:
+    data = np.random.default_rng(3).normal(size=(8, 5, 3)).astype(np.float32)
+    value = group.experimental_distribute_values_from_function(
+        lambda ctx: data[ctx.replica_id_in_sync_group])
+    out = group.run(_step, args=(value, np.float32(3.0)))
+    y = data * 3.0 + np.arange(8, dtype=np.float32)[:, None, None]
+    np.testing.assert_allclose(group.gather(out["y"], axis=0), y.reshape(40, 3), rtol=1e-6)
+    np.testing.assert_allclose(group.reduce("SUM", out["total"]),
+                               8 * data.sum(axis=(0, 1)), rtol=1e-5)
+    np.testing.assert_allclose(group.reduce("MAX", out["y"], axis=None), y.max(0), rtol=1e-6)
+
+
+def test_a_user_exception_keeps_its_type_and_the_group_goes_on(group: GroupEngine) -> None:
+    value = group.experimental_distribute_values_from_function(
+        lambda ctx: np.full((2,), ctx.replica_id_in_sync_group, np.float32))
+
+    def broken(x: jax.Array) -> jax.Array:
+        raise KeyError("no such feature: 'age'")
+
+    with pytest.raises(KeyError, match="no such feature"):
+        group.run(broken, args=(value,))
+    out = group.run(lambda x: x + 1, args=(value,))
+    np.testing.assert_allclose(group.gather(out, axis=0), np.repeat(np.arange(8), 2) + 1)
+
+
+def test_a_killed_worker_is_a_lost_host_and_stop_leaves_no_process() -> None:
+    replica_group = _start()
+    engine = GroupEngine(replica_group)
+    pids = replica_group.pids
+    try:
+        value = engine.experimental_distribute_values_from_function(
+            lambda ctx: np.ones((2,), np.float32))
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(WorkerLostError, match="Host 1"):
+            engine.reduce("SUM", engine.run(lambda x: x * 2, args=(value,)))
+    finally:
+        replica_group.stop()
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_a_constructor_error_is_a_worker_start_error_and_nothing_stays() -> None:
+    placements = [HostPlacement(None, 0, {}, env={"JAXPOD_PREEMPTION_GRACE_S": "-1"})]
+    before = set(_children())
+    with pytest.raises(WorkerStartError, match="JAXPOD_PREEMPTION_GRACE_S"):
+        ReplicaGroup.start(placements, DEVICES_PER_HOST, launcher=ProcessWorkers(),
+                           start_timeout_s=60)
+    assert wait_for(lambda: not (set(_children()) - before), 30)
+
+
+def _children() -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                out.append(int(name))
+    return out
+
+
+def test_workers_exit_when_the_process_that_started_them_dies() -> None:
+    starter = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, threading
+        from jaxpod.service.local_cluster import descendants, plan_slices
+        from jaxpod.service.process_workers import ProcessWorkers
+        from jaxpod.service.replica_group import HostPlacement, ReplicaGroup
+        (s,) = plan_slices("v4-16")
+        group = ReplicaGroup.start([HostPlacement(None, i, {}, env=s.host_env(i))
+                                    for i in range(2)], 4, launcher=ProcessWorkers(),
+                                   start_timeout_s=120)
+        print(*group.pids, flush=True)
+        threading.Event().wait()
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert starter.stdout is not None
+        pids = [int(p) for p in starter.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+    finally:
+        starter.kill()
+        starter.communicate()
+    assert wait_for(lambda: not any(_alive(p) for p in pids), 30), pids
+
+
+# ------------------------------------------------------------------------ provider
+def _acquire(slices: LocalProcessSlices, accelerator_type: str, timeout_s: float = 60,
+             num_slices: int = 1) -> HeldSlice:
+    request = pb.AcquireSliceRequest(accelerator_type=accelerator_type, timeout_s=timeout_s,
+                                     num_slices=num_slices)
+    return slices.acquire(request, f"slice-{accelerator_type}")
+
+
+def test_the_provider_holds_whole_slices_and_keeps_released_ones_warm() -> None:
+    slices = LocalProcessSlices("v4-8,v4-16", start_timeout_s=120)
+    try:
+        assert [(c.name, c.num_hosts) for c in slices.cluster()] == [
+            ("sim-0-v4-8", 1), ("sim-1-v4-16", 2)]
+        assert [len(s.info.hosts) for s in slices.snapshot()] == [1, 2]
+        held = _acquire(slices, "v4-16")
+        assert held.description["slice_names"] == ["sim-1-v4-16"]
+        assert held.engine.num_replicas_in_sync == 8
+        x = np.arange(8, dtype=np.float32)
+        value = held.engine.experimental_distribute_values_from_function(
+            lambda ctx: x[ctx.replica_id_in_sync_group])
+        assert float(held.engine.reduce("SUM", held.engine.run(lambda v: v * 2, args=(value,)),
+                                        axis=None)) == pytest.approx(2 * x.sum())
+        assert not slices.has_free("v4-16", 1) and slices.has_free("v4-8", 1)
+        # Busy: a second acquire waits its time-out and says what the cluster has.
+        with pytest.raises(AllocationTimeoutError, match=r"sim-1-v4-16 \(busy\)"):
+            _acquire(slices, "v4-16", timeout_s=0.2)
+        with pytest.raises(AllocationTimeoutError, match="0 of the 0 v4-32"):
+            _acquire(slices, "v4-32", timeout_s=0.2)
+        pids = held.engine.group.pids
+        held.release()
+        assert slices.has_free("v4-16", 1)  # warm: the next acquire of it takes it
+        again = _acquire(slices, "v4-16")
+        assert again.engine.group.pids == pids
+        again.release()
+    finally:
+        slices.close()
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_a_stopped_slices_capacity_goes_to_the_next_acquire() -> None:
+    slices = LocalProcessSlices("v4-8", start_timeout_s=120)
+    try:
+        held = _acquire(slices, "v4-8")
+        pids = held.engine.group.pids
+        # Closed, the provider stops released slices instead of keeping them warm: an
+        # acquire (waiting, or not yet asked) gets the capacity, with workers of its own.
+        slices.close()
+        result: list[HeldSlice] = []
+        waiter = threading.Thread(target=lambda: result.append(
+            _acquire(slices, "v4-8", timeout_s=60)))
+        waiter.start()
+        held.release()
+        waiter.join(90)
+        assert result and result[0].engine.num_replicas_in_sync == 4
+        assert not set(result[0].engine.group.pids) & set(pids)
+        result[0].release()
+    finally:
+        slices.close()
+
+
+# ------------------------------------------------------------------ jaxpod serve
+def _summing_step(state: Any, batch: Any) -> Any:
+    total = jaxpod.get_replica_context().all_reduce("SUM", batch.sum())
+    return {"total": state["total"] + total}, {}
+
+
+def test_serve_with_processes_starts_no_ray_and_runs_sessions_and_jobs(
+        tmp_path: Path) -> None:
+    service = start_service(tmp_path / "serve.log", "v4-16",
+                            args=("--provider", "processes", "--state-dir",
+                                  str(tmp_path / "state")))
+    try:
+        data = np.arange(16, dtype=np.float32).reshape(8, 2)
+        with service.connect() as client:
+            with client.strategy("v4-16") as strategy:
+                value = strategy.experimental_distribute_values_from_function(
+                    lambda ctx: data[ctx.replica_id_in_sync_group])
+                total = strategy.reduce("SUM", strategy.run(lambda x: x * 3, args=(value,)),
+                                        axis=None)
+                np.testing.assert_allclose(total, 3 * data.sum(axis=0))
+            # The job gets the slice the session released (kept warm).
+            batches = [np.full(8, i, np.float32) for i in range(1, 4)]
+            job = client.submit(_summing_step, steps=6, accelerator_type="v4-16",
+                                initial_state={"total": np.float32(0)}, dataset=batches,
+                                checkpoint_every=2, name="summing")
+            final = job.wait(timeout=300, progress=False)
+            assert final.state == "SUCCEEDED", final.error
+            assert float(job.result().state["total"]) == float(
+                sum(b.sum() for b in batches * 2))
+        tree = descendants(service.process.pid)
+        commands = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in tree
+                    if Path(f"/proc/{pid}/cmdline").exists()]
+        assert sum(b"jaxpod.worker.host_process" in c for c in commands) == 2
+        assert not [c for c in commands if b"ray" in c.lower()], commands
+        # A crashed service leaves no worker behind: they see their pipe end.
+        workers = {p: s for p, s in tree.items()
+                   if b"host_process" in Path(f"/proc/{p}/cmdline").read_bytes()}
+        os.kill(service.process.pid, signal.SIGKILL)
+        assert not all_gone(workers, 30)
+    finally:
+        kill_service(service)
+
+
+def test_provider_without_local_is_refused() -> None:
+    done = subprocess.run([sys.executable, "-m", "jaxpod.cli", "serve", "--provider",
+                           "processes"], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode != 0
+    assert "--slices and --provider need --local" in done.stderr
