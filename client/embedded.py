@@ -29,6 +29,9 @@ START_TIMEOUT = Timeout("JAXPOD_EMBEDDED_START_TIMEOUT_S", 300.0)
 STOP_TIMEOUT = Timeout("JAXPOD_EMBEDDED_STOP_TIMEOUT_S", 60.0)
 #: The simulated slices of the embedded service (``jaxpod serve --local --slices``).
 SLICES_ENV = "JAXPOD_LOCAL_SLICES"
+#: How its simulated hosts run (``jaxpod serve --local --provider``); unset: plain
+#: processes, which start in a second where a local Ray cluster takes five or more.
+PROVIDER_ENV = "JAXPOD_LOCAL_PROVIDER"
 #: The service ``jaxpod.connect()`` reaches when given no address; unset: the embedded one.
 ADDRESS_ENV = "JAXPOD_ADDRESS"
 _LISTENING = "JAXPOD_LISTENING"
@@ -133,7 +136,8 @@ def launch(slices: str | None = None, log_path: str | None = None,
     state_dir = tempfile.mkdtemp(prefix=f"jaxpod-embedded-{os.getpid()}-")
     # --http-port 0: a free port (a fixed one would collide between processes).
     command = [sys.executable, "-m", "jaxpod.cli", "serve", "--local", "--port", "0",
-               "--http-port", "0", "--stop-on-stdin-eof", "--state-dir", state_dir]
+               "--http-port", "0", "--stop-on-stdin-eof", "--state-dir", state_dir,
+               "--provider", os.environ.get(PROVIDER_ENV) or "processes"]
     if slices:
         command += ["--slices", slices]
     if log_path is None:

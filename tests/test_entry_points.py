@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import grpc
 import numpy as np
@@ -154,8 +155,12 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launch]:
             assert first == "IMPORTED", (
                 f"the client did not import jaxpod within {IMPORT_TIMEOUT_S}s "
                 f"(read {first!r}, exit {client.poll()})")
-            service = embedded.start(SLICE, log_path=str(log_path), timeout_s=START_TIMEOUT_S,
-                                     quiet=True, wait_serving=False)
+            # On Ray: its cluster takes seconds to start, the window this test needs
+            # (the embedded default, plain processes, serves almost at once).
+            with mock.patch.dict(os.environ, {embedded.PROVIDER_ENV: "ray"}):
+                service = embedded.start(SLICE, log_path=str(log_path),
+                                         timeout_s=START_TIMEOUT_S, quiet=True,
+                                         wait_serving=False)
             given = {"address": service.address, "token": service.token,
                      "accelerator_type": SLICE, "batch": BATCH.tolist(),
                      "forbidden": list(SERVER_SIDE)}

@@ -112,14 +112,15 @@ def service() -> Iterator[embedded.EmbeddedService]:
 
 
 def _host_workers(service_pid: int) -> list[int]:
-    """The service's host worker processes (Ray names them after the actor's class)."""
+    """The service's host worker processes (Ray names them after the actor's class; the
+    embedded service's are ``python -m jaxpod.worker.host_process``)."""
     found = []
     for pid in descendants(service_pid):
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:  # gone meanwhile
             continue
-        if b"HostWorker" in command:
+        if b"HostWorker" in command or b"jaxpod.worker.host_process" in command:
             found.append(pid)
     return found
 
