@@ -20,8 +20,11 @@ Three figures, in one run:
    ``import jaxpod; client = jaxpod.connect(); strategy = client.strategy()`` and
    reduces one ``run``, with no service running: from starting the interpreter to
    the first result, with each phase reported (median over fresh runs). The
-   embedded service's default cluster (one v4-16: a Ray head and two simulated
-   hosts) is the target's; ``cold_single_host_*`` are the same with one v6e-8 host.
+   embedded service's default cluster (one v4-16: two simulated hosts, plain processes
+   since the embedded service runs ``--provider processes``) is the target's;
+   ``cold_single_host_*`` are the same with one v6e-8 host, and ``cold_ray_*`` the
+   default cluster on a local Ray cluster (``JAXPOD_LOCAL_PROVIDER=ray``), for
+   comparison.
 
 The last line of output is the JSON report.
 
@@ -142,14 +145,18 @@ class Child(CommandChild):
 
 
 # ------------------------------------------------------------------ measurements
-def measure_cold(runs: int, slices: str | None = None) -> dict[str, float]:
+def measure_cold(runs: int, slices: str | None = None, provider: str | None = None
+                 ) -> dict[str, float]:
     """Median phases of ``runs`` fresh interpreters' cold starts, and their wall time
     from spawning the interpreter to its first result (``slices``: the embedded
-    service's simulated slices; default its own, one v4-16)."""
+    service's simulated slices, default its own, one v4-16; ``provider``: how it runs
+    them, default its own, plain processes)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("JAXPOD_ADDRESS", "JAXPOD_LOCAL_SLICES")}
+           if k not in ("JAXPOD_ADDRESS", "JAXPOD_LOCAL_SLICES", "JAXPOD_LOCAL_PROVIDER")}
     if slices:
         env["JAXPOD_LOCAL_SLICES"] = slices
+    if provider:
+        env["JAXPOD_LOCAL_PROVIDER"] = provider
     samples: list[dict[str, float]] = []
     for _ in range(runs):
         start = time.perf_counter()
@@ -163,7 +170,7 @@ def measure_cold(runs: int, slices: str | None = None) -> dict[str, float]:
                 phases["wall_to_first_result_s"] = time.perf_counter() - start
         if proc.wait(300) != 0 or phases is None:
             raise RuntimeError(f"the cold-start script failed (status {proc.returncode})")
-        print(f"cold start ({slices or 'default slices'}): "
+        print(f"cold start ({slices or 'default slices'}, {provider or 'default provider'}): "
               + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
         samples.append(phases)
     return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
@@ -206,7 +213,8 @@ def _roles() -> dict[int, str]:
         except OSError:  # gone meanwhile
             continue
         roles[pid] = ("coordinator" if b"jaxpod.cli" in command else
-                      "hosts" if b"HostWorker" in command else "ray")
+                      "hosts" if b"HostWorker" in command or b"host_process" in command
+                      else "ray")
     return roles
 
 
@@ -225,6 +233,7 @@ def main() -> None:
 
     cold = measure_cold(cold_runs)
     single = measure_cold(cold_runs, ACCELERATOR)
+    on_ray = measure_cold(cold_runs, provider="ray")
     os.environ["JAXPOD_LOCAL_SLICES"] = ACCELERATOR
     import jaxpod
 
@@ -255,6 +264,8 @@ def main() -> None:
         "cold_single_host_connect_to_first_result_s": single["wall_to_first_result_s"],
         **{f"cold_single_host_{k}": v for k, v in single.items()
            if k != "wall_to_first_result_s"},
+        "cold_ray_connect_to_first_result_s": on_ray["wall_to_first_result_s"],
+        **{f"cold_ray_{k}": v for k, v in on_ray.items() if k != "wall_to_first_result_s"},
         "cores": os.cpu_count(),
     }
     report("step_loop", {k: round(v, 4) if isinstance(v, float) else v
