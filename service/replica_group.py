@@ -1,7 +1,8 @@
 """``ReplicaGroup``: the coordinator's handle on one slice's host workers.
 
-It starts one :class:`~jaxpod.worker.host_worker.HostWorker` per host (pinned to the
-slice's placement-group bundles), makes them join one ``jax.distributed`` group and
+It starts one :class:`~jaxpod.worker.host_worker.HostWorker` per host through a
+:class:`WorkerLauncher` (Ray actors pinned to the slice's placement-group bundles, or
+plain processes of this machine), makes them join one ``jax.distributed`` group and
 opens an operation channel to each (:mod:`jaxpod.worker.channel`), then sends every
 engine operation to all hosts, one operation at a time and in the same order. Each
 operation carries a per-group sequence number that the workers check, so a skipped or

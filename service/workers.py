@@ -1,11 +1,14 @@
-"""Host workers for an allocation: the bridge from slices to a replica group.
+"""Host workers for held slices: the bridge from capacity to a replica group.
 
-The allocator hands out whole slices (placement groups, one bundle per host, with the
-environment each host's JAX process needs); this module starts one host worker per
-bundle and forms their ``jax.distributed`` group. A released slice keeps its workers
-warm (everything on them freed, their functions kept) for the next acquire of the same
-shape, which then skips allocation, worker start-up and ``jax.distributed``; a
-slice where some host has a preemption notice is stopped instead.
+:class:`PooledSlices` is a slice provider's common part: it starts one host worker per
+host of the slices an acquire holds and forms their ``jax.distributed`` group. A
+released slice keeps its workers warm (everything on them freed, their functions
+kept) for the next acquire of the same shape, which then skips allocation, worker
+start-up and ``jax.distributed``; a slice where some host has a preemption notice is
+stopped instead. :class:`RaySlices` takes capacity from the Ray allocator (placement
+groups, one bundle per host, with the environment each host's JAX process needs) and
+starts the workers as Ray actors; :class:`~jaxpod.service.process_workers.LocalProcessSlices`
+simulates slices with plain processes.
 """
 
 from __future__ import annotations
