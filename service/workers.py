@@ -14,6 +14,7 @@ simulates slices with plain processes.
 from __future__ import annotations
 
 import abc
+import collections
 import logging
 import threading
 import weakref
@@ -121,6 +122,7 @@ class PooledSlices(abc.ABC):
 
     def __init__(self) -> None:
         self._warm: list[WarmSlice] = []
+        self._waiting: collections.Counter[str] = collections.Counter()  # by type
         self._lock = threading.Lock()
         self._closed = False
 
@@ -157,8 +159,21 @@ class PooledSlices(abc.ABC):
             held = self._reuse(warm, request, slice_id)
             if held is not None:
                 return held
-        self._make_room(key)
-        return self._start(request, slice_id, key)
+        # Counted before making room: a slice released from here on is stopped, not
+        # kept warm, so its capacity reaches this acquire if it has to wait for some.
+        with self._lock:
+            self._waiting[key[0]] += 1
+        try:
+            self._make_room(key)
+            return self._start(request, slice_id, key)
+        finally:
+            with self._lock:
+                self._waiting[key[0]] -= 1
+
+    def waiting(self, accelerator_type: str) -> int:
+        """Acquires of the type that found no warm slice and allocate (or wait to)."""
+        with self._lock:
+            return self._waiting[accelerator_type]
 
     def has_free(self, accelerator_type: str, num_slices: int) -> bool:
         """Whether an acquire of that shape would get slices without waiting: a warm
@@ -256,10 +271,12 @@ class PooledSlices(abc.ABC):
 
     def _park(self, warm: WarmSlice) -> None:
         with self._lock:
-            if not self._closed:
+            if not self._closed and not self._waiting[warm.key[0]]:
                 self._warm.append(warm)
                 return
-        warm.stop()  # the service closed meanwhile
+        # The service closed meanwhile, or an acquire waits for this type's capacity
+        # (kept warm, the slice would hold it until that acquire timed out).
+        warm.stop()
 
     def _take_warm(self, key: WarmKey) -> WarmSlice | None:
         with self._lock:

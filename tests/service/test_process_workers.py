@@ -232,6 +232,26 @@ def test_a_stopped_slices_capacity_goes_to_the_next_acquire() -> None:
         slices.close()
 
 
+def test_an_acquire_waiting_for_capacity_gets_a_slice_released_meanwhile() -> None:
+    slices = LocalProcessSlices("v4-8", start_timeout_s=120)
+    try:
+        held = _acquire(slices, "v4-8")
+        pids = held.engine.group.pids
+        result: list[HeldSlice] = []
+        waiter = threading.Thread(target=lambda: result.append(
+            _acquire(slices, "v4-8", timeout_s=120)))
+        waiter.start()
+        assert wait_for(lambda: slices.waiting("v4-8") == 1, 30)
+        # Kept warm, the released slice would hold the capacity until the waiting
+        # acquire timed out: it is stopped instead, and the waiter starts its own.
+        held.release()
+        waiter.join(150)
+        assert result and result[0].engine.num_replicas_in_sync == 4
+        assert not any(_alive(pid) for pid in pids) and slices.warm() == []
+        result[0].release()
+    finally:
+        slices.close()
+
 # ------------------------------------------------------------------ jaxpod serve
 def _summing_step(state: Any, batch: Any) -> Any:
     total = jaxpod.get_replica_context().all_reduce("SUM", batch.sum())
