@@ -47,7 +47,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from jaxpod.errors import AllocationCancelledError, AllocationTimeoutError
 from jaxpod.service.orphans import object_name
-from jaxpod.service.resolvers.base import ALLOCATION_TIMEOUT, DEFAULT_MEGASCALE_PORT, SliceInfo
+from jaxpod.service.resolvers.base import (
+    ALLOCATION_TIMEOUT,
+    DEFAULT_MEGASCALE_PORT,
+    SliceInfo,
+    megascale_env,
+)
 from jaxpod.service.resolvers.ray import (
     POD_TYPE_LABEL,
     SLICE_NAME_LABEL,
@@ -68,12 +73,6 @@ HEAD_CLAIM_TIMEOUT = Timeout("JAXPOD_HEAD_CLAIM_TIMEOUT_S", 2.0)
 RELEASE_TIMEOUT = Timeout("JAXPOD_RELEASE_TIMEOUT_S", 10.0)
 #: Longest pause between looks at the cluster while waiting for idle slices.
 POLL_S = 0.25
-MEGASCALE_VARS = (
-    "MEGASCALE_COORDINATOR_ADDRESS",
-    "MEGASCALE_NUM_SLICES",
-    "MEGASCALE_PORT",
-    "MEGASCALE_SLICE_ID",
-)
 
 
 
@@ -726,12 +725,5 @@ def _host_env(
         "TPU_TOPOLOGY": info.topology,
         "TPU_WORKER_HOSTNAMES": ",".join(info.host_addresses),
     }
-    if num_slices == 1:
-        return env, MEGASCALE_VARS
-    env.update({
-        "MEGASCALE_COORDINATOR_ADDRESS": coordinator,
-        "MEGASCALE_NUM_SLICES": str(num_slices),
-        "MEGASCALE_PORT": str(port),
-        "MEGASCALE_SLICE_ID": str(slice_index),
-    })
-    return env, ()
+    megascale, unset = megascale_env(num_slices, slice_index, coordinator, port)
+    return {**env, **megascale}, unset

@@ -34,9 +34,9 @@ from jaxpod.service.local_cluster import SimulatedSlice, plan_slices
 from jaxpod.service.replica_group import HostPlacement, ReplicaGroup, not_answered
 from jaxpod.service.resolvers.base import (
     ALLOCATION_TIMEOUT,
-    DEFAULT_MEGASCALE_PORT,
     HostInfo,
     SliceInfo,
+    megascale_env,
 )
 from jaxpod.service.topology import parse_accelerator_type
 from jaxpod.service.workers import Held, PooledSlices, WarmKey
@@ -191,14 +191,10 @@ class LocalHeld:
         several slices, MegaScale's, as the Ray allocator gives)."""
         out = []
         for index, s in enumerate(self.slices):
-            for worker_id in range(s.shape.num_hosts):
-                env = s.host_env(worker_id)
-                if len(self.slices) > 1:
-                    env.update({"MEGASCALE_COORDINATOR_ADDRESS": LOOPBACK,
-                                "MEGASCALE_NUM_SLICES": str(len(self.slices)),
-                                "MEGASCALE_PORT": str(DEFAULT_MEGASCALE_PORT),
-                                "MEGASCALE_SLICE_ID": str(index)})
-                out.append(HostPlacement(None, worker_id, {}, env=env))
+            megascale, unset = megascale_env(len(self.slices), index, LOOPBACK)
+            out += [HostPlacement(None, worker_id, {}, env={**s.host_env(worker_id),
+                                                           **megascale}, unset_env=unset)
+                    for worker_id in range(s.shape.num_hosts)]
         return out
 
 

@@ -26,6 +26,27 @@ DEFAULT_MEGASCALE_PORT = 8081
 #: Makes Ray use the loopback address on Linux: only for the simulated local cluster.
 #: Here, not in ``resolvers.ray``, so the cluster's launcher starts before Ray loads.
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+#: The multi-slice (MegaScale) variables of a host's process.
+MEGASCALE_VARS = (
+    "MEGASCALE_COORDINATOR_ADDRESS",
+    "MEGASCALE_NUM_SLICES",
+    "MEGASCALE_PORT",
+    "MEGASCALE_SLICE_ID",
+)
+
+
+def megascale_env(num_slices: int, slice_index: int, coordinator: str,
+                  port: int = DEFAULT_MEGASCALE_PORT) -> tuple[dict[str, str], tuple[str, ...]]:
+    """A host's ``MEGASCALE_*`` variables for slice ``slice_index`` of ``num_slices``, and
+    those to remove: all of them for a single slice (stale ones from the host's own
+    environment would make JAX wait for slices that do not exist)."""
+    if num_slices == 1:
+        return {}, MEGASCALE_VARS
+    return {"MEGASCALE_COORDINATOR_ADDRESS": coordinator,
+            "MEGASCALE_NUM_SLICES": str(num_slices), "MEGASCALE_PORT": str(port),
+            "MEGASCALE_SLICE_ID": str(slice_index)}, ()
+
+
 #: How long an acquire waits for whole slices of its type to be free (every provider's;
 #: here so that a provider without Ray names it without importing Ray).
 ALLOCATION_TIMEOUT = Timeout("JAXPOD_ALLOCATION_TIMEOUT_S", 60.0)

@@ -211,6 +211,23 @@ def test_the_provider_holds_whole_slices_and_keeps_released_ones_warm() -> None:
     assert not any(_alive(pid) for pid in pids)
 
 
+def test_a_multi_slice_acquire_spans_both_slices_with_megascale_ids() -> None:
+    slices = LocalProcessSlices("v4-8,v4-8", start_timeout_s=120)
+    try:
+        held = _acquire(slices, "v4-8", num_slices=2)
+        assert held.description["slice_names"] == ["sim-0-v4-8", "sim-1-v4-8"]
+        ids = held.engine.experimental_distribute_values_from_function(
+            lambda ctx: np.int32(os.environ["MEGASCALE_SLICE_ID"]))
+        assert [int(i) for i in held.engine.experimental_local_results(ids)] == [0] * 4 + [1] * 4
+        held.release()
+        single = _acquire(slices, "v4-8")  # the warm pair is stopped to make room
+        no_megascale = single.engine.experimental_distribute_values_from_function(
+            lambda ctx: np.int32("MEGASCALE_SLICE_ID" in os.environ))
+        assert not any(single.engine.experimental_local_results(no_megascale))
+        single.release()
+    finally:
+        slices.close()
+
 def test_a_stopped_slices_capacity_goes_to_the_next_acquire() -> None:
     slices = LocalProcessSlices("v4-8", start_timeout_s=120)
     try:

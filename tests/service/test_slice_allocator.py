@@ -19,13 +19,13 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 
 from jaxpod.errors import AllocationTimeoutError, JaxpodError
 from jaxpod.service.allocator import (
-    MEGASCALE_VARS,
     Allocation,
     AllocationCancelledError,
     AllocationEvent,
     SliceAllocator,
 )
 from jaxpod.service.local_cluster import LocalTPUCluster
+from jaxpod.service.resolvers.base import MEGASCALE_VARS
 from jaxpod.service.resolvers.ray import RayResolver, discover_slices, snapshot
 from jaxpod.timeouts import wait_for
 
