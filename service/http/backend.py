@@ -98,6 +98,11 @@ class Backend:
         return models.JobList(jobs=[models.summary_of(s) for s in statuses], total=total,
                               limit=limit, offset=offset)
 
+    def newest_jobs(self, limit: int) -> models.JobList:
+        """The ``limit`` newest jobs, in creation order (what the status page lists)."""
+        total = sum(self.jobs.store.counts().values())
+        return self.job_list(None, limit, max(0, total - limit))
+
     def job_detail(self, job_id: str, points: int = 0) -> models.JobDetail:
         """The job's detail; ``points``: at most this many points per series (0: all)."""
         manager = self.jobs

@@ -27,6 +27,8 @@ from jaxpod.service.http.routes import CHART_POINTS, BackendDep, backend
 router = APIRouter(include_in_schema=False)
 
 #: The page's files, by name (nothing else under static/ is served).
+#: The page lists the newest jobs (the API pages through all of them).
+JOBS_SHOWN = 200
 STATIC_TYPES = {"dashboard.js": "text/javascript; charset=utf-8",
                 "dashboard.css": "text/css; charset=utf-8"}
 _HEADERS = {"Cache-Control": "no-store", "Content-Security-Policy":
@@ -112,7 +114,7 @@ class PageData(BaseModel):
 async def index(request: Request, backend: BackendDep,
                 job: Annotated[str | None, Query(max_length=200)] = None) -> HTMLResponse:
     cluster, jobs = await run_in_threadpool(
-        lambda: (backend.cluster(), backend.job_list(None, 200, 0)))
+        lambda: (backend.cluster(), backend.newest_jobs(JOBS_SHOWN)))
     shown = job or _pick(jobs.jobs)
     detail = None
     if shown:

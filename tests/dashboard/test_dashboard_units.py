@@ -8,13 +8,15 @@ import itertools
 import sqlite3
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from starlette.requests import Request
 
 from jaxpod.service.http import auth, models, routes
-from jaxpod.service.http.backend import store_writable
+from jaxpod.service.http.backend import Backend, store_writable
 from jaxpod.service.http.routes import CACHE, Recent
+from jaxpod.service.jobs.manager import JobManager
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.tokens import LOCAL, Role, TokenBook
 
@@ -169,3 +171,17 @@ def test_thinned_series_keep_their_ends_evenly_spaced(n: int, at_most: int) -> N
         gaps = [b - a for a, b in itertools.pairwise(steps)]
         # Evenly spaced: the gaps differ by at most one original point (10 steps).
         assert min(gaps) > 0 and max(gaps) - min(gaps) <= 10
+
+
+@pytest.mark.parametrize("jobs", [3, 200, 205])
+def test_the_page_lists_the_newest_jobs_in_creation_order(tmp_path: Path, jobs: int
+                                                          ) -> None:
+    with JobStore(tmp_path) as store:
+        ids = [store.create_job(steps=1, payload=b"", job_id=f"job-{i:03d}").id
+               for i in range(jobs)]
+        manager = JobManager(store, slices=None)  # type: ignore[arg-type]  # not run
+        backend = Backend(SimpleNamespace(jobs=manager), lambda: "ready",  # type: ignore[arg-type]
+                          lambda: [], lambda: True)
+        listed = backend.newest_jobs(200)
+        assert [j.id for j in listed.jobs] == ids[-200:]
+        assert (listed.total, listed.offset) == (jobs, max(0, jobs - 200))

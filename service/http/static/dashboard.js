@@ -8,6 +8,8 @@
   const JOBS_EVERY_MS = 1000, CLUSTER_EVERY_MS = 3000, DETAIL_EVERY_MS = 5000;
   const RATE_POINTS = 120;
   const CHART_POINTS = 2000;  // a series longer than twice this keeps every other point
+  const JOBS_SHOWN = 200;  // the newest jobs; the API pages through all of them
+  let jobsOffset = 0;
   const DASH = "–";           // what an empty figure shows
   const PROFILE_SECONDS = 5;  // how long the Profile button traces each host
   const SVG = "http://www.w3.org/2000/svg";
@@ -130,9 +132,17 @@
     text(row.querySelector(".attempts"), j.attempts);
   }
 
+  async function newestJobs() {  // the newest JOBS_SHOWN, in creation order
+    const page = (offset) => getJSON("/api/v1/jobs?limit=" + JOBS_SHOWN + "&offset=" + offset);
+    const list = await page(jobsOffset);
+    if (list.total <= jobsOffset + JOBS_SHOWN) return list;
+    jobsOffset = list.total - JOBS_SHOWN;  // more jobs since: the window moves on
+    return page(jobsOffset);
+  }
+
   async function refreshJobs() {
     try {
-      const list = await getJSON("/api/v1/jobs?limit=200");
+      const list = await newestJobs();
       drawJobs(list);
       // A first job while none was shown (and none asked for): show it.
       if (!shown && !asked && list.jobs.length) window.location.reload();
