@@ -38,7 +38,7 @@ from jaxpod.service.resolvers.base import (
     SliceInfo,
     megascale_env,
 )
-from jaxpod.service.topology import parse_accelerator_type
+from jaxpod.service.topology import slice_shape
 from jaxpod.service.workers import Held, PooledSlices, WarmKey
 from jaxpod.worker.host_process import LOOPBACK, read_message, write_message
 from jaxpod.worker.host_worker import SIMULATED_PLATFORM
@@ -215,8 +215,7 @@ class LocalProcessSlices(PooledSlices):
         self._changed = threading.Condition()
 
     def _allocate(self, request: pb.AcquireSliceRequest, key: WarmKey) -> Held:
-        generation, number = parse_accelerator_type(request.accelerator_type)
-        wanted, count = f"{generation.name}-{number}", key[1]
+        wanted, count = slice_shape(request.accelerator_type).accelerator_type, key[1]
         of_type = [s for s in self.slices if s.shape.accelerator_type == wanted]
         limit = ALLOCATION_TIMEOUT.resolve(request.timeout_s or None)
         deadline = time.monotonic() + limit
@@ -229,16 +228,20 @@ class LocalProcessSlices(PooledSlices):
                     return LocalHeld(taken, self._give_back)
                 left = deadline - time.monotonic()
                 if left <= 0 or len(of_type) < count:
-                    raise AllocationTimeoutError(self._unavailable(wanted, count, limit))
+                    raise AllocationTimeoutError(self._unavailable(wanted, of_type, count,
+                                                                   limit))
                 self._changed.wait(left)
 
-    def _unavailable(self, wanted: str, count: int, limit: float) -> str:
-        of_type = [s for s in self.slices if s.shape.accelerator_type == wanted]
+    def _unavailable(self, wanted: str, of_type: list[SimulatedSlice], count: int,
+                     limit: float) -> str:
+        """Why ``count`` slices of ``of_type`` could not be held (holding the lock)."""
         idle = sum(s.name in self._free for s in of_type)
         has = ", ".join(f"{s.name} ({'idle' if s.name in self._free else 'busy'})"
                         for s in self.slices)
-        return (f"Could not allocate {count} x {wanted} within {limit:g} s "
-                f"({ALLOCATION_TIMEOUT.env_var}): {idle} of the {len(of_type)} {wanted} "
+        when = (f"within {limit:g} s ({ALLOCATION_TIMEOUT.env_var})"
+                if len(of_type) >= count else "at all")  # too few: no wait would do
+        return (f"Could not allocate {count} x {wanted} {when}: {idle} of the "
+                f"{len(of_type)} {wanted} "
                 f"slice(s) of this simulated cluster are idle. It has: {has}. Fix: release "
                 "other slices, ask for a type it has, or start the service with more "
                 "(jaxpod serve --local --slices).")
@@ -265,11 +268,9 @@ class LocalProcessSlices(PooledSlices):
                                 num_hosts=s.shape.num_hosts) for s in self.slices]
 
     def snapshot(self) -> list[LocalSlice]:
-        return [LocalSlice(SliceInfo(
-            s.name, s.shape.accelerator_type, s.shape.topology, s.shape.chips_per_host,
-            s.shape.devices_per_chip, s.shape.num_hosts,
-            tuple(HostInfo(w, LOOPBACK, s.shape.chips_per_host)
-                  for w in range(s.shape.num_hosts)))) for s in self.slices]
+        return [LocalSlice(SliceInfo.from_shape(
+            s.name, s.shape, [HostInfo(w, LOOPBACK, s.shape.chips_per_host)
+                              for w in range(s.shape.num_hosts)])) for s in self.slices]
 
 
 @dataclass(frozen=True)

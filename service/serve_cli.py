@@ -154,10 +154,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if (args.slices or args.provider) and not args.local:
         raise ValueError("--slices and --provider need --local (they describe the "
                          "simulated cluster).")
-    provider = args.provider or os.environ.get(PROVIDER_ENV) or "ray"
-    if provider not in PROVIDERS:
-        raise ValueError(f"${PROVIDER_ENV}={provider!r} is not a provider; expected one of "
-                         f"{', '.join(PROVIDERS)}.")
+    args.provider = args.provider or os.environ.get(PROVIDER_ENV) or "ray"
+    if args.provider not in PROVIDERS:
+        raise ValueError(f"${PROVIDER_ENV}={args.provider!r} is not a provider; expected "
+                         f"one of {', '.join(PROVIDERS)}.")
     logging.getLogger(__name__).debug("malloc tuned for large buffers: %s", tuned)
     tokens_file = args.tokens_file or os.environ.get(TOKENS_FILE_ENV) or None
     tokens = token_book(tokens_file, os.environ.get(TOKEN_ENV) or None)
@@ -170,7 +170,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "function travel in clear text to anyone on the network path. Give "
             "--tls-cert and --tls-key (or $%s and $%s).", address, TLS_CERT_ENV, TLS_KEY_ENV)
     cluster: Any = None
-    if args.local and provider == "ray":  # first: the hosts start while this imports
+    if args.local and args.provider == "ray":  # first: hosts start while this imports
         from jaxpod.service.local_cluster import DEFAULT_SLICES, LocalTPUCluster
 
         cluster = LocalTPUCluster(args.slices or DEFAULT_SLICES).launch()
@@ -226,7 +226,7 @@ def _serve(args: argparse.Namespace, address: str, tokens: TokenBook | None, clu
     from jaxpod.service.server import LISTENING, serve
 
     def make_slices() -> Any:
-        if args.local and cluster is None:  # --provider processes
+        if args.local and args.provider == "processes":
             from jaxpod.service.local_cluster import DEFAULT_SLICES
             from jaxpod.service.process_workers import LocalProcessSlices
 
