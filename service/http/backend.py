@@ -90,18 +90,16 @@ class Backend:
         jobs = self.service.jobs
         return jobs.store.revision if jobs is not None else 0
 
-    def job_list(self, state: str | None, limit: int, offset: int) -> models.JobList:
+    def job_list(self, state: str | None, limit: int, offset: int | None) -> models.JobList:
+        """Jobs in creation order, ``limit`` from ``offset`` (``None``: the ``limit``
+        newest, what the status page lists)."""
         manager = self.jobs
-        statuses = manager.statuses(state, limit, offset)
         counts = manager.store.counts()
         total = sum(counts.values()) if state is None else counts[JobState.parse(state).value]
+        offset = max(0, total - limit) if offset is None else offset
+        statuses = manager.statuses(state, limit, offset)
         return models.JobList(jobs=[models.summary_of(s) for s in statuses], total=total,
                               limit=limit, offset=offset)
-
-    def newest_jobs(self, limit: int) -> models.JobList:
-        """The ``limit`` newest jobs, in creation order (what the status page lists)."""
-        total = sum(self.jobs.store.counts().values())
-        return self.job_list(None, limit, max(0, total - limit))
 
     def job_detail(self, job_id: str, points: int = 0) -> models.JobDetail:
         """The job's detail; ``points``: at most this many points per series (0: all)."""

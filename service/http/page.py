@@ -114,7 +114,7 @@ class PageData(BaseModel):
 async def index(request: Request, backend: BackendDep,
                 job: Annotated[str | None, Query(max_length=200)] = None) -> HTMLResponse:
     cluster, jobs = await run_in_threadpool(
-        lambda: (backend.cluster(), backend.newest_jobs(JOBS_SHOWN)))
+        lambda: (backend.cluster(), backend.job_list(None, JOBS_SHOWN, None)))
     shown = job or _pick(jobs.jobs)
     detail = None
     if shown:

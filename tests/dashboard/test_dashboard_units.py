@@ -182,6 +182,6 @@ def test_the_page_lists_the_newest_jobs_in_creation_order(tmp_path: Path, jobs: 
         manager = JobManager(store, slices=None)  # type: ignore[arg-type]  # not run
         backend = Backend(SimpleNamespace(jobs=manager), lambda: "ready",  # type: ignore[arg-type]
                           lambda: [], lambda: True)
-        listed = backend.newest_jobs(200)
+        listed = backend.job_list(None, 200, None)
         assert [j.id for j in listed.jobs] == ids[-200:]
         assert (listed.total, listed.offset) == (jobs, max(0, jobs - 200))
