@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import math
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
@@ -241,21 +242,48 @@ class RemoteStrategy(TFCompatMixin):
         with self._dropped_riding(request):
             return self._client.call(rpc, request, what=what, idempotent=idempotent)
 
-    def _result(self, rpc: Any, request: Any, what: str) -> Any:
-        """Calls the result-streaming ``rpc``; returns the result it streams. The
-        service runs it after the operations sent before it (``after_op``), so it goes
-        without waiting for their answers. A synchronising call: a failure of an
-        operation sent before it raises here, in place of its own result or error."""
+    def _result(self, rpc: Any, kind: str, request: Any, what: str, size: float) -> Any:
+        """Returns the result of ``request``, runs after the operations sent before it.
+        One of at most ``INLINE_BYTES`` (``size``: its bound, :meth:`_result_bytes`)
+        is a ``kind`` operation on the slice's stream: one message each way. A larger
+        one streams from the ``rpc`` (a method of the stub) in chunks; the service runs
+        it after ``after_op``. Either way it goes without waiting for the earlier
+        operations' answers. A synchronising call: a failure of an operation sent
+        before it raises here, in place of its own result or error."""
         self._check_open(what)
-        request.after_op = self._ops.last_op
         try:
             with self._dropped_riding(request):
-                result = self._client.stream(rpc, request, _thawed_result, what=what)
+                if size <= tensors.INLINE_BYTES:
+                    op, _ = self._ops.send(kind, request, what)
+                else:
+                    request.after_op = self._ops.last_op
+                    return self._synced(
+                        self._client.stream(rpc, request, _thawed_result, what=what), what)
+            return self._synced(trees.thaw(tensors.decode(self._ops.result(op))), what)
         except Exception:
             self._ops.sync(what)  # the failure that caused this one, if any, first
             raise
+
+    def _synced(self, result: _T, what: str) -> _T:
         self._ops.sync(what)
         return result
+
+    def _result_bytes(self, handles: Sequence[Any], tree: pb.Tree, blobs: list[int],
+                      every_replica: bool) -> float:
+        """At most how many bytes the result of a call on ``tree`` (with these handle
+        signatures, :func:`_handle_signature`, and uploads) has: one replica's of each
+        value for a reduce, every replica's (``every_replica``) for the others."""
+        if blobs:
+            return math.inf
+        replicas = self.num_replicas_in_sync if every_replica else 1
+        total = float(tree.ByteSize() * replicas)
+        for kind, shape, dtype, *_ in handles:
+            try:
+                itemsize = tensors.dtype_from_name(dtype).itemsize
+            except (TypeError, ValueError):  # a JAX-only dtype (PRNG keys)
+                return math.inf
+            total += math.prod(shape) * itemsize * (replicas if kind == "per_replica" else 1)
+        return total
 
     def _dispatch(self, kind: str, request: Any, what: str, key: Hashable | None, *,
                   may_predict: bool = True,
@@ -484,36 +512,45 @@ class RemoteStrategy(TFCompatMixin):
         return self._reduce_tf1(self._reduce, reduce_op, value, axis, destinations)
 
     def _reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None) -> Any:
-        encoded, blobs = self._encode(value, "value")
+        handles: list[Hashable] = []
+        encoded, blobs = self._encode(value, "value", handles)
         try:
-            return self._result(self._stub.Reduce, pb.ReduceRequest(
+            return self._result(self._stub.Reduce, "reduce", pb.ReduceRequest(
                 **self._ids(), reduce_op=self._encode(reduce_op, "reduce_op")[0],
-                value=encoded, axis=tensors.encode(axis, path="axis")), "reduce")
+                value=encoded, axis=tensors.encode(axis, path="axis")), "reduce",
+                self._result_bytes(handles, encoded, blobs, every_replica=False))
         finally:
             self._release_blobs(blobs)
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenates the replicas' values along ``axis``; returns numpy."""
-        encoded, blobs = self._encode(value, "value")
+        handles: list[Hashable] = []
+        encoded, blobs = self._encode(value, "value", handles)
         try:
-            return self._result(self._stub.Gather, pb.GatherRequest(
+            return self._result(self._stub.Gather, "gather", pb.GatherRequest(
                 **self._ids(), value=encoded, axis=tensors.encode(axis, path="axis")),
-                "gather")
+                "gather", self._result_bytes(handles, encoded, blobs, every_replica=True))
         finally:
             self._release_blobs(blobs)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """Every replica's value (numpy), padding rows dropped, in replica order."""
-        encoded, blobs = self._encode(value, "value")
+        handles: list[Hashable] = []
+        encoded, blobs = self._encode(value, "value", handles)
         try:
-            return tuple(self._result(self._stub.LocalResults, pb.ValueRequest(
-                **self._ids(), value=encoded), "experimental_local_results"))
+            return tuple(self._result(
+                self._stub.LocalResults, "local_results",
+                pb.ValueRequest(**self._ids(), value=encoded), "experimental_local_results",
+                self._result_bytes(handles, encoded, blobs, every_replica=True)))
         finally:
             self._release_blobs(blobs)
 
     def _fetch(self, value: RemotePerReplica | RemoteGlobalValue) -> np.ndarray:
-        result: np.ndarray = self._result(self._stub.Fetch, pb.ValueRequest(
-            **self._ids(), value=self._encode(value, "value")[0]), "fetch")
+        handles: list[Hashable] = []
+        encoded, blobs = self._encode(value, "value", handles)
+        result: np.ndarray = self._result(
+            self._stub.Fetch, "fetch", pb.ValueRequest(**self._ids(), value=encoded), "fetch",
+            self._result_bytes(handles, encoded, blobs, every_replica=True))
         return result
 
     def experimental_distribute_values_from_function(

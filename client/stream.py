@@ -257,7 +257,8 @@ class OpStream:
         raises its failure as the call's own."""
         with self._lock:
             self._wait(lambda: self._pending[op].reply is not None, f"operation #{op}")
-            reply = self._pending.pop(op).reply
+            pending = self._pending.pop(op)
+        reply = pending.reply
         assert reply is not None
         if reply.HasField("failure"):
             record = self._failed[op]
@@ -265,7 +266,8 @@ class OpStream:
                 self._raised.add(op)
                 raise record.error()
             if record in self._failures:  # skipped, for a failure not yet raised
-                self._raise(f"the call at {call_site()}")
+                record.skipped -= 1  # the note counts the calls before this one
+                self._raise(f"{pending.what} ({call_site()})")
             raise rpc.error_from_parts(rpc.status_code(reply.failure.code), reply.failure.details,
                                        reply.failure.error, b"", record.what)
         return reply.tree

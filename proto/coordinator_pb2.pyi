@@ -394,7 +394,7 @@ class IteratorResponse(_message.Message):
     def __init__(self, iterator_id: _Optional[int] = ...) -> None: ...
 
 class SliceOp(_message.Message):
-    __slots__ = ("op", "predicted", "expect", "run", "run_steps", "distribute_values", "next")
+    __slots__ = ("op", "predicted", "expect", "run", "run_steps", "distribute_values", "next", "reduce", "gather", "local_results", "fetch")
     OP_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_FIELD_NUMBER: _ClassVar[int]
     EXPECT_FIELD_NUMBER: _ClassVar[int]
@@ -402,6 +402,10 @@ class SliceOp(_message.Message):
     RUN_STEPS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTE_VALUES_FIELD_NUMBER: _ClassVar[int]
     NEXT_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_FIELD_NUMBER: _ClassVar[int]
+    GATHER_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
     op: int
     predicted: bool
     expect: Tree
@@ -409,7 +413,11 @@ class SliceOp(_message.Message):
     run_steps: RunStepsRequest
     distribute_values: DistributeValuesRequest
     next: IteratorRequest
-    def __init__(self, op: _Optional[int] = ..., predicted: _Optional[bool] = ..., expect: _Optional[_Union[Tree, _Mapping]] = ..., run: _Optional[_Union[RunRequest, _Mapping]] = ..., run_steps: _Optional[_Union[RunStepsRequest, _Mapping]] = ..., distribute_values: _Optional[_Union[DistributeValuesRequest, _Mapping]] = ..., next: _Optional[_Union[IteratorRequest, _Mapping]] = ...) -> None: ...
+    reduce: ReduceRequest
+    gather: GatherRequest
+    local_results: ValueRequest
+    fetch: ValueRequest
+    def __init__(self, op: _Optional[int] = ..., predicted: _Optional[bool] = ..., expect: _Optional[_Union[Tree, _Mapping]] = ..., run: _Optional[_Union[RunRequest, _Mapping]] = ..., run_steps: _Optional[_Union[RunStepsRequest, _Mapping]] = ..., distribute_values: _Optional[_Union[DistributeValuesRequest, _Mapping]] = ..., next: _Optional[_Union[IteratorRequest, _Mapping]] = ..., reduce: _Optional[_Union[ReduceRequest, _Mapping]] = ..., gather: _Optional[_Union[GatherRequest, _Mapping]] = ..., local_results: _Optional[_Union[ValueRequest, _Mapping]] = ..., fetch: _Optional[_Union[ValueRequest, _Mapping]] = ...) -> None: ...
 
 class SliceOps(_message.Message):
     __slots__ = ("ops",)

@@ -25,7 +25,7 @@ from jaxpod.pieces import PieceLayout, Pieces, little_endian
 from jaxpod.proto import coordinator_pb2 as pb
 
 #: Version of the protocol; a client and a service must agree on it.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 #: A stream operation's n-th output value has the id ``op << OUTPUT_BITS | n``.
 OUTPUT_BITS = 20
 _OUTPUT_MASK = (1 << OUTPUT_BITS) - 1

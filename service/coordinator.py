@@ -369,6 +369,9 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
                 held.advanced(streams=1)
             held.advanced(received=op.op)
             held.drop(request.dropped)
+            if kind in self._RESULTS:  # small: every tensor inline in the reply
+                result = self._RESULTS[kind](self, session, held, request)
+                return pb.SliceReply(op=op.op, tree=tensors.encode(result, path="result"))
             result = self._OPERATIONS[kind](self, session, held, request)
             tree, made = self._refs(held, result, op.op)
             if op.predicted and tree != op.expect:
@@ -426,6 +429,48 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
         "next": _next}
 
     # ------------------------------------------------------------------- results
+    # Each computes a numpy nest from the slice's values. The op stream runs them in
+    # its order (small results); the result RPCs after ``after_op``, streaming.
+    def _reduce(self, session: Session, held: HeldSlice, request: pb.ReduceRequest) -> Any:
+        value = self._args(session, held, request.value)
+        op, axis = tensors.decode(request.reduce_op), tensors.decode(request.axis)
+        return held.engine.reduce(op, value, axis)
+
+    def _gather(self, session: Session, held: HeldSlice, request: pb.GatherRequest) -> Any:
+        value = self._args(session, held, request.value)
+        return held.engine.gather(value, tensors.decode(request.axis))
+
+    def _gather_in_parts(self, session: Session, held: HeldSlice,
+                         request: pb.GatherRequest) -> Any:
+        """:meth:`_gather`, with rows left in their hosts' parts to stream one by one
+        (other axes must be joined)."""
+        value = self._args(session, held, request.value)
+        return jax.tree.map(
+            lambda g: tensors.RowParts(g.shape, g.dtype, g.parts) if g.axis == 0 else g.join(),
+            held.engine.gather_parts(value, tensors.decode(request.axis), tensors.DATA_PIECES),
+            is_leaf=lambda x: isinstance(x, GatherParts))
+
+    def _local_results(self, session: Session, held: HeldSlice, request: pb.ValueRequest
+                       ) -> Any:
+        return held.engine.experimental_local_results(self._args(session, held, request.value))
+
+    def _fetch(self, session: Session, held: HeldSlice, request: pb.ValueRequest) -> Any:
+        return held.engine.fetch(self._args(session, held, request.value))
+
+    _RESULTS: ClassVar[dict[str, Callable[[CoordinatorService, Session, HeldSlice, Any],
+                                          Any]]] = {
+        "reduce": _reduce, "gather": _gather, "local_results": _local_results,
+        "fetch": _fetch}
+
+    def _result_stream(self, compute: Callable[[Session, HeldSlice, Any], Any], request: Any
+                       ) -> ResultStream:
+        """``compute``'s result, streamed, once the op stream applied ``after_op``."""
+        def run() -> Any:
+            session, held = self._after(request)
+            return compute(session, held, request)
+
+        return self._stream(run)
+
     async def _stream(self, compute: Callable[[], Any]) -> ResultStream:
         skeleton, data = await self._blocking(lambda: tensors.split_result(compute()))
         yield skeleton
@@ -436,42 +481,16 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
                 yield chunk
 
     def Reduce(self, request: pb.ReduceRequest, context: Any) -> ResultStream:
-        def reduce() -> Any:
-            session, held = self._after(request)
-            value = self._args(session, held, request.value)
-            op, axis = tensors.decode(request.reduce_op), tensors.decode(request.axis)
-            return held.engine.reduce(op, value, axis)
-
-        return self._stream(reduce)
+        return self._result_stream(self._reduce, request)
 
     def Gather(self, request: pb.GatherRequest, context: Any) -> ResultStream:
-        def gather() -> Any:  # rows stream part by part; other axes must be joined
-            session, held = self._after(request)
-            value = self._args(session, held, request.value)
-            return jax.tree.map(
-                lambda g: tensors.RowParts(g.shape, g.dtype, g.parts) if g.axis == 0
-                else g.join(),
-                held.engine.gather_parts(value, tensors.decode(request.axis),
-                                         tensors.DATA_PIECES),
-                is_leaf=lambda x: isinstance(x, GatherParts))
+        return self._result_stream(self._gather_in_parts, request)
 
-        return self._stream(gather)
-
-    def LocalResults(self, request: pb.ValueRequest, context: Any
-                     ) -> ResultStream:
-        def local_results() -> Any:
-            session, held = self._after(request)
-            value = self._args(session, held, request.value)
-            return held.engine.experimental_local_results(value)
-
-        return self._stream(local_results)
+    def LocalResults(self, request: pb.ValueRequest, context: Any) -> ResultStream:
+        return self._result_stream(self._local_results, request)
 
     def Fetch(self, request: pb.ValueRequest, context: Any) -> ResultStream:
-        def fetch() -> Any:
-            session, held = self._after(request)
-            return held.engine.fetch(self._args(session, held, request.value))
-
-        return self._stream(fetch)
+        return self._result_stream(self._fetch, request)
 
     async def Free(self, request: pb.FreeRequest, context: Any) -> pb.Empty:
         session = self.sessions.get(request.session_id)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from serve_process import (
     Service,
     all_gone,
@@ -628,6 +630,41 @@ def test_user_exception_comes_back_as_its_own_class(strategy: RemoteStrategy) ->
 def _memory(strategy: RemoteStrategy) -> list[dict[str, int]]:
     return [{k: h[k] for k in ("num_values", "device_bytes", "num_iterators")}
             for h in strategy.stats()]
+
+
+RESULT_RPCS = ("Reduce", "Gather", "LocalResults", "Fetch")
+
+
+def _result_rpc_calls(service: Service) -> dict[str, int]:
+    """How many calls of each result-streaming RPC the service has answered."""
+    text = httpx.get(f"{service.http_url}/metrics", timeout=30,
+                     headers={"Authorization": f"Bearer {service.token}"}).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    counted = dict.fromkeys(RESULT_RPCS, 0)
+    for sample in families["jaxpod_rpc_duration_seconds"].samples:
+        if sample.name.endswith("_count") and sample.labels["method"] in counted:
+            counted[sample.labels["method"]] += int(sample.value)
+    return counted
+
+
+@pytest.mark.parametrize("floats", [4, tensors.INLINE_BYTES // 4 + 8], ids=["small", "large"])
+def test_small_results_ride_the_op_stream_and_large_ones_stream_in_chunks(
+        service: Service, strategy: RemoteStrategy, floats: int) -> None:
+    """A result whose size (known from the handles) fits inline comes back on the
+    slice's op stream, calling no result RPC; a larger one streams from its RPC. Both
+    are the numpy answer."""
+    replicas = strategy.num_replicas_in_sync
+    # Small integers: every sum is exact in float32, so the answers are too.
+    x = np.random.default_rng(floats).integers(-100, 100, floats).astype(np.float32)
+    value = strategy.run(_affine, args=(x,))
+    want = np.stack([x * 3 + r for r in range(replicas)])
+    before = _result_rpc_calls(service)
+    np.testing.assert_array_equal(strategy.reduce("SUM", value, axis=None), want.sum(axis=0))
+    np.testing.assert_array_equal(strategy.gather(value, axis=0), want.reshape(-1))
+    np.testing.assert_array_equal(np.stack(strategy.experimental_local_results(value)), want)
+    np.testing.assert_array_equal(value.array, want)
+    calls = {m: n - before[m] for m, n in _result_rpc_calls(service).items()}
+    assert calls == dict.fromkeys(RESULT_RPCS, 0 if floats == 4 else 1), calls
 
 
 def test_stats_count_each_operation_and_its_time(strategy: RemoteStrategy) -> None:
