@@ -35,12 +35,13 @@ from jaxpod.errors import (
 )
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto.tensors import op_of
+from jaxpod.timeouts import Count
 
 if TYPE_CHECKING:
     from jaxpod.client.client import Client
 
 ASYNC_DISPATCH_ENV = "JAXPOD_ASYNC_DISPATCH"
-WINDOW_ENV = "JAXPOD_ASYNC_WINDOW"
+WINDOW = Count("JAXPOD_ASYNC_WINDOW", 64, "operations in flight per slice")
 #: Failed operations remembered, to refuse their outputs' handles at once.
 _MAX_FAILED = 4096
 _END = object()
@@ -52,18 +53,6 @@ def async_dispatch_enabled() -> bool:
     if raw not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
         raise ValueError(f"${ASYNC_DISPATCH_ENV} must be 0 or 1. Got {raw!r}.")
     return raw in ("1", "true", "yes", "on")
-
-
-def _window() -> int:
-    raw = os.environ.get(WINDOW_ENV, "64")
-    try:
-        window = int(raw)
-    except ValueError:
-        window = 0
-    if window < 1:
-        raise ValueError(f"${WINDOW_ENV} (operations in flight per slice) must be a "
-                         f"positive int. Got {raw!r}.")
-    return window
 
 
 def call_site() -> str:
@@ -123,7 +112,7 @@ class OpStream:
         self.slice_id = slice_id
         self.asynchronous = async_dispatch_enabled()
         self.templates = Templates()
-        self._window = threading.BoundedSemaphore(_window())
+        self._window = threading.BoundedSemaphore(WINDOW.value())
         self._lock = threading.Lock()
         self._replied = threading.Condition(self._lock)
         self._next_op = 1

@@ -1,8 +1,9 @@
-"""Named, environment-overridable time-outs and deadline-bounded waits.
+"""Named, environment-overridable time-outs and counts, and deadline-bounded waits.
 
 Every wait in jaxpod (service and workers) has a name (an environment variable) and a default,
 so an operator can lengthen it without a code change and an error can say which knob
-to turn. Polling loops go through :func:`wait_for`, which always has a deadline.
+to turn; so has every bound on how much is kept in flight (:class:`Count`). Polling
+loops go through :func:`wait_for`, which always has a deadline.
 """
 
 from __future__ import annotations
@@ -73,6 +74,41 @@ class Timeout:
                 f"timeout_s must be a positive number of seconds. Got {explicit_s!r}."
             )
         return float(explicit_s)
+
+
+@dataclass(frozen=True)
+class Count:
+    """A named positive count (a depth, a window) that an environment variable can
+    override.
+
+    Attributes:
+      env_var: the variable that overrides the default.
+      default: used when the variable is unset.
+      what: what it counts, for the error a bad value gets.
+    """
+
+    env_var: str
+    default: int
+    what: str
+
+    def value(self, explicit: int | None = None) -> int:
+        """``explicit`` when given, else the override when set, else the default.
+
+        Raises:
+          ValueError: the value is not a positive int, naming the variable.
+        """
+        raw = explicit if explicit is not None else os.environ.get(self.env_var, "").strip()
+        if raw == "":
+            return self.default
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(
+                f"{self.env_var} ({self.what}) must be a positive int. Got {raw!r}. Fix: "
+                f"set it to e.g. {self.env_var}={self.default} or unset it.")
+        return value
 
 
 class Deadline:

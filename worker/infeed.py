@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import queue
 import threading
 import time
@@ -32,10 +31,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpod.timeouts import Timeout
+from jaxpod.timeouts import Count, Timeout
 from jaxpod.worker import input as input_lib
 
-PREFETCH_DEPTH_ENV = "JAXPOD_INFEED_PREFETCH_DEPTH"
+PREFETCH_DEPTH = Count("JAXPOD_INFEED_PREFETCH_DEPTH", 2, "the infeed's prefetch depth, in chunks")
 # How long closing an infeed at exit waits for its thread (which may be in user code).
 CLOSE_TIMEOUT = Timeout("JAXPOD_INFEED_CLOSE_TIMEOUT_S", 5.0)
 # How long the producer waits for room in the queue before checking for a stop.
@@ -117,7 +116,7 @@ class Infeed:
         self._place = place
         self._replicas = num_replicas
         self._steps = steps
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=_prefetch_depth(depth))
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=PREFETCH_DEPTH.value(depth))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name=_THREAD_NAME,
                                         daemon=True)
@@ -278,20 +277,6 @@ class Infeed:
                 return
             except queue.Full:
                 continue
-
-
-def _prefetch_depth(explicit: int | None) -> int:
-    raw = os.environ.get(PREFETCH_DEPTH_ENV, "2") if explicit is None else explicit
-    try:
-        depth = int(raw)
-    except ValueError:
-        depth = 0
-    if depth < 1:
-        raise ValueError(
-            f"The infeed prefetch depth must be a positive int ({PREFETCH_DEPTH_ENV}). "
-            f"Got {raw!r}."
-        )
-    return depth
 
 
 # Infeed threads are daemons so an abandoned iterator never blocks exit, but a daemon
