@@ -38,6 +38,10 @@ class OperationOrderError(JaxpodError):
     """A worker received an operation out of sequence (one was skipped or reordered)."""
 
 
+class IdRangeError(JaxpodError):
+    """An operation sent ahead of another made more objects than the ids it was given."""
+
+
 @dataclass(frozen=True)
 class Handle:
     """A reference to a ``PerReplica`` value held by every worker of a group."""
@@ -176,6 +180,12 @@ class Operation(abc.ABC, Generic[R]):
     #: Whether it dispatches compiled programs, which may hold collectives: where it
     #: failed on some hosts only, the others may wait in one for ever.
     dispatches: ClassVar[bool] = False
+    #: Whether the coordinator may send the next operation before this one's replies:
+    #: they are small, and it fails on every host or on none, or else dispatches (a
+    #: failure on some hosts then restarts the slice, failing what was sent behind
+    #: it). What follows an operation that fails everywhere finds its outputs missing
+    #: on every host alike.
+    followable: ClassVar[bool] = False
 
     @abc.abstractmethod
     def apply(self, host: Host) -> R:
@@ -241,6 +251,7 @@ class Run(Operation[ValueInfos]):
     args: ValueArgs
     kwargs: ValueArgs
     dispatches: ClassVar[bool] = True
+    followable: ClassVar[bool] = True
 
     def apply(self, host: Host) -> ValueInfos:
         return host.run(self)
@@ -263,6 +274,7 @@ class RunSpmd(Operation[ValueInfos]):
     args: ValueArgs
     kwargs: ValueArgs
     dispatches: ClassVar[bool] = True
+    followable: ClassVar[bool] = True
 
     def apply(self, host: Host) -> ValueInfos:
         return host.run_spmd(self)
@@ -291,6 +303,7 @@ class RunSteps(Operation[ValueInfos]):
     initial_state: ValueArgs
     wait: bool = False
     dispatches: ClassVar[bool] = True
+    followable: ClassVar[bool] = True
 
     def apply(self, host: Host) -> ValueInfos:
         return host.run_steps(self)
@@ -366,6 +379,9 @@ class NextInput(Operation[tuple[ValueInfos, int]]):
     after it this host has ready in full (``LocalIterator.full_steps_ahead``)."""
 
     iterator_id: int
+    # The hosts agree on how many steps remain, and a dataset's error on one host
+    # fails the others' too (PeerHostError): it fails everywhere or nowhere.
+    followable: ClassVar[bool] = True
 
     def apply(self, host: Host) -> tuple[ValueInfos, int]:
         return host.next_input(self)
@@ -677,3 +693,9 @@ class Envelope:
     operation: Operation[Any]
     dropped: Dropped | None = None
     first_id: int = 1
+    #: The id past the last it may give (``None``: no limit): the coordinator sent
+    #: the next operation, with its own ids, before reading this one's replies.
+    id_limit: int | None = None
+    #: The next message may arrive before the reply is read: the reply must lend
+    #: no memory (a lent buffer lives only until the next message).
+    ahead: bool = False

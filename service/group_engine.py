@@ -26,7 +26,7 @@ from jaxpod import operations as ops
 from jaxpod.errors import EndOfDataError, SliceResetError, UnknownFunctionError
 from jaxpod.operations import Dropped, Handle, HandleInfo, StepItems
 from jaxpod.pieces import PieceLayout, Pieces
-from jaxpod.service.replica_group import ReplicaGroup
+from jaxpod.service.replica_group import Pipeline, ReplicaGroup
 from jaxpod.shipping import ShippedFunction, ship
 from jaxpod.types import InputOptions, ReduceOp
 
@@ -207,26 +207,44 @@ class GroupEngine:
         return jax.tree.map(convert, tree, is_leaf=_is_value)
 
     def _wrap(self, infos: Any) -> Any:
-        values = jax.tree.map(lambda i: GroupValue(i, self), infos,
-                              is_leaf=lambda x: isinstance(x, HandleInfo))
-        for v in jax.tree.leaves(values, is_leaf=_is_value):
-            weakref.finalize(v, self.dropped.values.append, v.info.id)
-        return values
+        return jax.tree.map(self.value, infos, is_leaf=lambda x: isinstance(x, HandleInfo))
 
-    # ------------------------------------------------------------------------ run
-    def run(self, fn: Callable[..., Any] | DefinedFunction, args: Any = (),
-            kwargs: dict[str, Any] | None = None) -> Any:
+    def value(self, info: HandleInfo) -> GroupValue:
+        """The value ``info`` describes, freed on the workers once dropped here."""
+        value = GroupValue(info, self)
+        weakref.finalize(value, self.dropped.values.append, info.id)
+        return value
+
+    @contextlib.contextmanager
+    def pipeline(self) -> Iterator[EnginePipeline]:
+        """Holds the group to send operations ahead of the replies before them
+        (:meth:`ReplicaGroup.pipeline`). After a reset seen meanwhile, the restarted
+        workers get this engine's set-up once the group is let go."""
+        ahead = EnginePipeline(self)
+        try:
+            with self.group.pipeline() as pipeline:
+                ahead.pipeline = pipeline
+                yield ahead
+        finally:
+            if ahead.reset:
+                self._after_reset()
+
+    # ------------------------------------------------------- operations as sent
+    def run_op(self, function_id: str, args: Any, kwargs: Any) -> ops.Run:
         # The workers' engine checks args and kwargs, with the in-process messages.
-        args, kwargs = self._to_handles(args), self._to_handles(kwargs)
-        infos = self._call_defined(fn, lambda f: ops.Run(f, args, kwargs))[0]
-        return self._wrap(infos)
+        return ops.Run(function_id, self._to_handles(args), self._to_handles(kwargs))
 
-    def run_steps(self, fn: Callable[..., Any] | DefinedFunction,
-                  iterator: GroupIterator | StepItems, steps: int | None = None,
-                  initial_state: Any = None, wait: bool = False) -> Any:
-        """``strategy.run_steps``; with ``wait``, it returns once the loop's results
-        are computed (not just dispatched): a caller that times loops sees their
-        compute."""
+    def run_spmd_op(self, function_id: str, mesh: Sequence[tuple[str, int]],
+                    batch_sharding: Sequence[Any] | None, args: Any, kwargs: Any
+                    ) -> ops.RunSpmd:
+        axes = tuple((str(n), int(s)) for n, s in mesh)
+        sharding = None if batch_sharding is None else tuple(batch_sharding)
+        return ops.RunSpmd(function_id, axes, sharding, self._to_handles(args),
+                           self._to_handles(kwargs or {}))
+
+    def run_steps_op(self, function_id: str, iterator: GroupIterator | StepItems,
+                     steps: int | None, initial_state: Any, wait: bool = False
+                     ) -> ops.RunSteps:
         source: int | StepItems
         if isinstance(iterator, StepItems):
             source = StepItems(self._to_handles(iterator.items))
@@ -236,8 +254,21 @@ class GroupEngine:
             raise TypeError("run_steps: iterator must come from this group's distributed "
                             f"dataset, or be StepItems. Got {type(iterator).__name__}.")
         k = self.steps_per_run if steps is None else steps
-        state = self._to_handles(initial_state)
-        result = self._call_defined(fn, lambda f: ops.RunSteps(f, source, k, state, wait))[0]
+        return ops.RunSteps(function_id, source, k, self._to_handles(initial_state), wait)
+
+    # ------------------------------------------------------------------------ run
+    def run(self, fn: Callable[..., Any] | DefinedFunction, args: Any = (),
+            kwargs: dict[str, Any] | None = None) -> Any:
+        return self._wrap(self._call_defined(fn, lambda f: self.run_op(f, args, kwargs))[0])
+
+    def run_steps(self, fn: Callable[..., Any] | DefinedFunction,
+                  iterator: GroupIterator | StepItems, steps: int | None = None,
+                  initial_state: Any = None, wait: bool = False) -> Any:
+        """``strategy.run_steps``; with ``wait``, it returns once the loop's results
+        are computed (not just dispatched): a caller that times loops sees their
+        compute."""
+        result = self._call_defined(
+            fn, lambda f: self.run_steps_op(f, iterator, steps, initial_state, wait))[0]
         return self._wrap(result)
 
     def run_spmd(self, fn: Callable[..., Any] | DefinedFunction,
@@ -246,11 +277,8 @@ class GroupEngine:
         """``strategy.spmd``'s call: ``fn`` as one ``jax.jit`` program over a mesh of
         the slice (see :class:`jaxpod.operations.RunSpmd`); returns global values.
         ``batch_sharding``: a ``PartitionSpec``'s entries, or ``None``."""
-        axes = tuple((str(n), int(s)) for n, s in mesh)
-        batch_sharding = None if batch_sharding is None else tuple(batch_sharding)
-        args, kwargs = self._to_handles(args), self._to_handles(kwargs or {})
         infos = self._call_defined(
-            fn, lambda f: ops.RunSpmd(f, axes, batch_sharding, args, kwargs))[0]
+            fn, lambda f: self.run_spmd_op(f, mesh, batch_sharding, args, kwargs))[0]
         return self._wrap(infos)
 
     # ------------------------------------------------------------------- results
@@ -408,6 +436,41 @@ class GroupEngine:
           timeout: the call's limit (``JAXPOD_OPERATION_TIMEOUT_S`` when ``None``).
         """
         return self._call(ops.PreemptionNotices(), timeout=timeout)
+
+
+class EnginePipeline:
+    """An engine's operations sent ahead of the replies before them
+    (:meth:`GroupEngine.pipeline`): what each drops goes with it."""
+
+    def __init__(self, engine: GroupEngine) -> None:
+        self.engine = engine
+        self.pipeline: Pipeline | None = None
+        #: Whether a reset restarted the workers meanwhile.
+        self.reset = False
+
+    def _open(self) -> Pipeline:
+        assert self.pipeline is not None, "used outside GroupEngine.pipeline()"
+        return self.pipeline
+
+    @property
+    def pending(self) -> int:
+        return self._open().pending
+
+    def can_follow(self) -> bool:
+        return self._open().can_follow()
+
+    def send(self, op: ops.Operation[Any]) -> int | None:
+        """Sends ``op``; returns the first id of the objects it creates (``None``:
+        too large to go ahead now, :meth:`Pipeline.send`)."""
+        return self._open().send(op, self.engine.dropped)
+
+    def receive(self) -> list[Any]:
+        """The oldest unread operation's result per host, or its error."""
+        try:
+            return self._open().receive()
+        except SliceResetError:
+            self.reset = True
+            raise
 
 
 class GroupDataset:

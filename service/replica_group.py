@@ -12,13 +12,14 @@ time-out that the environment can override.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -32,13 +33,20 @@ from jaxpod.errors import (
 )
 from jaxpod.operations import Dropped, Envelope, Operation, RemoteError
 from jaxpod.pieces import PieceLayout
-from jaxpod.timeouts import Timeout
+from jaxpod.timeouts import Count, Timeout
 from jaxpod.worker import channel
 from jaxpod.worker.host_worker import SIMULATED_PLATFORM, HostWorker
 
 START_TIMEOUT = Timeout("JAXPOD_WORKER_START_TIMEOUT_S", 120.0)
 OPERATION_TIMEOUT = Timeout("JAXPOD_OPERATION_TIMEOUT_S", 600.0)
 STOP_TIMEOUT = Timeout("JAXPOD_WORKER_STOP_TIMEOUT_S", 20.0)
+#: Operations a pipeline sends ahead of their replies; 1: none ahead of another.
+PIPELINE_DEPTH = Count("JAXPOD_PIPELINE_DEPTH", 8, "operations sent ahead of their replies")
+#: Ids reserved per operation sent ahead: its objects' ids must be known before its
+#: replies are (the hosts refuse to make more).
+ID_BLOCK = 1 << 20
+#: Bytes of messages a pipeline leaves unread on a host's channel at most.
+AHEAD_BYTES = 32 * 1024
 
 R = TypeVar("R")
 
@@ -283,62 +291,108 @@ class ReplicaGroup:
           when some host did not answer in time and the workers were restarted
           (``OperationTimeoutError`` where they cannot be).
         """
-        name = type(op).__name__
         limit = OPERATION_TIMEOUT.resolve(timeout)
-        # One operation at a time: replies come back in the order they were asked for.
+        with self._holding(type(op).__name__, limit):
+            sent = self._send(op, drops, limit, layout)
+            assert sent is not None
+            return self._finish(sent)
+
+    @contextlib.contextmanager
+    def pipeline(self, timeout: float | None = None) -> Iterator[Pipeline]:
+        """Holds the group for operations sent ahead of the replies before them (one
+        thread sends and receives). Replies not received when it closes are read
+        and dropped, so the channels stay in step."""
+        limit = OPERATION_TIMEOUT.resolve(timeout)
+        with self._holding("a pipelined operation", limit):
+            pipeline = Pipeline(self, limit)
+            try:
+                yield pipeline
+            finally:
+                pipeline.drain()
+
+    @contextlib.contextmanager
+    def _holding(self, what: str, limit: float) -> Iterator[None]:
+        # One caller at a time: replies come back in the order they were asked for.
         if not self._lock.acquire(timeout=limit):
             raise OperationTimeoutError(
-                f"Operation {name} waited {limit:g}s ({OPERATION_TIMEOUT.env_var}) for "
+                f"Operation {what} waited {limit:g}s ({OPERATION_TIMEOUT.env_var}) for "
                 "the group's previous operation to finish.")
         try:
-            deadline = time.monotonic() + limit
-            if self._broken:
-                raise JaxpodError(f"This replica group is broken ({self._broken}); restart it.")
-            dropped = drops.take() if drops is not None else None
-            try:  # a message that does not pickle is not sent, and uses no number
-                encoded = channel.encode(Envelope(self._seq, op, dropped, self._next_id))
-            except BaseException:
-                if dropped and drops is not None:
-                    drops.restore(dropped)
-                raise
-            self._seq += 1
-            try:
-                results = self._exchange(name, encoded, deadline, limit, layout)
-            except OperationTimeoutError as e:
-                if self._recipe is None or self._stopped:
-                    raise
-                raise self._reset(f"Operation {name} did not finish on every host within "
-                                  f"{limit:g}s ({OPERATION_TIMEOUT.env_var})") from e
-            failed = [h for h, r in enumerate(results) if isinstance(r, RemoteError)]
-            created = [op.created(r) for r in results if not isinstance(r, RemoteError)]
-            self._next_id = max([self._next_id - 1, *(i for c in created for i in c.ids)]) + 1
-            if op.dispatches and 0 < len(failed) < len(results) and self._recipe is not None:
-                # The others may wait for ever in a collective the failed hosts never
-                # reached: only a restart brings them back in step.
-                error = _host_error(results, failed, name)
-                raise self._reset(
-                    f"Operation {name} failed on host(s) {failed} only "
-                    f"({type(error).__name__}: {error}), after the other hosts had "
-                    "dispatched its program") from error
+            yield
         finally:
             self._lock.release()
+
+    def _send(self, op: Operation[Any], drops: DropSource | None, limit: float,
+              layout: PieceLayout | None = None, ahead: bool = False,
+              max_bytes: int | None = None) -> _Sent | None:
+        """Sends ``op`` to every host (the caller holds the group). ``ahead``: the next
+        operation may be sent before this one's replies are read, so its objects get
+        a block of ``ID_BLOCK`` ids of their own, and its replies lend no memory.
+        ``None``: its message is over ``max_bytes``, and nothing was sent."""
+        name = type(op).__name__
+        if self._broken:
+            raise JaxpodError(f"This replica group is broken ({self._broken}); restart it.")
+        dropped = drops.take() if drops is not None else None
+        first_id = self._next_id
+        envelope = Envelope(self._seq, op, dropped, first_id,
+                            id_limit=first_id + ID_BLOCK if ahead else None, ahead=ahead)
+        try:  # a message that does not pickle is not sent, and uses no number
+            encoded = channel.encode(envelope)
+        except BaseException:
+            if dropped and drops is not None:
+                drops.restore(dropped)
+            raise
+        nbytes = len(encoded[0]) + sum(memoryview(b).nbytes for b in encoded[1])
+        if max_bytes is not None and nbytes > max_bytes:
+            if dropped and drops is not None:
+                drops.restore(dropped)
+            return None
+        self._seq += 1
+        if ahead:
+            self._next_id += ID_BLOCK
+        try:
+            channel.send(self._channels, encoded)
+        except OSError as e:
+            raise self._lost(e, name, 0) from e
+        return _Sent(op, name, limit, drops, layout, first_id, nbytes)
+
+    def _finish(self, sent: _Sent) -> list[Any]:
+        """Reads every host's reply to ``sent`` (the caller holds the group), counting
+        its limit from now: the operations before it are done."""
+        op, name, limit = sent.op, sent.name, sent.limit
+        try:
+            results = self._receive(name, time.monotonic() + limit, limit, sent.layout)
+        except OperationTimeoutError as e:
+            if self._recipe is None or self._stopped:
+                raise
+            raise self._reset(f"Operation {name} did not finish on every host within "
+                              f"{limit:g}s ({OPERATION_TIMEOUT.env_var})") from e
+        failed = [h for h, r in enumerate(results) if isinstance(r, RemoteError)]
+        created = [op.created(r) for r in results if not isinstance(r, RemoteError)]
+        self._next_id = max([self._next_id - 1, *(i for c in created for i in c.ids)]) + 1
+        if op.dispatches and 0 < len(failed) < len(results) and self._recipe is not None:
+            # The others may wait for ever in a collective the failed hosts never
+            # reached: only a restart brings them back in step.
+            error = _host_error(results, failed, name)
+            raise self._reset(
+                f"Operation {name} failed on host(s) {failed} only "
+                f"({type(error).__name__}: {error}), after the other hosts had "
+                "dispatched its program") from error
         if failed:
-            if drops is not None:  # undone on the hosts where it took effect
+            if sent.drops is not None:  # undone on the hosts where it took effect
                 spoiled = op.spoils() if len(failed) < len(results) else Dropped()
                 for undo in [*created, spoiled]:
-                    drops.restore(undo)
+                    sent.drops.restore(undo)
             raise _host_error(results, failed, name)
         return results
 
-    def _exchange(self, name: str, encoded: tuple[bytes, list[Any]], deadline: float,
-                  limit: float, layout: PieceLayout | None) -> list[Any]:
-        """Sends the message to every host; returns their replies in host order. Every
-        host's reply is read, even after one fails to unpickle, so that the next
-        operation's replies are its own."""
+    def _receive(self, name: str, deadline: float, limit: float,
+                 layout: PieceLayout | None) -> list[Any]:
+        """Every host's reply, in host order. Every host's reply is read, even after
+        one fails to unpickle, so that the next operation's replies are its own."""
         results: list[Any] = []
         unreadable: list[tuple[int, Exception]] = []
         try:
-            channel.send(self._channels, encoded)
             for host, sock in enumerate(self._channels):
                 channel.await_turn(self._channels, host, deadline)
                 try:
@@ -356,13 +410,7 @@ class ReplicaGroup:
                 f"({OPERATION_TIMEOUT.env_var}); the group is now unusable."
             ) from None
         except OSError as e:
-            # A later host's closed channel, seen while an earlier one still worked.
-            host = e.index if isinstance(e, channel.PeerClosedError) else len(results)
-            self._broken = f"host {host} went away during operation {name}"
-            raise WorkerLostError(
-                f"Host {host} stopped answering during operation {name} ({e}): its worker "
-                "process died or the group was stopped. The group is now unusable; "
-                "release the slice and acquire a new one.") from e
+            raise self._lost(e, name, len(results)) from e
         if unreadable:
             host, why = unreadable[0]
             raise JaxpodError(
@@ -370,6 +418,15 @@ class ReplicaGroup:
                 f"{type(why).__name__}: {why}. The coordinator and the workers must run "
                 "the same versions of the packages whose objects the reply holds.") from why
         return results
+
+    def _lost(self, e: OSError, name: str, host: int) -> WorkerLostError:
+        # A later host's closed channel may be seen while an earlier one still worked.
+        host = e.index if isinstance(e, channel.PeerClosedError) else host
+        self._broken = f"host {host} went away during operation {name}"
+        return WorkerLostError(
+            f"Host {host} stopped answering during operation {name} ({e}): its worker "
+            "process died or the group was stopped. The group is now unusable; "
+            "release the slice and acquire a new one.")
 
     def kill(self) -> None:
         """Kills the workers without leaving the group first: for a group that lost a
@@ -389,6 +446,87 @@ class ReplicaGroup:
     @property
     def _launcher(self) -> WorkerLauncher:
         return self._recipe.launcher if self._recipe is not None else RayWorkers()
+
+
+@dataclass
+class _Sent:
+    """An operation sent to every host whose replies are not read yet."""
+
+    op: Operation[Any]
+    name: str
+    limit: float
+    drops: DropSource | None
+    layout: PieceLayout | None
+    first_id: int
+    nbytes: int
+
+
+class Pipeline:
+    """Operations sent to a group's hosts ahead of the replies before them.
+
+    The hosts still run them one at a time, in the order sent (DESIGN §1); the sender
+    prepares the next while they run. Only an operation whose class is
+    ``followable`` may have another sent behind it before its replies are read, and
+    the messages unread stay under ``AHEAD_BYTES``: far less than a socket holds, so
+    sending never waits on a host that waits to send a reply. One thread sends and
+    receives; it holds the group meanwhile (:meth:`ReplicaGroup.pipeline`).
+    """
+
+    def __init__(self, group: ReplicaGroup, limit: float) -> None:
+        self._group = group
+        self._limit = limit
+        self._sent: collections.deque[_Sent] = collections.deque()
+        #: Why the operations still unread never ran (a reset, a lost host).
+        self._void: BaseException | None = None
+
+    @property
+    def pending(self) -> int:
+        """Operations sent whose replies are not read yet."""
+        return len(self._sent)
+
+    def can_follow(self) -> bool:
+        """Whether an operation may be sent now without reading a reply first."""
+        return (len(self._sent) < PIPELINE_DEPTH.value()
+                and all(type(s.op).followable for s in self._sent))
+
+    def send(self, op: Operation[Any], drops: DropSource | None = None) -> int | None:
+        """Sends ``op``; returns the first id of the objects it creates (its block
+        ends ``ID_BLOCK`` later), or ``None`` if its message is too large to go ahead
+        of the replies unread (receive one, then send again). Raises what sending
+        raises: ``op`` was not sent."""
+        if not self.can_follow():
+            raise JaxpodError(f"Operation {type(op).__name__} may not be sent behind "
+                              "the ones unread; receive their replies first.")
+        if self._void is not None:
+            raise self._void
+        budget = AHEAD_BYTES - sum(s.nbytes for s in self._sent) if self._sent else None
+        sent = self._group._send(op, drops, self._limit, ahead=True, max_bytes=budget)
+        if sent is None:
+            return None
+        self._sent.append(sent)
+        return sent.first_id
+
+    def receive(self) -> list[Any]:
+        """The oldest unread operation's result per host, or its error. After a reset
+        or a lost host, the ones sent behind it raise without having run."""
+        sent = self._sent.popleft()
+        if self._void is not None:
+            raise self._void
+        try:
+            return self._group._finish(sent)
+        except (SliceResetError, WorkerLostError, OperationTimeoutError) as e:
+            # The workers the rest was sent to are gone; new ones take nothing more
+            # from this pipeline (their set-up comes first).
+            kind = SliceResetError if isinstance(e, SliceResetError) else type(e)
+            self._void = kind(f"Not run: the slice's workers were lost while it waited "
+                              f"behind operation {sent.name} ({e}).")
+            raise
+
+    def drain(self) -> None:
+        """Reads the replies still unread, dropping them (their errors too)."""
+        while self._sent:
+            with contextlib.suppress(Exception):
+                self.receive()
 
 
 def _host_error(results: list[Any], failed: list[int], name: str) -> BaseException:

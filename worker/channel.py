@@ -178,15 +178,16 @@ def encode(message: Any) -> tuple[bytes, list[Any]]:
     return header + data, buffers + streamed
 
 
-def _send(sock: socket.socket, data: bytes, buffers: list[Any], lend: bool = False
-          ) -> None:
-    """Sends an encoded message. With ``lend``, large parts of its buffers go as
-    where they are (the receiver reads them in place; the caller keeps them)."""
+def _send(sock: socket.socket, data: bytes, buffers: list[Any], lend: bool = False,
+          copy: bool = False) -> None:
+    """Sends an encoded message. With ``lend`` (a lending connection), large parts of
+    its buffers go as where they are (the receiver reads them in place; the caller
+    keeps them), unless ``copy``: then all go inline, in the lending format."""
     sock.sendall(data)
     if lend:
         lent, inline = [], []
         for i, buffer in enumerate(buffers):
-            if buffer.nbytes >= OUT_OF_BAND_BYTES:
+            if buffer.nbytes >= OUT_OF_BAND_BYTES and not copy:
                 lent.append(_LENT.pack(i, 0, process_memory.address_of(buffer),
                                        buffer.nbytes))
             else:
@@ -548,21 +549,26 @@ class ChannelServer:
             while True:
                 message = _receive(sock, None, writable=True)
                 # A lent reply lives until the coordinator has read it, which it has
-                # once its next message arrives.
+                # once its next message arrives, unless that was sent ahead of it.
                 reply = None
-                reply = self._answer(*message)
-                _send(sock, reply[0], reply[1], lend=bool(reader))
+                reply, ahead = self._answer(*message)
+                _send(sock, reply[0], reply[1], lend=bool(reader), copy=ahead)
         finally:  # however the connection ends, its reader may read no more
             self._reader = None
             if reader:
                 process_memory.revoke_reader(reader)
 
     def _answer(self, data: bytearray, buffers: list[np.ndarray], streamed: int
-                ) -> tuple[bytes, list[Any]]:
+                ) -> tuple[tuple[bytes, list[Any]], bool]:
+        """The encoded reply, and whether the message said the next one may come
+        before the reply is read (its ``ahead``)."""
+        ahead = False
         try:
-            return encode(self._handle(_loads(data, buffers, streamed)))
+            message = _loads(data, buffers, streamed)
+            ahead = bool(getattr(message, "ahead", False))
+            return encode(self._handle(message)), ahead
         except Exception as e:
-            return encode(self._failed(e))
+            return encode(self._failed(e)), ahead
 
     def close(self) -> None:
         """Stops accepting (closing alone does not wake a thread blocked waiting for a

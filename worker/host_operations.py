@@ -22,7 +22,14 @@ from jax.sharding import PartitionSpec
 from jaxpod import operations as ops
 from jaxpod import trees
 from jaxpod.errors import HandleError
-from jaxpod.operations import Dropped, Handle, HandleInfo, OperationOrderError, RemoteError
+from jaxpod.operations import (
+    Dropped,
+    Handle,
+    HandleInfo,
+    IdRangeError,
+    OperationOrderError,
+    RemoteError,
+)
 from jaxpod.pieces import Streamed
 from jaxpod.shipping import ShippedFunction, load
 from jaxpod.values import PerReplica, is_per_replica
@@ -61,6 +68,7 @@ class HostOperations(ops.Host):
         self.iterators: dict[int, Any] = {}
         self.datasets: dict[int, Any] = {}
         self._next_id = 1
+        self._id_limit: int | None = None
         self._created: list[int] = []  # ids the operation running now created
         self._expected_seq = 0
         self._busy = BusyClock()
@@ -91,7 +99,7 @@ class HostOperations(ops.Host):
                 "or reordered. The replica group must be restarted."), "")
         self._expected_seq += 1
         start = self._started_at = time.perf_counter()
-        self._next_id, self._created = envelope.first_id, []
+        self._next_id, self._id_limit, self._created = envelope.first_id, envelope.id_limit, []
         try:
             if envelope.dropped:
                 self._drop(envelope.dropped)
@@ -129,6 +137,11 @@ class HostOperations(ops.Host):
     def _new_id(self) -> int:
         """The next id the coordinator gave this operation for the objects it creates."""
         new = self._next_id
+        if self._id_limit is not None and new >= self._id_limit:
+            raise IdRangeError(
+                f"The operation made more objects (values, iterators, datasets) than "
+                f"the {len(self._created)} ids it was given. Return fewer leaves from "
+                "the function.")
         self._next_id += 1
         self._created.append(new)
         return new

@@ -24,13 +24,20 @@ import pytest
 from serve_process import all_gone, kill_service, start_service
 
 import jaxpod
-from jaxpod.errors import AllocationTimeoutError, WorkerLostError, WorkerStartError
+from jaxpod.errors import (
+    AllocationTimeoutError,
+    SliceResetError,
+    WorkerLostError,
+    WorkerStartError,
+)
+from jaxpod.operations import HandleInfo
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.group_engine import GroupEngine
 from jaxpod.service.local_cluster import descendants, plan_slices
 from jaxpod.service.process_workers import LocalProcessSlices, ProcessWorkers
-from jaxpod.service.replica_group import HostPlacement, ReplicaGroup
+from jaxpod.service.replica_group import ID_BLOCK, HostPlacement, ReplicaGroup
 from jaxpod.service.sessions import HeldSlice
+from jaxpod.shipping import ship
 from jaxpod.timeouts import wait_for
 
 DEVICES_PER_HOST = 4
@@ -111,6 +118,70 @@ def test_a_user_exception_keeps_its_type_and_the_group_goes_on(group: GroupEngin
     np.testing.assert_allclose(group.gather(out, axis=0), np.repeat(np.arange(8), 2) + 1)
 
 
+def _ones(engine: GroupEngine) -> Any:
+    return engine.experimental_distribute_values_from_function(
+        lambda ctx: np.full((2,), ctx.replica_id_in_sync_group, np.float32))
+
+
+def test_operations_sent_ahead_name_the_outputs_before_them(group: GroupEngine) -> None:
+    """Three runs sent before any reply is read, each on the output of the one before
+    (named by its reserved block of ids): the replies come back in order with those
+    ids, and the result is numpy's."""
+    value = _ones(group)
+    double = group.define(ship(lambda x: x * 2)).id
+    firsts: list[int] = []
+    with group.pipeline() as ahead:
+        x = value
+        for _ in range(3):
+            first = ahead.send(group.run_op(double, (x,), {}))
+            assert first is not None
+            firsts.append(first)
+            x = group.value(HandleInfo(first, (2,), "float32", None))
+        assert ahead.pending == 3
+        replies = [ahead.receive() for _ in range(3)]
+    assert [firsts[i + 1] - firsts[i] for i in range(2)] == [ID_BLOCK] * 2
+    for first, per_host in zip(firsts, replies, strict=True):
+        assert [info.id for info in per_host] == [first, first]
+    np.testing.assert_array_equal(group.gather(x, axis=0),
+                                  np.repeat(np.arange(8, dtype=np.float32), 2) * 8)
+
+
+def _stuck_on_host_1(x: jax.Array) -> jax.Array:
+    if jax.process_index() == 1:
+        threading.Event().wait()  # never returns: its process is restarted
+    return x
+
+
+def test_a_step_stuck_ahead_of_another_resets_the_slice_and_voids_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that never finishes on host 1, with a run sent behind it: past the
+    operation time-out the slice restarts, the run behind it fails without having
+    run, and the engine works on the new workers."""
+    monkeypatch.setenv("JAXPOD_OPERATION_TIMEOUT_S", "5")
+    replica_group = _start()
+    engine = GroupEngine(replica_group)
+    try:
+        value = _ones(engine)
+        stuck = engine.define(ship(_stuck_on_host_1)).id
+        double = engine.define(ship(lambda x: x * 2)).id
+        with engine.pipeline() as ahead:
+            ahead.send(engine.run_op(stuck, (value,), {}))
+            ahead.send(engine.run_op(double, (value,), {}))
+            with pytest.raises(SliceResetError, match="did not finish on every host"):
+                ahead.receive()
+            with pytest.raises(SliceResetError, match="Not run"):
+                ahead.receive()
+            with pytest.raises(SliceResetError, match="Not run"):  # nothing more goes
+                ahead.send(engine.run_op(double, (value,), {}))
+        assert replica_group.resets == 1
+        fresh = _ones(engine)
+        np.testing.assert_array_equal(
+            engine.gather(engine.run(lambda x: x * 2, args=(fresh,)), axis=0),
+            np.repeat(np.arange(8, dtype=np.float32), 2) * 2)
+    finally:
+        replica_group.stop()
+
+
 def test_a_killed_worker_is_a_lost_host_and_stop_leaves_no_process() -> None:
     replica_group = _start()
     engine = GroupEngine(replica_group)
@@ -154,7 +225,7 @@ def test_workers_exit_when_the_process_that_started_them_dies() -> None:
         import sys, threading
         from jaxpod.service.local_cluster import descendants, plan_slices
         from jaxpod.service.process_workers import ProcessWorkers
-        from jaxpod.service.replica_group import HostPlacement, ReplicaGroup
+        from jaxpod.service.replica_group import ID_BLOCK, HostPlacement, ReplicaGroup
         (s,) = plan_slices("v4-16")
         group = ReplicaGroup.start([HostPlacement(None, i, {}, env=s.host_env(i))
                                     for i in range(2)], 4, launcher=ProcessWorkers(),

@@ -29,16 +29,28 @@ from jaxpod.worker import channel, process_memory
 REVOKE_WAIT_S = 20.0
 
 
+@dataclasses.dataclass
+class _Ahead:
+    """A message the next one may overtake (as the coordinator sends operations
+    ahead of the replies before them)."""
+
+    payload: Any
+    ahead: bool = True
+
+
 def _echo(message: Any, release: threading.Event) -> Any:
-    """The test server's ``handle``: a message is ``(args, kwargs)``."""
-    args, kwargs = message
+    """The test server's ``handle``: a message is ``(args, kwargs)``, or one wrapped in
+    :class:`_Ahead`."""
+    args, kwargs = message.payload if isinstance(message, _Ahead) else message
     return _echo_call(*args, release=release, **kwargs)
 
 
 def _echo_call(*args: Any, release: threading.Event, slow: bool = False,
-               stream: bool = False, **kwargs: Any) -> Any:
+               stream: bool = False, reply_floats: int = 0, **kwargs: Any) -> Any:
     if slow:  # an operation that lasts until the test ends, for the deadline test
         release.wait(30)
+    if reply_floats:  # a large reply to a small message
+        return (np.arange(reply_floats, dtype=np.float32) + kwargs["n"],), kwargs
     if stream:  # as a worker answers a gather: its first argument, streamed (a view)
         streamed = Streamed(args[0])
         assert not args[0].size or np.shares_memory(args[0], np.frombuffer(streamed.data,
@@ -110,6 +122,19 @@ def test_round_trip_keeps_small_and_large_arrays(server: Served) -> None:
     # The coordinator hung up: the grant goes with its connection.
     assert wait_for(lambda: srv.granted_reader is None, REVOKE_WAIT_S)
     assert process_memory.granted_reader() is None
+
+
+def test_replies_to_messages_sent_ahead_stay_whole_when_the_next_comes_first(
+        server: Served) -> None:
+    """Messages sent before any reply is read: each reply, with an array a lending
+    worker would lend only until its next message arrives, is its own and intact."""
+    with channel.connect(server.address, server.key, 10) as sock:
+        for n in range(4):  # small messages: the coordinator bounds what goes ahead
+            channel.broadcast([sock], _Ahead(((), {"n": n, "reply_floats": 300_000})))
+        for n in range(4):
+            (got,), kwargs = channel.receive(sock)
+            np.testing.assert_array_equal(got, np.arange(300_000, dtype=np.float32) + n)
+            assert kwargs == {"n": n}
 
 
 def _prefix(n: int) -> bytes:  # any prefix the receiver chooses, of any length

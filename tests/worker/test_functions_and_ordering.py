@@ -18,7 +18,7 @@ import pytest
 
 import jaxpod
 from jaxpod import operations as ops
-from jaxpod.operations import Envelope, OperationOrderError, RemoteError
+from jaxpod.operations import Envelope, IdRangeError, OperationOrderError, RemoteError
 from jaxpod.shipping import ShippedFunction, check_versions, runtime_versions, ship
 from jaxpod.worker.engine import Engine
 from jaxpod.worker.functions import (
@@ -88,6 +88,23 @@ def test_skipped_operation_is_detected_not_deadlocked() -> None:
     assert isinstance(skipped, RemoteError)
     assert isinstance(skipped.error, OperationOrderError)
     assert "expected operation #1 but received #2" in str(skipped.error)
+
+
+def test_an_operation_sent_ahead_makes_no_more_objects_than_its_ids() -> None:
+    """An operation sent ahead of another gets a block of ids: one that would make
+    more fails, keeping none of them; within its block, its values take its ids."""
+    host = HostOperations(0, Engine())
+    pair = host.execute(Envelope(0, ops.Define(ship(lambda ctx: (np.float32(1),
+                                                                   np.float32(2))))))
+    too_many = host.execute(Envelope(1, ops.ValuesFromFunction(pair), first_id=10,
+                                     id_limit=11, ahead=True))
+    assert isinstance(too_many, RemoteError)
+    assert isinstance(too_many.error, IdRangeError), too_many.error
+    assert host.store.stats().num_values == 0
+    made = host.execute(Envelope(2, ops.ValuesFromFunction(pair), first_id=20,
+                                 id_limit=22, ahead=True))
+    assert [info.id for info in made] == [20, 21]
+    assert host.store.stats().num_values == 2
 
 
 def _adder(k: int) -> Callable[[int], int]:
