@@ -25,8 +25,8 @@ import grpc
 import jax
 
 import jaxpod
+from jaxpod import operations as ops
 from jaxpod.errors import (
-    AsyncPredictionError,
     AuthenticationError,
     DependencyFailedError,
     EndOfDataError,
@@ -37,10 +37,11 @@ from jaxpod.errors import (
     SessionError,
     VersionMismatchError,
 )
-from jaxpod.operations import StepItems
+from jaxpod.operations import HandleInfo, StepItems
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
 from jaxpod.proto import job_messages, tensors
+from jaxpod.service.ahead import AheadBatch, AheadCall, prediction_error
 from jaxpod.service.group_engine import DefinedFunction, GatherParts, GroupValue
 from jaxpod.service.jobs.checkpoints import join
 from jaxpod.service.jobs.handlers import JobsServicer
@@ -298,7 +299,9 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
         held.iterators[iterator.id] = iterator
         return pb.IteratorResponse(iterator_id=iterator.id)
 
-    def _args(self, session: Session, held: HeldSlice, tree: pb.Tree) -> Any:
+    def _args(self, session: Session, held: HeldSlice, tree: pb.Tree,
+              uses: set[int] | None = None) -> Any:
+        """The values a request's tree stands for (``uses`` gets the value ids)."""
         def leaf(node: pb.Tree) -> Any:
             kind = node.WhichOneof("node")
             if kind == "blob":
@@ -309,26 +312,29 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
                         f"Value #{node.value.id} lives on slice {node.value.slice_id}, not on "
                         f"this strategy's slice {held.id}; values cannot move between "
                         "strategies. Gather it and pass the array instead.")
+                if uses is not None:
+                    uses.add(node.value.id)
                 return held.value(node.value.id)
             raise ValueError(f"A {kind} node cannot be an argument.")
 
         return tensors.decode(tree, leaf)
 
-    def _refs(self, held: HeldSlice, result: Any, op: int
-              ) -> tuple[pb.Tree, dict[int, GroupValue]]:
-        """The new values as ValueRefs, numbered for operation ``op`` (``SliceOp``), and
-        the values by those ids (not yet kept)."""
-        made: dict[int, GroupValue] = {}
+    def _refs(self, held: HeldSlice, result: Any, op: int) -> tuple[pb.Tree, dict[int, Any]]:
+        """The new values (``GroupValue``s, or their ``HandleInfo``s) as ValueRefs,
+        numbered for operation ``op`` (``SliceOp``), and the values by those ids (not
+        yet kept)."""
+        made: dict[int, Any] = {}
 
         def leaf(x: Any, path: str) -> Any:
-            if isinstance(x, GroupValue):
+            if isinstance(x, GroupValue | HandleInfo):
+                info = x.info if isinstance(x, GroupValue) else x
                 value_id = tensors.output_id(op, len(made))
                 made[value_id] = x
-                valid = x.info.valid_rows
+                valid = info.valid_rows
                 return pb.Tree(value=pb.ValueRef(
-                    id=value_id, slice_id=held.id, shape=x.info.shape, dtype=x.info.dtype,
+                    id=value_id, slice_id=held.id, shape=info.shape, dtype=info.dtype,
                     has_valid_rows=valid is not None, valid_rows=valid or (),
-                    global_view=x.info.global_view))
+                    global_view=info.global_view))
             return tensors.NOT_HANDLED
 
         return tensors.encode(result, leaf, "result"), made
@@ -350,13 +356,22 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
 
     def _apply_all(self, batch: pb.SliceOps, joined: set[HeldSlice],
                    caller: Principal | None) -> pb.SliceReplies:
-        return pb.SliceReplies(replies=[self._apply(op, joined, caller) for op in batch.ops])
+        replies: list[pb.SliceReply] = []
+        with AheadBatch(replies, self._refs, _failure) as ahead:
+            for op in batch.ops:
+                reply = self._apply(op, joined, caller, ahead)
+                if reply is not None:
+                    replies.append(reply)
+        return pb.SliceReplies(replies=replies)
 
-    def _apply(self, op: pb.SliceOp, joined: set[HeldSlice], caller: Principal | None
-               ) -> pb.SliceReply:
-        """Runs one stream operation; its failure becomes the reply's, not the stream's."""
+    def _apply(self, op: pb.SliceOp, joined: set[HeldSlice], caller: Principal | None,
+               ahead: AheadBatch) -> pb.SliceReply | None:
+        """Runs one stream operation; its failure becomes the reply's, not the stream's.
+        ``None``: it went ahead (:mod:`jaxpod.service.ahead`), which answers it. Any
+        other runs once those sent ahead before it are answered."""
         kind = op.WhichOneof("body")
         held: HeldSlice | None = None
+        went_ahead = False
         try:
             if kind is None:
                 raise ValueError(f"Stream: operation #{op.op} has no body.")
@@ -369,19 +384,20 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
                 held.advanced(streams=1)
             held.advanced(received=op.op)
             held.drop(request.dropped)
+            if kind in self._AHEAD and ahead.takes(op, held):
+                uses: set[int] = set()
+                ahead.send(op, held, self._AHEAD[kind](self, session, held, request, uses),
+                           uses)
+                went_ahead = True
+                return None
+            ahead.finish()
             if kind in self._RESULTS:  # small: every tensor inline in the reply
                 result = self._RESULTS[kind](self, session, held, request)
                 return pb.SliceReply(op=op.op, tree=tensors.encode(result, path="result"))
             result = self._OPERATIONS[kind](self, session, held, request)
             tree, made = self._refs(held, result, op.op)
             if op.predicted and tree != op.expect:
-                raise AsyncPredictionError(
-                    f"Operation #{op.op} ({kind}) made outputs other than its earlier calls "
-                    "with the same argument shapes, so the handles it returned were wrong "
-                    f"({_difference(op.expect, tree)}): its function's Python code depends "
-                    "on more than those shapes when traced (global state, a random "
-                    "choice). Make it depend only on its arguments, or set "
-                    "JAXPOD_ASYNC_DISPATCH=0.")
+                raise prediction_error(op, tree)
             held.keep_values(made)
             reply = (pb.SliceReply(op=op.op, done=True) if op.predicted
                      else pb.SliceReply(op=op.op, tree=tree))
@@ -389,11 +405,12 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
                 reply.full_steps_ahead = held.iterator(request.id).full_steps_ahead
             return reply
         except Exception as e:
+            ahead.finish()  # the replies before this one's, in order
             if held is not None:
                 held.failed(op.op)
             return pb.SliceReply(op=op.op, failure=_failure(e))
         finally:
-            if held is not None:
+            if held is not None and not went_ahead:
                 held.advanced(applied=op.op)
 
     def _run(self, session: Session, held: HeldSlice, request: pb.RunRequest) -> Any:
@@ -427,6 +444,46 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
                                              Any]]] = {
         "run": _run, "run_steps": _run_steps, "distribute_values": _distribute_values,
         "next": _next}
+
+    # Predicted operations, as sent ahead of the replies before them.
+    def _run_ahead(self, session: Session, held: HeldSlice, request: pb.RunRequest,
+                   uses: set[int]) -> AheadCall:
+        args = self._args(session, held, request.args, uses)
+        kwargs = self._args(session, held, request.kwargs, uses)
+        if request.mesh_axes:  # strategy.spmd
+            mesh = list(zip(request.mesh_axes, request.mesh_shape, strict=True))
+            return AheadCall(held.engine.run_spmd_op(
+                request.function_id, mesh, tensors.decode(request.batch_sharding), args,
+                kwargs))
+        return AheadCall(held.engine.run_op(request.function_id, args, kwargs))
+
+    def _run_steps_ahead(self, session: Session, held: HeldSlice,
+                         request: pb.RunStepsRequest, uses: set[int]) -> AheadCall:
+        iterator = (StepItems(self._args(session, held, request.items, uses))
+                    if request.has_items else held.iterator(request.iterator_id))
+        state = self._args(session, held, request.initial_state, uses)
+        return AheadCall(held.engine.run_steps_op(
+            request.function_id, iterator, tensors.decode(request.steps), state))
+
+    def _distribute_values_ahead(self, session: Session, held: HeldSlice,
+                                 request: pb.DistributeValuesRequest, uses: set[int]
+                                 ) -> AheadCall:
+        return AheadCall(ops.ValuesFromFunction(request.function_id))
+
+    def _next_ahead(self, session: Session, held: HeldSlice, request: pb.IteratorRequest,
+                    uses: set[int]) -> AheadCall:
+        iterator = held.iterator(request.id)
+
+        def answered(results: list[Any], reply: pb.SliceReply) -> None:
+            iterator.full_steps_ahead = min(ahead for _, ahead in results)
+            reply.full_steps_ahead = iterator.full_steps_ahead
+
+        return AheadCall(ops.NextInput(iterator.id), lambda results: results[0][0], answered)
+
+    _AHEAD: ClassVar[dict[str, Callable[[CoordinatorService, Session, HeldSlice, Any,
+                                         set[int]], AheadCall]]] = {
+        "run": _run_ahead, "run_steps": _run_steps_ahead,
+        "distribute_values": _distribute_values_ahead, "next": _next_ahead}
 
     # ------------------------------------------------------------------- results
     # Each computes a numpy nest from the slice's values. The op stream runs them in
@@ -557,18 +614,6 @@ def _no_stop(fn: Callable[..., _T], *args: Any) -> _T:
         if not isinstance(e, EndOfDataError):
             e = EndOfDataError(str(e) or "The distributed dataset has no more input.")
         raise _Stopped(e.with_traceback(None)) from None  # frames would pin the iterator
-
-
-def _difference(expected: pb.Tree, made: pb.Tree) -> str:
-    """The first difference between predicted and real outputs, for the message."""
-    from google.protobuf import text_format
-
-    want = text_format.MessageToString(expected, as_one_line=True)
-    got = text_format.MessageToString(made, as_one_line=True)
-    at = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
-              min(len(want), len(got)))
-    start = max(0, at - 60)
-    return f"predicted ...{want[start:at + 60]}..., made ...{got[start:at + 60]}..."
 
 
 def _failure(error: Exception) -> pb.OpFailure:

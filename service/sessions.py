@@ -13,7 +13,7 @@ import itertools
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,11 +131,15 @@ class HeldSlice:
     def keep_values(self, values: dict[int, GroupValue]) -> None:
         """Keeps new values by the ids the client gave them; an id in use is refused
         before any is kept."""
-        taken = self.values.keys() & values.keys()
+        self.check_new_ids(values.keys())
+        self.values.update(values)
+
+    def check_new_ids(self, ids: Iterable[int]) -> None:
+        """Refuses ids for new values that name values already held."""
+        taken = self.values.keys() & set(ids)
         if taken:
             raise HandleError(f"Value ids {sorted(taken)[:5]} are already in use on slice "
                               f"{self.id}: each operation number may be used once.")
-        self.values.update(values)
 
     def drop(self, dropped: pb.Dropped) -> None:
         """Forgets what the client dropped; the workers free it with the slice's next

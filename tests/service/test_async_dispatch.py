@@ -9,6 +9,7 @@ outputs are not run; the strategy goes on computing right answers (numpy decides
 
 from __future__ import annotations
 
+import gc
 import itertools
 import re
 from collections.abc import Iterator
@@ -144,6 +145,30 @@ def test_outputs_that_differ_from_the_prediction_fail_the_call(
     assert len(third) == 3
     np.testing.assert_allclose(strategy.reduce("SUM", third[2], axis=None),
                                x * 2 * REPLICAS)
+
+
+def test_calls_behind_a_wrong_prediction_are_not_run_and_keep_nothing(
+        strategy: RemoteStrategy) -> None:
+    """A call whose outputs differ from the prediction, and one using its output
+    (both asynchronous; the service may send the second before the first answers):
+    the first raises, the second is counted as not run, and nothing either made
+    stays on the hosts."""
+    grows = GrowsEachCall()
+    x = np.ones(2, np.float32)
+    (kept,) = strategy.run(grows, args=(x,))  # waits; the template
+    strategy.run(_double, args=(kept,))  # waits; _double's template for this shape
+    predicted = strategy.run(grows, args=(x,))  # predicted 1 output; makes 2
+    after = strategy.run(_double, args=(predicted[0],))
+    with pytest.raises(jaxpod.AsyncPredictionError) as info:
+        strategy.reduce("SUM", after, axis=None)
+    notes = "\n".join(info.value.__notes__)
+    assert "1 later operation that used its results were not run" in notes, notes
+    del predicted, after
+    gc.collect()
+    assert [s["num_values"] for s in strategy.stats()] == [1, 1]  # `kept` alone
+    # grows' first call returned (x * 0,): doubled and summed over replicas, still 0.
+    np.testing.assert_array_equal(
+        strategy.reduce("SUM", strategy.run(_double, args=(kept,)), axis=None), x * 0)
 
 
 def test_synchronous_dispatch_raises_at_the_call(client: Any,
