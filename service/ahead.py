@@ -18,6 +18,9 @@ What can go wrong, and what the client hears (its reply, in order):
   was not sent before its replies were read (``Operation.followable``);
 * its outputs differ from the prediction: it fails with ``AsyncPredictionError``, its
   values are freed, and its dependents are answered as above.
+
+A small ``reduce`` (its answer inline) may also follow operations in flight: nothing is
+sent behind it before its reply is read.
 """
 
 from __future__ import annotations
@@ -48,11 +51,13 @@ def _first_host(results: list[Any]) -> Any:
 @dataclass(frozen=True)
 class AheadCall:
     """How one stream operation goes ahead: the operation for the hosts, where its
-    new values' infos are in the hosts' results, and what to add to its reply."""
+    new values' infos are in the hosts' results, and what to add to its reply; or,
+    for a result (a reduce), its reply's tree from the hosts' results."""
 
     operation: ops.Operation[Any]
     infos: Callable[[list[Any]], Any] = _first_host
     answered: Callable[[list[Any], pb.SliceReply], None] | None = None
+    result: Callable[[list[Any]], pb.Tree] | None = None
 
 
 @dataclass
@@ -106,6 +111,15 @@ class AheadBatch:
             self._receive_one()
         return op.predicted
 
+    def follows(self, held: HeldSlice) -> bool:
+        """Whether operations of ``held`` are in flight that one more may be sent
+        behind now (a result: there is nothing to gain ahead of nothing)."""
+        if self._held is not held or self._pipeline is None or not self._pipeline.pending:
+            return False
+        while self._pipeline.pending and not self._pipeline.can_follow():
+            self._receive_one()
+        return bool(self._pipeline.pending)
+
     def send(self, op: pb.SliceOp, held: HeldSlice, call: AheadCall, uses: set[int]) -> None:
         """Sends ``op`` as ``call``; its predicted values (``op.expect``) are kept on the
         slice under the client's ids. Raises what sending raises: nothing was sent."""
@@ -114,7 +128,8 @@ class AheadBatch:
         def predicted(node: pb.Tree) -> None:
             refs.append(node.value)
 
-        tensors.decode(op.expect, predicted)
+        if op.predicted:
+            tensors.decode(op.expect, predicted)
         held.check_new_ids([ref.id for ref in refs])
         if self._pipeline is None:
             self._close = contextlib.ExitStack()
@@ -160,7 +175,7 @@ class AheadBatch:
                 error = DependencyFailedError(
                     f"Not run: it uses an output of operation #{failed[0]} on this "
                     "slice, which failed.", failed[0])
-            elif results is not None:
+            elif results is not None and sent.call.result is None:
                 error = self._check(sent, results)
             if error is not None:
                 if results is not None:  # made on the hosts: freed with the next call
@@ -171,6 +186,9 @@ class AheadBatch:
                 self._replies.append(pb.SliceReply(op=number, failure=self._failure(error)))
                 return
             assert results is not None
+            if sent.call.result is not None:
+                self._replies.append(pb.SliceReply(op=number, tree=sent.call.result(results)))
+                return
             reply = pb.SliceReply(op=number, done=True)
             if sent.call.answered is not None:
                 sent.call.answered(results, reply)

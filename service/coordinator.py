@@ -390,6 +390,11 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
                            uses)
                 went_ahead = True
                 return None
+            if kind == "reduce" and ahead.follows(held):
+                uses = set()
+                ahead.send(op, held, self._reduce_ahead(session, held, request, uses), uses)
+                went_ahead = True
+                return None
             ahead.finish()
             if kind in self._RESULTS:  # small: every tensor inline in the reply
                 result = self._RESULTS[kind](self, session, held, request)
@@ -479,6 +484,13 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
             reply.full_steps_ahead = iterator.full_steps_ahead
 
         return AheadCall(ops.NextInput(iterator.id), lambda results: results[0][0], answered)
+
+    def _reduce_ahead(self, session: Session, held: HeldSlice, request: pb.ReduceRequest,
+                      uses: set[int]) -> AheadCall:
+        value = self._args(session, held, request.value, uses)
+        op, axis = tensors.decode(request.reduce_op), tensors.decode(request.axis)
+        return AheadCall(held.engine.reduce_op(op, value, axis),
+                         result=lambda results: tensors.encode(results[0], path="result"))
 
     _AHEAD: ClassVar[dict[str, Callable[[CoordinatorService, Session, HeldSlice, Any,
                                          set[int]], AheadCall]]] = {

@@ -283,7 +283,12 @@ class GroupEngine:
 
     # ------------------------------------------------------------------- results
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
-        return self._call(ops.Reduce(reduce_op, self._to_handles(value), axis))[0]
+        return self._call(self.reduce_op(reduce_op, value, axis))[0]
+
+    def reduce_op(self, reduce_op: ReduceOp | str, value: Any, axis: int | None
+                  ) -> ops.Reduce:
+        """The operation of :meth:`reduce`: its result is host 0's."""
+        return ops.Reduce(reduce_op, self._to_handles(value), axis)
 
     def gather(self, value: Any, axis: int) -> Any:
         def leaf(v: Any) -> np.ndarray:  # every part in one operation: joined at once
