@@ -106,19 +106,22 @@ class AheadBatch:
         replies it may not be sent behind are received first."""
         if self._held is not held or (self._pipeline is not None and self._pipeline.reset):
             self.finish()  # a new pipeline (after a reset: on set-up workers)
-        while self._pipeline is not None and self._pipeline.pending and \
-                not self._pipeline.can_follow():
-            self._receive_one()
+        self._make_room()
         return op.predicted
 
     def follows(self, held: HeldSlice) -> bool:
         """Whether operations of ``held`` are in flight that one more may be sent
         behind now (a result: there is nothing to gain ahead of nothing)."""
-        if self._held is not held or self._pipeline is None or not self._pipeline.pending:
+        if self._held is not held or self._pipeline is None or self._pipeline.reset:
             return False
-        while self._pipeline.pending and not self._pipeline.can_follow():
-            self._receive_one()
+        self._make_room()
         return bool(self._pipeline.pending)
+
+    def _make_room(self) -> None:
+        """Receives the replies that the next operation may not be sent behind."""
+        while self._pipeline is not None and self._pipeline.pending and \
+                not self._pipeline.can_follow():
+            self._receive_one()
 
     def send(self, op: pb.SliceOp, held: HeldSlice, call: AheadCall, uses: set[int]) -> None:
         """Sends ``op`` as ``call``; its predicted values (``op.expect``) are kept on the
