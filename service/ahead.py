@@ -19,7 +19,8 @@ What can go wrong, and what the client hears (its reply, in order):
 * its outputs differ from the prediction: it fails with ``AsyncPredictionError``, its
   values are freed, and its dependents are answered as above.
 
-A small ``reduce`` (its answer inline) may also follow operations in flight: nothing is
+A small result that one operation computes (a ``reduce``, a fetch, local results, a
+one-leaf ``gather``; its answer inline) may also follow operations in flight: nothing is
 sent behind it before its reply is read.
 """
 
@@ -52,7 +53,7 @@ def _first_host(results: list[Any]) -> Any:
 class AheadCall:
     """How one stream operation goes ahead: the operation for the hosts, where its
     new values' infos are in the hosts' results, and what to add to its reply; or,
-    for a result (a reduce), its reply's tree from the hosts' results."""
+    for a small result, its reply's tree from the hosts' results."""
 
     operation: ops.Operation[Any]
     infos: Callable[[list[Any]], Any] = _first_host

@@ -42,7 +42,12 @@ from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
 from jaxpod.proto import job_messages, tensors
 from jaxpod.service.ahead import AheadBatch, AheadCall, prediction_error
-from jaxpod.service.group_engine import DefinedFunction, GatherParts, GroupValue
+from jaxpod.service.group_engine import (
+    DefinedFunction,
+    GatherParts,
+    GroupValue,
+    ResultCall,
+)
 from jaxpod.service.jobs.checkpoints import join
 from jaxpod.service.jobs.handlers import JobsServicer
 from jaxpod.service.jobs.manager import JobManager
@@ -390,11 +395,14 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
                            uses)
                 went_ahead = True
                 return None
-            if kind == "reduce" and ahead.follows(held):
+            if kind in self._FOLLOWING and ahead.follows(held):
                 uses = set()
-                ahead.send(op, held, self._reduce_ahead(session, held, request, uses), uses)
-                went_ahead = True
-                return None
+                call = self._FOLLOWING[kind](self, session, held, request, uses)
+                if call is not None:
+                    ahead.send(op, held, AheadCall(call.operation, result=_inline(call)),
+                               uses)
+                    went_ahead = True
+                    return None
             ahead.finish()
             if kind in self._RESULTS:  # small: every tensor inline in the reply
                 result = self._RESULTS[kind](self, session, held, request)
@@ -485,25 +493,41 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
 
         return AheadCall(ops.NextInput(iterator.id), lambda results: results[0][0], answered)
 
-    def _reduce_ahead(self, session: Session, held: HeldSlice, request: pb.ReduceRequest,
-                      uses: set[int]) -> AheadCall:
-        value = self._args(session, held, request.value, uses)
-        op, axis = tensors.decode(request.reduce_op), tensors.decode(request.axis)
-        return AheadCall(held.engine.reduce_op(op, value, axis),
-                         result=lambda results: tensors.encode(results[0], path="result"))
-
     _AHEAD: ClassVar[dict[str, Callable[[CoordinatorService, Session, HeldSlice, Any,
                                          set[int]], AheadCall]]] = {
         "run": _run_ahead, "run_steps": _run_steps_ahead,
         "distribute_values": _distribute_values_ahead, "next": _next_ahead}
 
+    # Small results computed by one operation, sent behind the operations in flight.
+    def _reduce_call(self, session: Session, held: HeldSlice, request: pb.ReduceRequest,
+                     uses: set[int]) -> ResultCall:
+        value = self._args(session, held, request.value, uses)
+        op, axis = tensors.decode(request.reduce_op), tensors.decode(request.axis)
+        return held.engine.reduce_call(op, value, axis)
+
+    def _gather_call(self, session: Session, held: HeldSlice, request: pb.GatherRequest,
+                     uses: set[int]) -> ResultCall | None:
+        value = self._args(session, held, request.value, uses)
+        return held.engine.gather_call(value, tensors.decode(request.axis))
+
+    def _local_results_call(self, session: Session, held: HeldSlice,
+                            request: pb.ValueRequest, uses: set[int]) -> ResultCall:
+        return held.engine.local_results_call(self._args(session, held, request.value, uses))
+
+    def _fetch_call(self, session: Session, held: HeldSlice, request: pb.ValueRequest,
+                    uses: set[int]) -> ResultCall:
+        return held.engine.fetch_call(self._args(session, held, request.value, uses))
+
+    _FOLLOWING: ClassVar[dict[str, Callable[[CoordinatorService, Session, HeldSlice, Any,
+                                             set[int]], ResultCall | None]]] = {
+        "reduce": _reduce_call, "gather": _gather_call,
+        "local_results": _local_results_call, "fetch": _fetch_call}
+
     # ------------------------------------------------------------------- results
     # Each computes a numpy nest from the slice's values. The op stream runs them in
     # its order (small results); the result RPCs after ``after_op``, streaming.
     def _reduce(self, session: Session, held: HeldSlice, request: pb.ReduceRequest) -> Any:
-        value = self._args(session, held, request.value)
-        op, axis = tensors.decode(request.reduce_op), tensors.decode(request.axis)
-        return held.engine.reduce(op, value, axis)
+        return held.engine.answer(self._reduce_call(session, held, request, set()))
 
     def _gather(self, session: Session, held: HeldSlice, request: pb.GatherRequest) -> Any:
         value = self._args(session, held, request.value)
@@ -617,6 +641,11 @@ class _Stopped(Exception):
     def __init__(self, error: StopIteration) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+def _inline(call: ResultCall) -> Callable[[list[Any]], pb.Tree]:
+    """A small result's reply tree, from every host's answer to ``call``."""
+    return lambda per_host: tensors.encode(call.answer(per_host), path="result")
 
 
 def _no_stop(fn: Callable[..., _T], *args: Any) -> _T:

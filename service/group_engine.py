@@ -283,12 +283,16 @@ class GroupEngine:
 
     # ------------------------------------------------------------------- results
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
-        return self._call(self.reduce_op(reduce_op, value, axis))[0]
+        return self.answer(self.reduce_call(reduce_op, value, axis))
 
-    def reduce_op(self, reduce_op: ReduceOp | str, value: Any, axis: int | None
-                  ) -> ops.Reduce:
-        """The operation of :meth:`reduce`: its result is host 0's."""
-        return ops.Reduce(reduce_op, self._to_handles(value), axis)
+    def reduce_call(self, reduce_op: ReduceOp | str, value: Any, axis: int | None
+                    ) -> ResultCall:
+        """:meth:`reduce` as one operation: its result is host 0's."""
+        return ResultCall(ops.Reduce(reduce_op, self._to_handles(value), axis), _first_host)
+
+    def answer(self, call: ResultCall) -> Any:
+        """Runs ``call``: its result."""
+        return call.answer(self._call(call.operation))
 
     def gather(self, value: Any, axis: int) -> Any:
         def leaf(v: Any) -> np.ndarray:  # every part in one operation: joined at once
@@ -296,6 +300,20 @@ class GroupEngine:
             return np.concatenate(parts, axis=ax)
 
         return jax.tree.map(leaf, value, is_leaf=_is_value)
+
+    def gather_call(self, value: Any, axis: int) -> ResultCall | None:
+        """:meth:`gather` as one operation, for a value of one leaf (``None``: it has
+        more, one operation each)."""
+        leaves, treedef = jax.tree.flatten(value, is_leaf=_is_value)
+        if len(leaves) != 1 or not _is_value(leaves[0]):
+            return None
+
+        def answer(per_host: list[Any]) -> Any:
+            parts = [p for _, host_parts in per_host for p in host_parts]
+            return jax.tree.unflatten(treedef, [np.concatenate(parts, axis=per_host[0][0])])
+
+        return ResultCall(ops.GatherParts(self._to_handles(leaves[0]), axis, None,
+                                          streamed=False), answer)
 
     def _gather_call(self, v: Any, axis: int, replicas: tuple[int, ...] | None = None,
                      layout: PieceLayout | None = None) -> tuple[int, list[Any]]:
@@ -334,20 +352,34 @@ class GroupEngine:
     def fetch(self, value: GroupValue) -> np.ndarray:
         """Every replica's padded component, stacked: ``PerReplica.array`` as numpy (a
         global value: the whole array, put together from each host's shards)."""
+        return self.answer(self.fetch_call(value))
+
+    def fetch_call(self, value: GroupValue) -> ResultCall:
+        """:meth:`fetch` as one operation."""
         if not value.info.global_view:
-            per_host = self._call(ops.FetchParts(self._to_handles(value)))
-            return np.stack([p for parts in per_host for p in parts])
-        whole = np.empty(value.shape, value.dtype)
-        for shards in self._call(ops.FetchShards(self._to_handles(value))):
-            for index, data in shards:
-                whole[tuple(slice(start, stop) for start, stop in index)] = data
-        return whole
+            return ResultCall(ops.FetchParts(self._to_handles(value)), lambda per_host: np.stack(
+                [p for parts in per_host for p in parts]))
+
+        def whole(per_host: list[Any]) -> np.ndarray:
+            out = np.empty(value.shape, value.dtype)
+            for shards in per_host:
+                for index, data in shards:
+                    out[tuple(slice(start, stop) for start, stop in index)] = data
+            return out
+
+        return ResultCall(ops.FetchShards(self._to_handles(value)), whole)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        per_host = self._call(ops.LocalResults(self._to_handles(value)))
+        results: tuple[Any, ...] = self.answer(self.local_results_call(value))
+        return results
+
+    def local_results_call(self, value: Any) -> ResultCall:
+        """:meth:`experimental_local_results` as one operation."""
         if not any(_is_value(v) for v in jax.tree.leaves(value, is_leaf=_is_value)):
-            return per_host[0]  # a single value: every host answers (value,)
-        return tuple(r for host in per_host for r in host)
+            # A single value: every host answers (value,).
+            return ResultCall(ops.LocalResults(self._to_handles(value)), _first_host)
+        return ResultCall(ops.LocalResults(self._to_handles(value)), lambda per_host: tuple(
+            r for host in per_host for r in host))
 
     def replica_value(self, value: Any, replica: int = 0) -> Any:
         """Replica ``replica``'s component of ``value``'s leaves as numpy, sent by the
@@ -441,6 +473,19 @@ class GroupEngine:
           timeout: the call's limit (``JAXPOD_OPERATION_TIMEOUT_S`` when ``None``).
         """
         return self._call(ops.PreemptionNotices(), timeout=timeout)
+
+
+@dataclass(frozen=True)
+class ResultCall:
+    """A result that one operation computes: the operation, and the result from
+    every host's answer."""
+
+    operation: ops.Operation[Any]
+    answer: Callable[[list[Any]], Any]
+
+
+def _first_host(per_host: list[Any]) -> Any:
+    return per_host[0]
 
 
 class EnginePipeline:
