@@ -295,11 +295,8 @@ class GroupEngine:
         return call.answer(self._call(call.operation))
 
     def gather(self, value: Any, axis: int) -> Any:
-        def leaf(v: Any) -> np.ndarray:  # every part in one operation: joined at once
-            ax, parts = self._gather_call(v, axis)
-            return np.concatenate(parts, axis=ax)
-
-        return jax.tree.map(leaf, value, is_leaf=_is_value)
+        return jax.tree.map(lambda v: self.answer(self._gather_leaf(v, axis)), value,
+                            is_leaf=_is_value)
 
     def gather_call(self, value: Any, axis: int) -> ResultCall | None:
         """:meth:`gather` as one operation, for a value of one leaf (``None``: it has
@@ -307,13 +304,17 @@ class GroupEngine:
         leaves, treedef = jax.tree.flatten(value, is_leaf=_is_value)
         if len(leaves) != 1 or not _is_value(leaves[0]):
             return None
+        call = self._gather_leaf(leaves[0], axis)
+        return ResultCall(call.operation, lambda per_host: jax.tree.unflatten(
+            treedef, [call.answer(per_host)]))
 
-        def answer(per_host: list[Any]) -> Any:
-            parts = [p for _, host_parts in per_host for p in host_parts]
-            return jax.tree.unflatten(treedef, [np.concatenate(parts, axis=per_host[0][0])])
+    def _gather_leaf(self, v: Any, axis: int) -> ResultCall:
+        def joined(per_host: list[Any]) -> np.ndarray:  # every part in one operation
+            return np.concatenate([p for _, parts in per_host for p in parts],
+                                  axis=per_host[0][0])
 
-        return ResultCall(ops.GatherParts(self._to_handles(leaves[0]), axis, None,
-                                          streamed=False), answer)
+        return ResultCall(ops.GatherParts(self._to_handles(v), axis, None, streamed=False),
+                          joined)
 
     def _gather_call(self, v: Any, axis: int, replicas: tuple[int, ...] | None = None,
                      layout: PieceLayout | None = None) -> tuple[int, list[Any]]:
