@@ -32,7 +32,7 @@ from jaxpod.errors import (
 )
 from jaxpod.operations import HandleInfo
 from jaxpod.proto import coordinator_pb2 as pb
-from jaxpod.service.group_engine import GroupEngine
+from jaxpod.service.group_engine import GroupEngine, ResultCall
 from jaxpod.service.local_cluster import descendants, plan_slices
 from jaxpod.service.process_workers import LocalProcessSlices, ProcessWorkers
 from jaxpod.service.replica_group import ID_BLOCK, HostPlacement, ReplicaGroup
@@ -146,43 +146,45 @@ def test_operations_sent_ahead_name_the_outputs_before_them(group: GroupEngine) 
                                   np.repeat(np.arange(8, dtype=np.float32), 2) * 8)
 
 
-def test_one_operation_results_follow_a_run_in_flight(group: GroupEngine) -> None:
-    """A reduce, fetch, local results and a one-leaf gather, each sent behind a run
-    whose reply is not read yet, on that run's output: each answers what numpy
-    computes from the replicas' values (a gather of two leaves takes one operation
-    each, so it has no single call)."""
+def _result_call(engine: GroupEngine, kind: str, value: Any) -> ResultCall | None:
+    if kind == "reduce":
+        return engine.reduce_call("SUM", value, None)
+    if kind == "fetch":
+        return engine.fetch_call(value)
+    if kind == "local":
+        return engine.local_results_call(value)
+    return engine.gather_call({"x": value}, 0)
+
+
+@pytest.mark.parametrize("kind", ["reduce", "fetch", "local", "gather"])
+def test_one_operation_results_follow_a_run_in_flight(group: GroupEngine, kind: str) -> None:
+    """A reduce, fetch, local results or one-leaf gather sent behind a run whose reply
+    is not read yet, on that run's output, answers what numpy computes from the
+    replicas' values (a gather of two leaves takes one operation each, so it has no
+    single call)."""
     value = _ones(group)
     triple = group.define(ship(lambda x: x * 3)).id
-    replicas = np.arange(8, dtype=np.float32)
-    per_replica = np.repeat(replicas, 2).reshape(8, 2) * 3  # each replica's (2,) row
-    expected = {
-        "reduce": per_replica.sum(axis=0),
-        "fetch": per_replica,
-        "local": [per_replica[i] for i in range(8)],
-        "gather": {"x": per_replica.reshape(16)},
-    }
-    for kind, want in expected.items():
-        with group.pipeline() as ahead:
-            first = ahead.send(group.run_op(triple, (value,), {}))
-            assert first is not None
-            out = group.value(HandleInfo(first, (2,), "float32", None))
-            call = {"reduce": lambda: group.reduce_call("SUM", out, None),
-                    "fetch": lambda: group.fetch_call(out),
-                    "local": lambda: group.local_results_call(out),
-                    "gather": lambda: group.gather_call({"x": out}, 0)}[kind]()
-            assert call is not None
-            assert ahead.send(call.operation) is not None
-            assert ahead.pending == 2
-            ahead.receive()
-            got = call.answer(ahead.receive())
-        if kind == "local":
-            assert len(got) == 8
-            for mine, theirs in zip(got, want, strict=True):
-                np.testing.assert_array_equal(np.asarray(mine), theirs)
-        elif kind == "gather":
-            np.testing.assert_array_equal(got["x"], want["x"])
-        else:
-            np.testing.assert_array_equal(got, want)
+    per_replica = np.repeat(np.arange(8, dtype=np.float32), 2).reshape(8, 2) * 3
+    with group.pipeline() as ahead:
+        first = ahead.send(group.run_op(triple, (value,), {}))
+        assert first is not None
+        out = group.value(HandleInfo(first, (2,), "float32", None))
+        call = _result_call(group, kind, out)
+        assert call is not None
+        assert ahead.send(call.operation) is not None
+        assert ahead.pending == 2
+        ahead.receive()
+        got = call.answer(ahead.receive())
+    if kind == "reduce":
+        np.testing.assert_array_equal(got, per_replica.sum(axis=0))
+    elif kind == "fetch":
+        np.testing.assert_array_equal(got, per_replica)
+    elif kind == "local":
+        assert len(got) == 8
+        for replica, component in enumerate(got):
+            np.testing.assert_array_equal(np.asarray(component), per_replica[replica])
+    else:
+        np.testing.assert_array_equal(got["x"], per_replica.reshape(16))
     assert group.gather_call({"a": value, "b": value}, 0) is None
 
 
