@@ -11,8 +11,10 @@ Three figures, in one run:
    as a single-host worker runs it). Loops of both alternate, never concurrent;
    medians. ``loop_cpu_<role>_ms_per_step`` says where the CPU goes: the client, the
    coordinator, the host workers and Ray's daemons in the remote loop, against the
-   in-process loop's (``inprocess``); on a 2-core machine their sum bounds the
-   remote loop's wall time from below.
+   in-process loop's (``inprocess``). Their sum over the machine's cores bounds the
+   remote loop's wall time from below: ``loop_cpu_floor_vs_inprocess`` is that bound
+   over the in-process time per step, the least ratio this machine allows with
+   every core busy all the time.
 2. ``trivial_run_reduce_p50_ms`` (target <= 1.0): a synchronous ``run`` of an identity
    on a small ``PerReplica`` and ``reduce`` of its result, remote, p50 over many
    calls (the in-process figure for context).
@@ -248,6 +250,9 @@ def main() -> None:
         finally:
             child.close()
     ratio = per_step["remote"] / per_step["inprocess"]
+    remote_cpu = sum(spent for key, spent in per_step.items()
+                     if key.startswith("cpu_") and key != "cpu_inprocess")
+    cores = os.cpu_count() or 1
     figures = {
         "devices": DEVICES, "loop_steps": loop_steps, "loop_rounds": rounds,
         "loop_remote_ms_per_step": 1e3 * per_step["remote"],
@@ -256,6 +261,7 @@ def main() -> None:
         # Where the remote loop's CPU goes, per step, against the in-process loop's.
         **{f"loop_{key}_ms_per_step": 1e3 * value for key, value in per_step.items()
            if key.startswith("cpu_")},
+        "loop_cpu_floor_vs_inprocess": remote_cpu / cores / per_step["inprocess"],
         "trivial_run_reduce_p50_ms": 1e3 * trivial,
         "inprocess_trivial_run_reduce_p50_ms": 1e3 * local_trivial,
         "trivial_calls": calls, "cold_runs": cold_runs,
@@ -266,7 +272,7 @@ def main() -> None:
            if k != "wall_to_first_result_s"},
         "cold_ray_connect_to_first_result_s": on_ray["wall_to_first_result_s"],
         **{f"cold_ray_{k}": v for k, v in on_ray.items() if k != "wall_to_first_result_s"},
-        "cores": os.cpu_count(),
+        "cores": cores,
     }
     report("step_loop", {k: round(v, 4) if isinstance(v, float) else v
                          for k, v in figures.items()}, {
