@@ -39,24 +39,20 @@ from jaxpod.operations import HandleInfo
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
 from jaxpod.proto.tensors import op_of
-from jaxpod.service.group_engine import EnginePipeline, GroupValue
+from jaxpod.service.group_engine import EnginePipeline, GroupValue, first_host
 from jaxpod.service.sessions import HeldSlice
 
 logger = logging.getLogger(__name__)
 
 
-def _first_host(results: list[Any]) -> Any:
-    return results[0]
-
-
 @dataclass(frozen=True)
 class AheadCall:
-    """How one stream operation goes ahead: the operation for the hosts, where its
-    new values' infos are in the hosts' results, and what to add to its reply; or,
-    for a small result, its reply's tree from the hosts' results."""
+    """How one stream operation is sent: the operation for the hosts, where its new
+    values' infos are in the hosts' results, and what to add to its reply; or, for a
+    small result, its reply's tree from the hosts' results."""
 
     operation: ops.Operation[Any]
-    infos: Callable[[list[Any]], Any] = _first_host
+    infos: Callable[[list[Any]], Any] = first_host
     answered: Callable[[list[Any], pb.SliceReply], None] | None = None
     result: Callable[[list[Any]], pb.Tree] | None = None
 

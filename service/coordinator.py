@@ -389,15 +389,15 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
                 held.advanced(streams=1)
             held.advanced(received=op.op)
             held.drop(request.dropped)
-            if kind in self._AHEAD and ahead.takes(op, held):
+            if kind in self._VALUE_CALLS and ahead.takes(op, held):
                 uses: set[int] = set()
-                ahead.send(op, held, self._AHEAD[kind](self, session, held, request, uses),
-                           uses)
+                ahead.send(op, held,
+                           self._VALUE_CALLS[kind](self, session, held, request, uses), uses)
                 went_ahead = True
                 return None
-            if kind in self._FOLLOWING and ahead.follows(held):
+            if kind in self._RESULT_CALLS and ahead.follows(held):
                 uses = set()
-                call = self._FOLLOWING[kind](self, session, held, request, uses)
+                call = self._RESULT_CALLS[kind](self, session, held, request, uses)
                 if call is not None:
                     ahead.send(op, held, AheadCall(call.operation, result=_inline(call)),
                                uses)
@@ -407,15 +407,16 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
             if kind in self._RESULTS:  # small: every tensor inline in the reply
                 result = self._RESULTS[kind](self, session, held, request)
                 return pb.SliceReply(op=op.op, tree=tensors.encode(result, path="result"))
-            result = self._OPERATIONS[kind](self, session, held, request)
+            made_by = self._VALUE_CALLS[kind](self, session, held, request, set())
+            result, answers = held.engine.make(made_by.operation, made_by.infos)
             tree, made = self._refs(held, result, op.op)
             if op.predicted and tree != op.expect:
                 raise prediction_error(op, tree)
             held.keep_values(made)
             reply = (pb.SliceReply(op=op.op, done=True) if op.predicted
                      else pb.SliceReply(op=op.op, tree=tree))
-            if kind == "next":
-                reply.full_steps_ahead = held.iterator(request.id).full_steps_ahead
+            if made_by.answered is not None:
+                made_by.answered(answers, reply)
             return reply
         except Exception as e:
             ahead.finish()  # the replies before this one's, in order
@@ -426,40 +427,8 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
             if held is not None and not went_ahead:
                 held.advanced(applied=op.op)
 
-    def _run(self, session: Session, held: HeldSlice, request: pb.RunRequest) -> Any:
-        args = self._args(session, held, request.args)
-        kwargs = self._args(session, held, request.kwargs)
-        fn = DefinedFunction(request.function_id)
-        if request.mesh_axes:  # strategy.spmd
-            mesh = list(zip(request.mesh_axes, request.mesh_shape, strict=True))
-            sharding = tensors.decode(request.batch_sharding)
-            return held.engine.run_spmd(fn, mesh, sharding, args, kwargs)
-        return held.engine.run(fn, args, kwargs)
-
-    def _run_steps(self, session: Session, held: HeldSlice, request: pb.RunStepsRequest
-                   ) -> Any:
-        iterator = (StepItems(self._args(session, held, request.items)) if request.has_items
-                    else held.iterator(request.iterator_id))
-        state = self._args(session, held, request.initial_state)
-        steps = tensors.decode(request.steps)
-        return held.engine.run_steps(DefinedFunction(request.function_id), iterator, steps,
-                                     state)
-
-    def _distribute_values(self, session: Session, held: HeldSlice,
-                           request: pb.DistributeValuesRequest) -> Any:
-        return held.engine.experimental_distribute_values_from_function(
-            DefinedFunction(request.function_id))
-
-    def _next(self, session: Session, held: HeldSlice, request: pb.IteratorRequest) -> Any:
-        return _no_stop(next, held.iterator(request.id))
-
-    _OPERATIONS: ClassVar[dict[str, Callable[[CoordinatorService, Session, HeldSlice, Any],
-                                             Any]]] = {
-        "run": _run, "run_steps": _run_steps, "distribute_values": _distribute_values,
-        "next": _next}
-
-    # Predicted operations, as sent ahead of the replies before them.
-    def _run_ahead(self, session: Session, held: HeldSlice, request: pb.RunRequest,
+    # Value-making operations, as sent: ahead of the replies before them when predicted.
+    def _run_call(self, session: Session, held: HeldSlice, request: pb.RunRequest,
                    uses: set[int]) -> AheadCall:
         args = self._args(session, held, request.args, uses)
         kwargs = self._args(session, held, request.kwargs, uses)
@@ -470,7 +439,7 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
                 kwargs))
         return AheadCall(held.engine.run_op(request.function_id, args, kwargs))
 
-    def _run_steps_ahead(self, session: Session, held: HeldSlice,
+    def _run_steps_call(self, session: Session, held: HeldSlice,
                          request: pb.RunStepsRequest, uses: set[int]) -> AheadCall:
         iterator = (StepItems(self._args(session, held, request.items, uses))
                     if request.has_items else held.iterator(request.iterator_id))
@@ -478,12 +447,12 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
         return AheadCall(held.engine.run_steps_op(
             request.function_id, iterator, tensors.decode(request.steps), state))
 
-    def _distribute_values_ahead(self, session: Session, held: HeldSlice,
+    def _distribute_values_call(self, session: Session, held: HeldSlice,
                                  request: pb.DistributeValuesRequest, uses: set[int]
                                  ) -> AheadCall:
         return AheadCall(ops.ValuesFromFunction(request.function_id))
 
-    def _next_ahead(self, session: Session, held: HeldSlice, request: pb.IteratorRequest,
+    def _next_call(self, session: Session, held: HeldSlice, request: pb.IteratorRequest,
                     uses: set[int]) -> AheadCall:
         iterator = held.iterator(request.id)
 
@@ -493,10 +462,10 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
 
         return AheadCall(ops.NextInput(iterator.id), lambda results: results[0][0], answered)
 
-    _AHEAD: ClassVar[dict[str, Callable[[CoordinatorService, Session, HeldSlice, Any,
+    _VALUE_CALLS: ClassVar[dict[str, Callable[[CoordinatorService, Session, HeldSlice, Any,
                                          set[int]], AheadCall]]] = {
-        "run": _run_ahead, "run_steps": _run_steps_ahead,
-        "distribute_values": _distribute_values_ahead, "next": _next_ahead}
+        "run": _run_call, "run_steps": _run_steps_call,
+        "distribute_values": _distribute_values_call, "next": _next_call}
 
     # Small results computed by one operation, sent behind the operations in flight.
     def _reduce_call(self, session: Session, held: HeldSlice, request: pb.ReduceRequest,
@@ -518,7 +487,7 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
                     uses: set[int]) -> ResultCall:
         return held.engine.fetch_call(self._args(session, held, request.value, uses))
 
-    _FOLLOWING: ClassVar[dict[str, Callable[[CoordinatorService, Session, HeldSlice, Any,
+    _RESULT_CALLS: ClassVar[dict[str, Callable[[CoordinatorService, Session, HeldSlice, Any,
                                              set[int]], ResultCall | None]]] = {
         "reduce": _reduce_call, "gather": _gather_call,
         "local_results": _local_results_call, "fetch": _fetch_call}

@@ -215,6 +215,13 @@ class GroupEngine:
         weakref.finalize(value, self.dropped.values.append, info.id)
         return value
 
+    def make(self, op: ops.Operation[Any], infos: Callable[[list[Any]], Any]
+             ) -> tuple[Any, list[Any]]:
+        """Runs ``op``, a value-making operation as sent (``run_op``, ...): the values
+        it made, described by ``infos(every host's answer)``, and those answers."""
+        answers = self._call(op)
+        return self._wrap(infos(answers)), answers
+
     @contextlib.contextmanager
     def pipeline(self) -> Iterator[EnginePipeline]:
         """Holds the group to send operations ahead of the replies before them
@@ -288,7 +295,7 @@ class GroupEngine:
     def reduce_call(self, reduce_op: ReduceOp | str, value: Any, axis: int | None
                     ) -> ResultCall:
         """:meth:`reduce` as one operation: its result is host 0's."""
-        return ResultCall(ops.Reduce(reduce_op, self._to_handles(value), axis), _first_host)
+        return ResultCall(ops.Reduce(reduce_op, self._to_handles(value), axis), first_host)
 
     def answer(self, call: ResultCall) -> Any:
         """Runs ``call``: its result."""
@@ -378,7 +385,7 @@ class GroupEngine:
         """:meth:`experimental_local_results` as one operation."""
         if not any(_is_value(v) for v in jax.tree.leaves(value, is_leaf=_is_value)):
             # A single value: every host answers (value,).
-            return ResultCall(ops.LocalResults(self._to_handles(value)), _first_host)
+            return ResultCall(ops.LocalResults(self._to_handles(value)), first_host)
         return ResultCall(ops.LocalResults(self._to_handles(value)), lambda per_host: tuple(
             r for host in per_host for r in host))
 
@@ -485,7 +492,8 @@ class ResultCall:
     answer: Callable[[list[Any]], Any]
 
 
-def _first_host(per_host: list[Any]) -> Any:
+def first_host(per_host: list[Any]) -> Any:
+    """The answer of host 0 (where every host answers the same)."""
     return per_host[0]
 
 
