@@ -475,6 +475,7 @@ class Pipeline:
     def __init__(self, group: ReplicaGroup, limit: float) -> None:
         self._group = group
         self._limit = limit
+        self._depth = PIPELINE_DEPTH.value()
         self._sent: collections.deque[_Sent] = collections.deque()
         #: Why the operations still unread never ran (a reset, a lost host).
         self._void: BaseException | None = None
@@ -486,7 +487,7 @@ class Pipeline:
 
     def can_follow(self) -> bool:
         """Whether an operation may be sent now without reading a reply first."""
-        return (len(self._sent) < PIPELINE_DEPTH.value()
+        return (len(self._sent) < self._depth
                 and all(type(s.op).followable for s in self._sent))
 
     def send(self, op: Operation[Any], drops: DropSource | None = None) -> int | None:
