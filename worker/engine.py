@@ -915,6 +915,10 @@ class LocalIterator(DistributedIterator):
         if chunk is None:
             chunk = infeed.empty_chunk(k)
         placed = chunk.placed
+        # Only input already on the devices goes to a step: a step on XLA's CPU devices
+        # that read input still being copied there hung in its all-reduce (7 of 8
+        # devices arrived). The infeed placed it ahead, so this seldom waits.
+        jax.block_until_ready(placed)
         if n < k:  # the input ended inside this chunk
             cut = eng._cached(("first_steps", n), lambda: jax.jit(
                 lambda x: x[:, :n], out_shardings=eng._replica_sharding))
