@@ -789,7 +789,9 @@ def _signature(leaves: Sequence[Any]) -> tuple[tuple[tuple[int, ...], str], ...]
 
 @dataclass(frozen=True)
 class _StepBatch:
-    """``num_steps`` steps of input: arrays ``(replicas, steps, rows, ...)`` on device."""
+    """``num_steps`` steps of input: arrays ``(replicas, steps, rows, ...)`` on device,
+    and their real rows ``counts`` ``(replicas, steps)``; without the ``steps`` axis
+    when taken ``stepless`` (one step, for ``next``)."""
 
     treedef: Any
     arrays: list[jax.Array]
@@ -855,9 +857,9 @@ class LocalIterator(DistributedIterator):
         return {"at": self._next_start, **self._infeed.feed.batch_of_record()}
 
     def __next__(self) -> Any:
-        batch = self.next_steps(1)
+        batch = self.next_steps(1, stepless=True)
         assert batch.valid_rows is not None
-        leaves = [PerReplica(a, batch.valid_rows[:, 0]) for a in self._squeeze_steps(batch)]
+        leaves = [PerReplica(a, batch.valid_rows[:, 0]) for a in batch.arrays]
         return jax.tree.unflatten(batch.treedef, leaves)
 
     def full_steps_ahead(self) -> int:
@@ -876,19 +878,16 @@ class LocalIterator(DistributedIterator):
                 count += 1
         return count
 
-    def _squeeze_steps(self, batch: _StepBatch) -> list[jax.Array]:
-        eng = self._engine
-        squeeze = eng._cached(("squeeze_steps",), lambda: jax.jit(
-            lambda x: x[:, 0], out_shardings=eng._replica_sharding))
-        return [squeeze(a) for a in batch.arrays]
-
-    def next_steps(self, k: int) -> _StepBatch:
-        """Up to ``k`` steps of input, stacked; hosts agree on how many remain.
+    def next_steps(self, k: int, stepless: bool = False) -> _StepBatch:
+        """Up to ``k`` steps of input, stacked; hosts agree on how many remain. With
+        ``stepless`` (``next``: ``k`` is 1), the arrays and counts have no steps axis,
+        and the infeed places later steps that way.
 
         Raises:
           EndOfDataError: no host has input left.
         """
         eng, infeed = self._engine, self._infeed
+        infeed.set_stepless(stepless)
         if self._failure is not None:
             raise self._failure
         try:
@@ -914,6 +913,10 @@ class LocalIterator(DistributedIterator):
             raise EndOfDataError("The distributed dataset has no more input.")
         if chunk is None:
             chunk = infeed.empty_chunk(k)
+        if chunk.stepless != stepless:  # placed before next and run_steps took turns
+            # Again from the host's copy: a program on the devices would have to run
+            # on every host, and another host may have placed its chunk the other way.
+            chunk = infeed.place(chunk.host, chunk.counts, chunk.last, chunk.positions)
         placed = chunk.placed
         # Only input already on the devices goes to a step: a step on XLA's CPU devices
         # that read input still being copied there hung in its all-reduce (7 of 8

@@ -54,6 +54,7 @@ class Chunk:
       last: this host's input ended within (or right after) this chunk.
       positions: the input position each step started at (``None`` where the
         dataset does not tell).
+      stepless: ``placed`` has no steps axis: one step, placed as ``next`` takes it.
     """
 
     host: list[np.ndarray]
@@ -61,6 +62,7 @@ class Chunk:
     placed: list[jax.Array]
     last: bool
     positions: tuple[Any, ...] = ()
+    stepless: bool = False
 
     @property
     def num_steps(self) -> int:
@@ -116,6 +118,7 @@ class Infeed:
         self._place = place
         self._replicas = num_replicas
         self._steps = steps
+        self._stepless = False
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=PREFETCH_DEPTH.value(depth))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name=_THREAD_NAME,
@@ -139,6 +142,11 @@ class Infeed:
     def set_steps(self, steps: int) -> None:
         """Chunk size for chunks not yet started (a different ``run_steps`` length)."""
         self._steps = steps
+
+    def set_stepless(self, stepless: bool) -> None:
+        """Whether chunks of one step placed from now on leave out the steps axis, as
+        ``next`` takes them (its caller then need not drop the axis on the devices)."""
+        self._stepless = stepless
 
     @property
     def depth(self) -> int:
@@ -226,8 +234,11 @@ class Infeed:
 
     def place(self, host: list[np.ndarray], counts: np.ndarray, last: bool,
               positions: tuple[Any, ...]) -> Chunk:
-        return Chunk(host, counts, [self._place(a) for a in [*host, counts]], last,
-                     positions)
+        stepless = self._stepless and counts.shape[1] == 1
+        # Views: the host arrays keep their steps axis for rechunking.
+        device = [a[:, 0] for a in [*host, counts]] if stepless else [*host, counts]
+        return Chunk(host, counts, [self._place(a) for a in device], last, positions,
+                     stepless)
 
     def rechunk(self, first: Chunk, num_steps: int) -> tuple[Chunk, Chunk | None]:
         """``num_steps`` steps starting with ``first``'s, pulling more chunks as needed.

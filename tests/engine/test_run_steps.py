@@ -140,7 +140,11 @@ def test_run_steps_default_is_steps_per_run(
         strategy.run_steps(lambda b: b * 1.0, it)
 
 
-def test_run_steps_continues_after_next(sstrategy: jaxpod.TPUStrategy) -> None:
+@pytest.mark.parametrize("steps", [1, 2])
+def test_run_steps_continues_after_next(sstrategy: jaxpod.TPUStrategy, steps: int) -> None:
+    """``next`` and ``run_steps`` take turns on one iterator: one step at a time, the
+    input prepared ahead for the one is taken by the other (its steps axis added back
+    or dropped)."""
     r = sstrategy.num_replicas_in_sync
     elements, g = make_elements(r, seed=2)
     expected = tf_rebatch(elements, g, r)
@@ -151,11 +155,11 @@ def test_run_steps_continues_after_next(sstrategy: jaxpod.TPUStrategy) -> None:
     def fn(batch: jax.Array) -> jax.Array:
         return batch + 0.5
 
-    out = sstrategy.run_steps(fn, it, steps=2)  # steps 2 and 3
-    for got, want in zip(local_tree(sstrategy, out), expected[3], strict=True):
+    out = sstrategy.run_steps(fn, it, steps=steps)  # steps 2 (and 3)
+    for got, want in zip(local_tree(sstrategy, out), expected[1 + steps], strict=True):
         np.testing.assert_allclose(got, want + 0.5)
-    after = next(it)  # step 4
-    for got, want in zip(local_tree(sstrategy, after), expected[4], strict=True):
+    after = next(it)  # the step after those
+    for got, want in zip(local_tree(sstrategy, after), expected[2 + steps], strict=True):
         np.testing.assert_array_equal(got, want)
 
 
