@@ -1,11 +1,15 @@
 """The infeed: a host-side thread that prepares input ahead of the device loop.
 
 For each distributed iterator a producer thread pulls this host's steps from its
-:class:`~jaxpod.worker.input.HostFeed`, pads and stacks ``steps`` of them, places them
-on the local devices as global arrays, and puts the chunk in a bounded queue (double
-buffering by default), so input preparation overlaps device compute. End of input and
-exceptions raised by the user's dataset code travel through the same queue, so they
-reach the caller in order and with their own type.
+:class:`~jaxpod.worker.input.HostFeed`, pads and stacks ``steps`` of them into a chunk,
+and places chunks on the local devices as global arrays, in order, keeping up to
+``JAXPOD_INFEED_PREFETCH_DEPTH`` placed (double buffering by default), so input
+preparation overlaps device compute. Beyond those it reads up to
+``JAXPOD_INFEED_LOOKAHEAD_STEPS`` steps ahead into host memory only: a remote client may
+send a ``next`` ahead of its answer for every full step read (the iterator's credit),
+and host memory is cheaper than the devices'. End of input and exceptions raised by the
+user's dataset code come after the chunks before them, so they reach the caller in
+order and with their own type.
 
 Only host-local work happens on the thread; anything that talks to other hosts (the
 agreement on how many steps remain) stays on the caller's thread, where every host
@@ -19,8 +23,8 @@ infeeds: a host whose input cannot keep up shows as that host's input wait.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
-import queue
 import threading
 import time
 import weakref
@@ -35,10 +39,10 @@ from jaxpod.timeouts import Count, Timeout
 from jaxpod.worker import input as input_lib
 
 PREFETCH_DEPTH = Count("JAXPOD_INFEED_PREFETCH_DEPTH", 2, "the infeed's prefetch depth, in chunks")
+LOOKAHEAD_STEPS = Count("JAXPOD_INFEED_LOOKAHEAD_STEPS", 8,
+                        "steps the infeed reads ahead into host memory, beyond those placed")
 # How long closing an infeed at exit waits for its thread (which may be in user code).
 CLOSE_TIMEOUT = Timeout("JAXPOD_INFEED_CLOSE_TIMEOUT_S", 5.0)
-# How long the producer waits for room in the queue before checking for a stop.
-_PUT_POLL_S = 0.1
 _THREAD_NAME = "jaxpod-infeed"
 
 
@@ -106,20 +110,28 @@ class Infeed:
       place: turns a host-local array (local replicas first) into a global array.
       num_replicas: local replicas.
       steps: steps per chunk.
-      depth: chunks prepared ahead; default ``$JAXPOD_INFEED_PREFETCH_DEPTH`` or 2.
+      depth: chunks placed ahead; default ``$JAXPOD_INFEED_PREFETCH_DEPTH`` or 2.
+      lookahead: steps read ahead beyond those, kept on the host; default
+        ``$JAXPOD_INFEED_LOOKAHEAD_STEPS`` or 8 (none for chunks longer than that).
       waits: where the time :meth:`get` waits for a chunk goes (default: one of its own).
     """
 
     def __init__(self, feed: input_lib.HostFeed, place: Callable[[np.ndarray], jax.Array],
                  num_replicas: int, steps: int, depth: int | None = None,
-                 waits: InputWait | None = None) -> None:
+                 waits: InputWait | None = None, lookahead: int | None = None) -> None:
         self._feed = feed
         self.waits = waits if waits is not None else InputWait()
         self._place = place
         self._replicas = num_replicas
         self._steps = steps
         self._stepless = False
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=PREFETCH_DEPTH.value(depth))
+        self._depth = PREFETCH_DEPTH.value(depth)
+        self._lookahead = LOOKAHEAD_STEPS.value(lookahead)
+        # Chunks in order, then _END or a _Failure once the input is over; the first
+        # ``_placed`` are on the devices, the rest on the host. Under ``_changed``.
+        self._items: collections.deque[Any] = collections.deque()
+        self._placed = 0
+        self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name=_THREAD_NAME,
                                         daemon=True)
@@ -150,68 +162,116 @@ class Infeed:
 
     @property
     def depth(self) -> int:
-        """Chunks prepared and waiting to be taken (at most the prefetch depth)."""
-        return len(self.ready_chunks())
+        """Chunks placed and waiting to be taken (at most the prefetch depth)."""
+        with self._changed:
+            return self._placed
 
     def get(self) -> Chunk | None:
-        """The next chunk; ``None`` once this host's input has ended. Time spent
+        """The next chunk, placed; ``None`` once this host's input has ended. Time spent
         waiting for one goes to :attr:`waits`.
 
         Raises:
           Whatever the user's dataset code raised, unchanged.
         """
-        try:
-            item = self._queue.get_nowait()
-        except queue.Empty:  # the input is behind: the caller waits for it
-            started = time.perf_counter_ns()
-            item = self._queue.get()
-            self.waits.add(time.perf_counter_ns() - started)
-        if item is _END:
-            self._queue.put(_END)  # keep answering None
-            return None
-        if isinstance(item, _Failure):
-            self._queue.put(item)
-            raise item.error
+        with self._changed:
+            if not self._front_ready():  # the input is behind: the caller waits for it
+                started = time.perf_counter_ns()
+                self._changed.wait_for(self._front_ready)
+                self.waits.add(time.perf_counter_ns() - started)
+            item = self._items[0]
+            if item is _END:  # stays: keeps answering None
+                return None
+            if isinstance(item, _Failure):
+                raise item.error
+            self._items.popleft()
+            self._placed -= 1
+            self._changed.notify_all()
         assert isinstance(item, Chunk)
         return item
 
     def ready_chunks(self) -> list[Chunk]:
-        """The chunks prepared and not taken, in order, up to the input's end or error."""
-        ready = []
-        with self._queue.mutex:
-            for item in self._queue.queue:
-                if not isinstance(item, Chunk):
-                    break
-                ready.append(item)
-        return ready
+        """The chunks read and not taken, placed or not, in order, up to the input's
+        end or error."""
+        with self._changed:
+            return [item for item in self._items if isinstance(item, Chunk)]
 
     def close(self, timeout_s: float = 0.0) -> None:
         """Stops the producer; waits up to ``timeout_s`` for its thread to end."""
         self._stop.set()
+        with self._changed:
+            self._changed.notify_all()
         if timeout_s > 0 and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
 
     def settle(self) -> None:
         """Waits for the transfers of the chunks placed but not taken: copies still
         running when JAX's client is torn down at exit abort the process."""
-        with self._queue.mutex:
-            chunks = [item for item in self._queue.queue if isinstance(item, Chunk)]
+        with self._changed:
+            chunks = list(self._items)[:self._placed]
         for chunk in chunks:
             with contextlib.suppress(Exception):  # a failed transfer is no longer ours
                 jax.block_until_ready(chunk.placed)
 
+    def _front_ready(self) -> bool:
+        return bool(self._items) and (self._placed > 0 or not isinstance(self._items[0], Chunk))
+
     def _produce(self) -> None:
+        """Places the oldest chunk read while fewer than the depth are placed, else
+        reads the next one while the lookahead has room, else waits for the caller."""
         try:
+            while (task := self._next_task()) is not None:
+                if isinstance(task, Chunk):
+                    self._keep_placed(task)
+                else:
+                    self._read()
+        except BaseException as e:  # placing failed: nothing after it can be taken
+            with self._changed:
+                while len(self._items) > self._placed:
+                    self._items.pop()
+                self._items.append(_Failure(e))
+                self._changed.notify_all()
+
+    def _next_task(self) -> Chunk | str | None:
+        """The chunk to place, ``"read"``, or ``None`` once stopped or done."""
+        with self._changed:
             while not self._stop.is_set():
-                chunk = self._next_chunk()
-                if chunk is None:
-                    break
-                self._put(chunk)
-                if chunk.last:
-                    break
-            self._put(_END)
-        except BaseException as e:
-            self._put(_Failure(e))
+                host = [item for item in list(self._items)[self._placed:]
+                        if isinstance(item, Chunk)]
+                if host and self._placed < self._depth:
+                    return host[0]
+                ended = bool(self._items) and not isinstance(self._items[-1], Chunk)
+                if ended and not host:
+                    return None
+                # One chunk is read ahead of those placed however long it is, as
+                # double buffering does; more while the lookahead has room.
+                waiting = sum(chunk.num_steps for chunk in host)
+                if not ended and (not host or waiting + self._steps <= self._lookahead):
+                    return "read"
+                self._changed.wait()
+            return None
+
+    def _read(self) -> None:
+        end: Any = None
+        try:
+            chunk = self._next_chunk()
+        except BaseException as e:  # the user's dataset raised: after what it gave
+            chunk, end = None, _Failure(e)
+        if end is None and (chunk is None or chunk.last):
+            end = _END
+        with self._changed:
+            if chunk is not None:
+                self._items.append(chunk)
+            if end is not None:
+                self._items.append(end)
+            self._changed.notify_all()
+
+    def _keep_placed(self, chunk: Chunk) -> None:
+        placed = self.place(chunk.host, chunk.counts, chunk.last, chunk.positions)
+        with self._changed:  # the caller takes only placed chunks: it is still there
+            assert self._items[self._placed] is chunk
+            self._items[self._placed] = placed
+            self._placed += 1
+            self._changed.notify_all()
 
     def _next_chunk(self) -> Chunk | None:
         k = self._steps
@@ -224,8 +284,8 @@ class Infeed:
             if builder.num_added == k:
                 break
             step = self._feed.next_step()
-        return self.place(builder.leaves, builder.counts, builder.num_added < k,
-                          tuple(builder.positions))
+        return Chunk(builder.leaves, builder.counts, [], builder.num_added < k,
+                     tuple(builder.positions))
 
     def empty_chunk(self, num_steps: int) -> Chunk:
         """Steps with no rows, for a host whose input ended before the others'."""
@@ -279,15 +339,6 @@ class Infeed:
         return self.place([h[:, :num_steps] for h in host], counts[:, :num_steps], False,
                           positions[:num_steps]), left
 
-
-
-    def _put(self, item: Any) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=_PUT_POLL_S)
-                return
-            except queue.Full:
-                continue
 
 
 # Infeed threads are daemons so an abandoned iterator never blocks exit, but a daemon

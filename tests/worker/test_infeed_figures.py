@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import jax
 import numpy as np
+import pytest
 
 from jaxpod import operations as ops
 from jaxpod.timeouts import wait_for
@@ -94,10 +95,12 @@ def test_full_steps_ahead_stop_before_a_short_step_and_an_error() -> None:
     iterator = engine.experimental_distribute_dataset(
         [*(_batch(i) for i in range(5)), short]).iterate(steps_per_run=1)
     next(iterator)
-    # 4 full steps follow the first, then the short one: 2 chunks are ready at first.
-    assert wait_for(lambda: iterator.full_steps_ahead() == 2, 30)
+    # 4 full steps follow the first, then the short one: all read ahead, 2 of them
+    # placed on the devices (the prefetch depth), the rest kept on the host.
+    assert wait_for(lambda: iterator.full_steps_ahead() == 4, 30)
+    assert wait_for(lambda: iterator.prefetched == 2, 30)
     next(iterator)
-    assert wait_for(lambda: iterator.full_steps_ahead() == 2, 30)
+    assert wait_for(lambda: iterator.full_steps_ahead() == 3, 30)
     next(iterator), next(iterator)
     assert wait_for(lambda: iterator.prefetched == 2, 30)  # step 5 and the short one
     assert iterator.full_steps_ahead() == 1  # not the short one
@@ -114,3 +117,29 @@ def test_full_steps_ahead_stop_before_a_short_step_and_an_error() -> None:
     next(failing)
     assert wait_for(lambda: failing.prefetched == 1, 30)
     assert failing.full_steps_ahead() == 1  # the error behind it does not count
+
+
+def test_the_lookahead_reads_a_bounded_number_of_steps_ahead(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond the chunks placed, the infeed reads ``JAXPOD_INFEED_LOOKAHEAD_STEPS``
+    steps into host memory, and no more, however long the input."""
+    monkeypatch.setenv("JAXPOD_INFEED_LOOKAHEAD_STEPS", "3")
+    reads = []
+
+    def counted() -> Iterator[np.ndarray]:
+        for i in range(40):
+            reads.append(i)
+            yield _batch(i)
+
+    iterator = _engine().experimental_distribute_dataset(counted()).iterate(steps_per_run=1)
+    first = next(iterator)
+    np.testing.assert_array_equal(np.asarray(first.array)[:, 0, 0], [0, 0])
+    # 2 placed and 3 on the host; the producer then waits for the caller.
+    assert wait_for(lambda: iterator.full_steps_ahead() == 5, 30)
+    assert wait_for(lambda: iterator.prefetched == 2, 30)
+    assert reads == list(range(6))
+    for step in range(1, 4):  # each step taken lets one more be read
+        np.testing.assert_array_equal(np.asarray(next(iterator).array)[:, 0, 0], [step] * 2)
+        assert wait_for(lambda: iterator.full_steps_ahead() == 5, 30)
+    assert reads == list(range(9))
+
