@@ -872,10 +872,9 @@ class LocalIterator(DistributedIterator):
         ready = self._infeed.ready_chunks()
         count = 0
         for chunk in ([self._leftover] if self._leftover is not None else []) + ready:
-            for full in (chunk.counts == self._infeed.rows).all(axis=0):
-                if not full:
-                    return count
-                count += 1
+            count += chunk.full_steps
+            if chunk.full_steps < chunk.num_steps:
+                break
         return count
 
     def next_steps(self, k: int, stepless: bool = False) -> _StepBatch:

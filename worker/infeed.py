@@ -59,6 +59,7 @@ class Chunk:
       positions: the input position each step started at (``None`` where the
         dataset does not tell).
       stepless: ``placed`` has no steps axis: one step, placed as ``next`` takes it.
+      full_steps: how many steps, from the first, give every replica all its rows.
     """
 
     host: list[np.ndarray]
@@ -67,6 +68,7 @@ class Chunk:
     last: bool
     positions: tuple[Any, ...] = ()
     stepless: bool = False
+    full_steps: int = 0
 
     @property
     def num_steps(self) -> int:
@@ -285,12 +287,17 @@ class Infeed:
                 break
             step = self._feed.next_step()
         return Chunk(builder.leaves, builder.counts, [], builder.num_added < k,
-                     tuple(builder.positions))
+                     tuple(builder.positions), full_steps=self._full_steps(builder.counts))
 
     def empty_chunk(self, num_steps: int) -> Chunk:
         """Steps with no rows, for a host whose input ended before the others'."""
         builder = input_lib.ChunkBuilder(self.spec, self.rows, self._replicas, num_steps)
         return self.place(builder.leaves, builder.counts, True, (None,) * num_steps)
+
+    def _full_steps(self, counts: np.ndarray) -> int:
+        """Leading steps of ``counts`` ``(replicas, steps)`` that every replica fills."""
+        short = np.flatnonzero((counts != self.rows).any(axis=0))
+        return int(short[0]) if short.size else int(counts.shape[1])
 
     def place(self, host: list[np.ndarray], counts: np.ndarray, last: bool,
               positions: tuple[Any, ...]) -> Chunk:
@@ -298,7 +305,7 @@ class Infeed:
         # Views: the host arrays keep their steps axis for rechunking.
         device = [a[:, 0] for a in [*host, counts]] if stepless else [*host, counts]
         return Chunk(host, counts, [self._place(a) for a in device], last, positions,
-                     stepless)
+                     stepless, self._full_steps(counts))
 
     def rechunk(self, first: Chunk, num_steps: int) -> tuple[Chunk, Chunk | None]:
         """``num_steps`` steps starting with ``first``'s, pulling more chunks as needed.
@@ -335,7 +342,7 @@ class Infeed:
         if counts.shape[1] == num_steps:
             return self.place(host, counts, last, positions), None
         left = Chunk([h[:, num_steps:] for h in host], counts[:, num_steps:], [], last,
-                     positions[num_steps:])
+                     positions[num_steps:], full_steps=self._full_steps(counts[:, num_steps:]))
         return self.place([h[:, :num_steps] for h in host], counts[:, :num_steps], False,
                           positions[:num_steps]), left
 
