@@ -116,8 +116,9 @@ class HostStats:
     """What one host holds, and the time it spent working: its operations (other than
     ``Stats``) and the computations they dispatched, measured inside the worker; and its
     input feed: the seconds its steps waited for input that was not ready
-    (``input_wait_s``) and the chunks of steps its infeeds have ready now
-    (``input_queue_depth``). Times count from the slice's current holder."""
+    (``input_wait_s``) and the chunks of steps its infeeds have placed on the devices
+    now (``input_queue_depth``; not those read ahead into host memory only). Times count
+    from the slice's current holder."""
 
     num_values: int
     device_bytes: int

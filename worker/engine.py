@@ -842,7 +842,8 @@ class LocalIterator(DistributedIterator):
 
     @property
     def prefetched(self) -> int:
-        """Chunks of steps its infeed has ready."""
+        """Chunks of steps its infeed has placed on the devices, ready to take (those
+        read ahead into host memory only are not counted)."""
         return self._infeed.depth
 
     @property
