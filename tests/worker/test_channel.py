@@ -208,6 +208,40 @@ def _refuse() -> None:
     raise RuntimeError("refused on purpose")
 
 
+def test_what_must_travel_by_value_is_cloudpickled_and_the_rest_is_not(
+        server: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Messages are pickled by the C pickler; one holding a function or class that must
+    travel by value (a lambda, a class defined in a function) falls back to cloudpickle,
+    both ways."""
+
+    class Local:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+    cloudpickled: list[int] = []
+
+    class Counted(channel._CloudPickler):
+        def __init__(self, file: Any, buffers: list[Any]) -> None:
+            cloudpickled.append(1)
+            super().__init__(file, buffers)
+
+    monkeypatch.setattr(channel, "_CloudPickler", Counted)
+    plain = ((np.arange(3), {"a": (1, "x")}), {})
+    by_value = ((lambda x: x + 1, Local(4)), {})
+    channel.encode(plain)
+    assert not cloudpickled
+    channel.encode(by_value)
+    assert cloudpickled == [1]
+    with channel.connect(server.address, server.key, 10) as sock:
+        channel.broadcast([sock], by_value)
+        (fn, local), kwargs = channel.receive(sock)
+        assert fn(2) == 3 and type(local).__qualname__.endswith("Local") and local.n == 4
+        channel.broadcast([sock], plain)
+        (array, nested), _ = channel.receive(sock)
+        np.testing.assert_array_equal(array, np.arange(3))
+        assert nested == {"a": (1, "x")} and kwargs == {}
+
+
 def test_peer_that_goes_away_mid_operation_raises_channel_closed() -> None:
     key = channel.new_key()
 
