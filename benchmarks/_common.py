@@ -30,12 +30,16 @@ def use_cpu_devices(count: int) -> None:
     jax.config.update("jax_num_cpu_devices", count)
 
 
-def call_times(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
-    """Wall times of ``repeats`` calls of ``fn()`` in seconds, after ``warmup`` calls."""
+def call_times(fn: Callable[[], Any], repeats: int, warmup: int = 1, idle_s: float = 0.0
+               ) -> list[float]:
+    """Wall times of ``repeats`` calls of ``fn()`` in seconds, after ``warmup`` calls;
+    each timed call after ``idle_s`` seconds asleep (untimed)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        if idle_s:
+            time.sleep(idle_s)
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)

@@ -17,7 +17,13 @@ Three figures, in one run:
    every core busy all the time.
 2. ``trivial_run_reduce_p50_ms`` (target <= 1.0): a synchronous ``run`` of an identity
    on a small ``PerReplica`` and ``reduce`` of its result, remote, p50 over many
-   calls (the in-process figure for context).
+   calls. For context, the in-process figure twice: back to back
+   (``inprocess_trivial_run_reduce_p50_ms``), and with each call after an idle gap
+   (``inprocess_trivial_after_idle_ms``) as long as the remote call takes beyond the
+   in-process one (``trivial_idle_gap_ms``). A remote host idles that long between
+   calls, and on this machine's simulated CPU devices the same two calls cost 1.5 to
+   2 times as much after an idle gap as back to back: the second figure is what the
+   host's part of a remote call costs at least.
 3. ``cold_connect_to_first_result_s`` (target <= 4): a fresh interpreter that runs
    ``import jaxpod; client = jaxpod.connect(); strategy = client.strategy()`` and
    reduces one ``run``, with no service running: from starting the interpreter to
@@ -118,7 +124,7 @@ class Loop:
 
 def inprocess_child() -> None:
     """The in-process side, driven over stdin/stdout: ``loop N`` answers ``T <s> <loss>``,
-    ``trivial N`` answers ``T <p50 s>``, ``quit``."""
+    ``trivial N [GAP_S]`` answers ``T <p50 s>`` (each call after ``GAP_S`` idle), ``quit``."""
     use_cpu_devices(DEVICES)
     import jaxpod
 
@@ -134,7 +140,9 @@ def inprocess_child() -> None:
             elapsed = loop.steps(int(command[1]))
             print(f"T {elapsed} {loop.loss}", flush=True)
         elif command[0] == "trivial":
-            times = call_times(lambda: run_reduce(strategy, value), int(command[1]), 20)
+            gap = float(command[2]) if len(command) > 2 else 0.0
+            times = call_times(lambda: run_reduce(strategy, value), int(command[1]), 20,
+                               idle_s=gap)
             print(f"T {statistics.median(times)}", flush=True)
 
 
@@ -257,6 +265,8 @@ def main() -> None:
             trivial = statistics.median(call_times(lambda: run_reduce(strategy, value),
                                                    calls, 20))
             local_trivial = child.ask(f"trivial {calls}")[0]
+            idle_gap = max(0.0, trivial - local_trivial)
+            local_after_idle = child.ask(f"trivial {calls} {idle_gap}")[0]
         finally:
             child.close()
     ratio = per_step["remote"] / per_step["inprocess"]
@@ -274,6 +284,8 @@ def main() -> None:
         "loop_cpu_floor_vs_inprocess": remote_cpu / cores / per_step["inprocess"],
         "trivial_run_reduce_p50_ms": 1e3 * trivial,
         "inprocess_trivial_run_reduce_p50_ms": 1e3 * local_trivial,
+        "inprocess_trivial_after_idle_ms": 1e3 * local_after_idle,
+        "trivial_idle_gap_ms": 1e3 * idle_gap,
         "trivial_calls": calls, "cold_runs": cold_runs,
         **cold_figures("cold_", cold), **cold_figures("cold_single_host_", single),
         **cold_figures("cold_ray_", on_ray),
