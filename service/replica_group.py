@@ -80,7 +80,7 @@ class HostPlacement:
 class WorkerLauncher(Protocol):
     """Starts, calls and stops a group's :class:`HostWorker` processes: Ray actors
     (:class:`RayWorkers`) or plain processes of this machine
-    (:class:`~jaxpod.service.process_workers.ProcessWorkers`). Everything after the
+    (:class:`~jaxpod.service.host_processes.ProcessWorkers`). Everything after the
     start (operations, resets, faults) goes over the operation channels, the same
     whichever started the workers."""
 

@@ -33,8 +33,9 @@ from jaxpod.errors import (
 from jaxpod.operations import HandleInfo
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.group_engine import GroupEngine, ResultCall
+from jaxpod.service.host_processes import ProcessWorkers
 from jaxpod.service.local_cluster import descendants, plan_slices
-from jaxpod.service.process_workers import LocalProcessSlices, ProcessWorkers
+from jaxpod.service.process_workers import LocalProcessSlices
 from jaxpod.service.replica_group import ID_BLOCK, HostPlacement, ReplicaGroup
 from jaxpod.service.sessions import HeldSlice
 from jaxpod.shipping import ship
@@ -266,7 +267,7 @@ def test_workers_exit_when_the_process_that_started_them_dies() -> None:
     starter = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import sys, threading
         from jaxpod.service.local_cluster import descendants, plan_slices
-        from jaxpod.service.process_workers import ProcessWorkers
+        from jaxpod.service.host_processes import ProcessWorkers
         from jaxpod.service.replica_group import ID_BLOCK, HostPlacement, ReplicaGroup
         (s,) = plan_slices("v4-16")
         group = ReplicaGroup.start([HostPlacement(None, i, {}, env=s.host_env(i))
