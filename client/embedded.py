@@ -135,9 +135,11 @@ def launch(slices: str | None = None, log_path: str | None = None,
     # one's running jobs for a crashed coordinator's. Removed when it stops.
     state_dir = tempfile.mkdtemp(prefix=f"jaxpod-embedded-{os.getpid()}-")
     # --http-port 0: a free port (a fixed one would collide between processes).
+    # --prewarm: the first slice's workers start with the service, for the first
+    # strategy() (which takes the first idle slice).
     command = [sys.executable, "-m", "jaxpod.cli", "serve", "--local", "--port", "0",
                "--http-port", "0", "--stop-on-stdin-eof", "--state-dir", state_dir,
-               "--provider", os.environ.get(PROVIDER_ENV) or "processes"]
+               "--provider", os.environ.get(PROVIDER_ENV) or "processes", "--prewarm"]
     if slices:
         command += ["--slices", slices]
     if log_path is None:

@@ -1,8 +1,10 @@
 """Simulated hosts' workers as plain processes of this machine, and the hosts one
-acquire holds (see :mod:`jaxpod.service.process_workers`, the provider).
+acquire holds: what ``jaxpod serve --local --provider processes`` needs before its slice
+provider exists (see :mod:`jaxpod.service.process_workers`).
 
-This module imports no JAX and no service stack (0.45 s against 1.9 s), so that the
-service can start workers before it has imported those.
+This module imports no JAX and no service stack, so that ``jaxpod serve --prewarm`` can
+start a slice's workers (:func:`start_ahead`) before the service has imported those:
+the workers import JAX on the other cores meanwhile.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxpod.errors import WorkerStartError
-from jaxpod.service.local_cluster import SimulatedSlice
+from jaxpod.service.local_cluster import SimulatedSlice, plan_slices
 from jaxpod.service.replica_group import HostPlacement, not_answered
 from jaxpod.service.resolvers.base import megascale_env
+from jaxpod.service.topology import slice_shape
 from jaxpod.worker.host_process import LOOPBACK, read_message, write_message
 
 
@@ -73,10 +76,23 @@ class HostProcess:
 
 class ProcessWorkers:
     """Starts host workers as processes of this machine (a placement's ``env`` and
-    ``unset_env`` are its host's; its Ray fields are not used)."""
+    ``unset_env`` are its host's; its Ray fields are not used).
+
+    Args:
+      ahead: workers already started for the placements of the first :meth:`start`,
+        which then takes them instead of starting its own (a restart starts anew).
+    """
+
+    def __init__(self, ahead: HostsStartedAhead | None = None) -> None:
+        self._ahead = ahead
 
     def start(self, placements: Sequence[HostPlacement], devices_per_host: int,
               platform: str) -> list[HostProcess]:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            if ahead.started_for == (tuple(placements), devices_per_host, platform):
+                return ahead.workers
+            self.kill(ahead.workers)  # started for other hosts: of no use here
         workers: list[HostProcess] = []
         try:
             for index, placement in enumerate(placements):
@@ -176,3 +192,47 @@ class LocalHeld:
                     for worker_id in range(s.shape.num_hosts)]
         return out
 
+
+@dataclass(eq=False)
+class HostsStartedAhead:
+    """A simulated slice's workers, started before anything asked for them
+    (:func:`start_ahead`); a :class:`ProcessWorkers` given them takes them."""
+
+    slice_names: tuple[str, ...]
+    #: What they were started for: placements, devices per host, platform.
+    started_for: tuple[tuple[HostPlacement, ...], int, str]
+    workers: list[HostProcess]
+
+    def kill(self) -> None:
+        ProcessWorkers().kill(self.workers)
+
+
+def prewarm_type(spec: str, requested: str) -> str:
+    """The accelerator type ``jaxpod serve --prewarm`` names: ``requested``, or the
+    first slice's of the simulated cluster ``spec`` if empty.
+
+    Raises:
+      ValueError: the cluster has no slice of that type (the message lists its types).
+    """
+    slices = plan_slices(spec)
+    if not requested:
+        return slices[0].shape.accelerator_type
+    wanted = slice_shape(requested).accelerator_type
+    if not any(s.shape.accelerator_type == wanted for s in slices):
+        has = ", ".join(dict.fromkeys(s.shape.accelerator_type for s in slices))
+        raise ValueError(f"--prewarm {requested}: the simulated cluster {spec!r} has no "
+                         f"{wanted} slice (it has {has}). Prewarm one of those, or add "
+                         "it to --slices.")
+    return wanted
+
+
+def start_ahead(spec: str, accelerator_type: str, platform: str) -> HostsStartedAhead:
+    """Starts the workers of the first slice of ``accelerator_type`` (as
+    :func:`prewarm_type` returns it) in the simulated cluster ``spec`` (``jaxpod serve
+    --slices``), as the first acquire of it would."""
+    first = next(s for s in plan_slices(spec) if s.shape.accelerator_type == accelerator_type)
+    held = LocalHeld((first,), lambda _: None)
+    placements = tuple(held.placements())
+    devices = first.shape.devices_per_host
+    workers = ProcessWorkers().start(placements, devices, platform)
+    return HostsStartedAhead(tuple(held.names()), (placements, devices, platform), workers)

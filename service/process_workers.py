@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from jaxpod.errors import AllocationTimeoutError
 from jaxpod.proto import coordinator_pb2 as pb
-from jaxpod.service.host_processes import LocalHeld, ProcessWorkers
+from jaxpod.service.host_processes import HostsStartedAhead, LocalHeld, ProcessWorkers
 from jaxpod.service.local_cluster import SimulatedSlice, plan_slices
 from jaxpod.service.replica_group import ReplicaGroup
 from jaxpod.service.resolvers.base import ALLOCATION_TIMEOUT, HostInfo, SliceInfo
@@ -40,13 +40,17 @@ class LocalProcessSlices(PooledSlices):
     Args:
       spec: the simulated slices, as ``jaxpod serve --slices`` (``"v4-16,v4-8"``).
       start_timeout_s: overrides ``JAXPOD_WORKER_START_TIMEOUT_S``.
+      ahead: workers already started for one of its slices
+        (:func:`~jaxpod.service.host_processes.start_ahead`): the first group started
+        on that slice takes them.
     """
 
-    def __init__(self, spec: str | Sequence[str], start_timeout_s: float | None = None
-                 ) -> None:
+    def __init__(self, spec: str | Sequence[str], start_timeout_s: float | None = None,
+                 ahead: HostsStartedAhead | None = None) -> None:
         super().__init__()
         self.slices = plan_slices(spec)
         self.start_timeout_s = start_timeout_s
+        self._ahead = ahead
         self._free = {s.name for s in self.slices}
         self._changed = threading.Condition()
 
@@ -90,9 +94,23 @@ class LocalProcessSlices(PooledSlices):
     def _start_group(self, held: Held) -> ReplicaGroup:
         assert isinstance(held, LocalHeld)
         shape = held.slices[0].shape
+        with self._changed:
+            ahead = self._ahead
+            if ahead is not None and ahead.slice_names == tuple(held.names()):
+                self._ahead = None
+            else:
+                ahead = None
         return ReplicaGroup.start(held.placements(), shape.devices_per_host,
                                   SIMULATED_PLATFORM, self.start_timeout_s,
-                                  launcher=ProcessWorkers())
+                                  launcher=ProcessWorkers(ahead))
+
+    def close(self) -> None:
+        """Stops the warm slices and workers started ahead that nothing took."""
+        with self._changed:
+            ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.kill()
+        super().close()
 
     def _idle_slices(self, accelerator_type: str) -> int:
         with self._changed:

@@ -107,6 +107,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --local: how the simulated hosts run: 'ray' nodes of a "
                              "local Ray cluster, or plain 'processes' (no Ray: starts "
                              f"in about a second) (default ${PROVIDER_ENV}, else ray)")
+    parser.add_argument("--prewarm", nargs="?", const="", default=None, metavar="TYPE",
+                        help="with --local: start the workers of one slice of TYPE (default "
+                             "the first of --slices) as the service starts, so that the "
+                             "first acquire of it finds them ready")
     parser.add_argument("--lease", type=float, default=None, metavar="SECONDS",
                         help="default session lease (default $JAXPOD_SESSION_LEASE_S or 30)")
     parser.add_argument("--stop-on-stdin-eof", action="store_true",
@@ -154,6 +158,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if (args.slices or args.provider) and not args.local:
         raise ValueError("--slices and --provider need --local (they describe the "
                          "simulated cluster).")
+    if args.prewarm is not None and not args.local:
+        raise ValueError("--prewarm needs --local: it starts a slice of the simulated "
+                         "cluster.")
     args.provider = args.provider or os.environ.get(PROVIDER_ENV) or "ray"
     if args.provider not in PROVIDERS:
         raise ValueError(f"${PROVIDER_ENV}={args.provider!r} is not a provider; expected "
@@ -170,12 +177,20 @@ def run_serve(args: argparse.Namespace) -> int:
             "function travel in clear text to anyone on the network path. Give "
             "--tls-cert and --tls-key (or $%s and $%s).", address, TLS_CERT_ENV, TLS_KEY_ENV)
     cluster: Any = None
+    ahead: Any = None
+    if args.prewarm is not None:
+        from jaxpod.service.host_processes import prewarm_type, start_ahead
+        from jaxpod.service.local_cluster import DEFAULT_SLICES
+
+        args.prewarm = prewarm_type(args.slices or DEFAULT_SLICES, args.prewarm)
+        if args.provider == "processes":  # first: they import JAX while this imports
+            ahead = start_ahead(args.slices or DEFAULT_SLICES, args.prewarm, args.platform)
     if args.local and args.provider == "ray":  # first: hosts start while this imports
         from jaxpod.service.local_cluster import DEFAULT_SLICES, LocalTPUCluster
 
         cluster = LocalTPUCluster(args.slices or DEFAULT_SLICES).launch()
     try:
-        return _serve(args, address, tokens, cluster, tls)
+        return _serve(args, address, tokens, cluster, tls, ahead)
     finally:
         if cluster is not None:
             cluster.stop()
@@ -222,15 +237,21 @@ def token_book(tokens_file: str | None, token: str | None) -> TokenBook | None:
 
 
 def _serve(args: argparse.Namespace, address: str, tokens: TokenBook | None, cluster: Any,
-           tls: Any) -> int:
+           tls: Any, ahead: Any) -> int:
     from jaxpod.service.server import LISTENING, serve
 
     def make_slices() -> Any:
+        slices = cluster_slices()
+        if args.prewarm:
+            slices.prewarm(args.prewarm)
+        return slices
+
+    def cluster_slices() -> Any:
         if args.local and args.provider == "processes":
             from jaxpod.service.local_cluster import DEFAULT_SLICES
             from jaxpod.service.process_workers import LocalProcessSlices
 
-            return LocalProcessSlices(args.slices or DEFAULT_SLICES)
+            return LocalProcessSlices(args.slices or DEFAULT_SLICES, ahead=ahead)
         from jaxpod.service.workers import RaySlices
 
         if cluster is not None:

@@ -26,6 +26,7 @@ from jaxpod.errors import SliceResetError
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.group_engine import GroupEngine
 from jaxpod.service.replica_group import HostPlacement, ReplicaGroup
+from jaxpod.service.resolvers.base import ALLOCATION_TIMEOUT
 from jaxpod.service.sessions import HeldSlice
 from jaxpod.timeouts import Timeout
 from jaxpod.worker.host_worker import SIMULATED_PLATFORM
@@ -123,6 +124,7 @@ class PooledSlices(abc.ABC):
     def __init__(self) -> None:
         self._warm: list[WarmSlice] = []
         self._waiting: collections.Counter[str] = collections.Counter()  # by type
+        self._prewarming: dict[WarmKey, threading.Event] = {}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -151,10 +153,54 @@ class PooledSlices(abc.ABC):
         with self._lock:
             return list(self._warm)
 
-    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str) -> HeldSlice:
-        """A warm slice of the request's shape if one still works, else allocates,
-        starts and configures; on any failure nothing stays held."""
+    def prewarm(self, accelerator_type: str, num_slices: int = 1) -> threading.Thread:
+        """Starts the workers of that many slices of the type on a thread of their own
+        and keeps them warm, so that the first acquire of that shape takes them
+        instead of starting its own; one that comes meanwhile waits for them. A
+        failure is logged: acquires then start workers as they otherwise would.
+
+        Returns:
+          The thread (joined by tests; the service does not wait for it).
+        """
+        request = pb.AcquireSliceRequest(accelerator_type=accelerator_type,
+                                         num_slices=num_slices)
         key = _key(request)
+        done = threading.Event()
+        with self._lock:
+            self._prewarming[key] = done
+        thread = threading.Thread(target=self._prewarm, args=(request, key, done),
+                                  name=f"jaxpod-prewarm-{key[0]}", daemon=True)
+        thread.start()
+        return thread
+
+    def _prewarm(self, request: pb.AcquireSliceRequest, key: WarmKey,
+                 done: threading.Event) -> None:
+        try:
+            allocation = self._allocate(request, key)
+            try:
+                group = self._start_group(allocation)
+            except BaseException:
+                allocation.release()
+                raise
+            logger.info("slice %s prewarmed", allocation.names())
+            self._park(WarmSlice(key, group, allocation, GroupEngine(group).functions))
+        except Exception as e:
+            logger.warning("prewarming %d x %s failed (%s: %s); acquires start their own "
+                           "workers", key[1], key[0], type(e).__name__, e)
+        finally:
+            with self._lock:
+                self._prewarming.pop(key, None)
+            done.set()
+
+    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str) -> HeldSlice:
+        """A warm slice of the request's shape if one still works (after waiting for
+        one being prewarmed), else allocates, starts and configures; on any failure
+        nothing stays held."""
+        key = _key(request)
+        with self._lock:
+            prewarming = self._prewarming.get(key)
+        if prewarming is not None:  # its capacity is held meanwhile: wait, then take it
+            prewarming.wait(ALLOCATION_TIMEOUT.resolve(request.timeout_s or None))
         while (warm := self._take_warm(key)) is not None:
             held = self._reuse(warm, request, slice_id)
             if held is not None:
@@ -176,12 +222,13 @@ class PooledSlices(abc.ABC):
             return self._waiting[accelerator_type]
 
     def has_free(self, accelerator_type: str, num_slices: int) -> bool:
-        """Whether an acquire of that shape would get slices without waiting: a warm
-        one of that shape, or enough idle (or warm, which an acquire stops to make
-        room) slices of the type."""
+        """Whether an acquire of that shape would get slices without waiting (but for a
+        prewarm under way): a warm one of that shape, or one being prewarmed, or
+        enough idle (or warm, which an acquire stops to make room) slices of the
+        type."""
         key = (accelerator_type.strip().lower(), num_slices)
         with self._lock:
-            if any(w.key == key for w in self._warm):
+            if key in self._prewarming or any(w.key == key for w in self._warm):
                 return True
             warm = sum(w.key[1] for w in self._warm if w.key[0] == key[0])
         return warm + self._idle_slices(key[0]) >= num_slices

@@ -33,7 +33,7 @@ from jaxpod.errors import (
 from jaxpod.operations import HandleInfo
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.group_engine import GroupEngine, ResultCall
-from jaxpod.service.host_processes import ProcessWorkers
+from jaxpod.service.host_processes import ProcessWorkers, prewarm_type, start_ahead
 from jaxpod.service.local_cluster import descendants, plan_slices
 from jaxpod.service.process_workers import LocalProcessSlices
 from jaxpod.service.replica_group import ID_BLOCK, HostPlacement, ReplicaGroup
@@ -368,26 +368,105 @@ def test_an_acquire_waiting_for_capacity_gets_a_slice_released_meanwhile(
         slices.close()
 
 
+def _doubled_sum(held: HeldSlice) -> float:
+    """2 x the sum of the replica ids, computed on ``held``'s workers."""
+    engine = held.engine
+    value = engine.experimental_distribute_values_from_function(
+        lambda ctx: np.float32(ctx.replica_id_in_sync_group))
+    return float(engine.reduce("SUM", engine.run(lambda v: v * 2, args=(value,)), axis=None))
+
+
+def test_an_acquire_while_a_slice_is_prewarmed_waits_and_takes_it() -> None:
+    started: list[ReplicaGroup] = []
+
+    class Counting(LocalProcessSlices):
+        def _start_group(self, held: Any) -> ReplicaGroup:
+            started.append(super()._start_group(held))
+            return started[-1]
+
+    slices = Counting("v4-16", start_timeout_s=120)
+    pids: list[int] = []
+    try:
+        prewarming = slices.prewarm("v4-16")
+        assert slices.has_free("v4-16", 1)  # an acquire gets it without waiting for room
+        # It comes while the workers start (seconds): without waiting for them, it
+        # would find their capacity held, and they would be stopped for it.
+        held = _acquire(slices, "v4-16")
+        prewarming.join(60)
+        assert len(started) == 1 and held.engine.group is started[0]
+        pids = held.engine.group.pids
+        assert _doubled_sum(held) == 2 * sum(range(8))
+        held.release()
+    finally:
+        slices.close()
+    assert pids and not any(_alive(pid) for pid in pids)
+
+
+def test_workers_started_ahead_are_the_prewarmed_slices() -> None:
+    assert prewarm_type("v4-8,v4-16", "") == "v4-8"  # the first slice's
+    with pytest.raises(ValueError, match=r"has no v5p-8 slice \(it has v4-8, v4-16\)"):
+        prewarm_type("v4-8,v4-16", "v5p-8")
+    ahead = start_ahead("v4-8,v4-16", prewarm_type("v4-8,v4-16", "v4-16"), "cpu")
+    pids = [w.pid for w in ahead.workers]
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    slices = LocalProcessSlices("v4-8,v4-16", start_timeout_s=120, ahead=ahead)
+    try:
+        slices.prewarm("v4-16").join(120)
+        assert [w.key for w in slices.warm()] == [("v4-16", 1)]
+        held = _acquire(slices, "v4-16")
+        assert held.engine.group.pids == pids
+        assert _doubled_sum(held) == 2 * sum(range(8))
+        held.release()
+    finally:
+        slices.close()
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_workers_started_ahead_that_nothing_takes_stop_with_the_provider() -> None:
+    ahead = start_ahead("v4-8", "v4-8", "cpu")
+    pids = [w.pid for w in ahead.workers]
+    LocalProcessSlices("v4-8", ahead=ahead).close()
+    assert wait_for(lambda: not any(_alive(pid) for pid in pids), 30)
+
+
 # ------------------------------------------------------------------ jaxpod serve
 def _summing_step(state: Any, batch: Any) -> Any:
     total = jaxpod.get_replica_context().all_reduce("SUM", batch.sum())
     return {"total": state["total"] + total}, {}
 
 
+def _host_workers(service_pid: int) -> list[int]:
+    """The service's host worker processes."""
+    return sorted(pid for pid in descendants(service_pid)
+                  if b"jaxpod.worker.host_process" in _cmdline(pid))
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+
 def test_serve_with_processes_starts_no_ray_and_runs_sessions_and_jobs(
         tmp_path: Path) -> None:
     service = start_service(tmp_path / "serve.log", "v4-16",
-                            args=("--provider", "processes", "--state-dir",
+                            args=("--provider", "processes", "--prewarm", "--state-dir",
                                   str(tmp_path / "state")))
     try:
+        # --prewarm: the first slice's workers start with the service, before any
+        # acquire, and the first session gets them.
+        assert wait_for(lambda: len(_host_workers(service.process.pid)) == 2, 60)
+        prewarmed = _host_workers(service.process.pid)
         data = np.arange(16, dtype=np.float32).reshape(8, 2)
         with service.connect() as client:
-            with client.strategy("v4-16") as strategy:
+            with client.strategy() as strategy:
                 value = strategy.experimental_distribute_values_from_function(
                     lambda ctx: data[ctx.replica_id_in_sync_group])
                 total = strategy.reduce("SUM", strategy.run(lambda x: x * 3, args=(value,)),
                                         axis=None)
                 np.testing.assert_allclose(total, 3 * data.sum(axis=0))
+                assert _host_workers(service.process.pid) == prewarmed
             # The job gets the slice the session released (kept warm).
             batches = [np.full(8, i, np.float32) for i in range(1, 4)]
             job = client.submit(_summing_step, steps=6, accelerator_type="v4-16",
@@ -417,3 +496,16 @@ def test_provider_without_local_is_refused() -> None:
                           check=False)
     assert done.returncode != 0
     assert "--slices and --provider need --local" in done.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--prewarm"], "--prewarm needs --local"),
+    (["--local", "--provider", "processes", "--slices", "v4-8", "--prewarm", "v6e-8"],
+     "--prewarm v6e-8: the simulated cluster 'v4-8' has no v6e-8 slice (it has v4-8)"),
+])
+def test_prewarm_needs_local_and_a_type_the_cluster_has(args: list[str], message: str
+                                                        ) -> None:
+    done = subprocess.run([sys.executable, "-m", "jaxpod.cli", "serve", "--port", "0",
+                           "--http-port", "-1", *args], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
