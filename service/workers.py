@@ -189,7 +189,8 @@ class PooledSlices(abc.ABC):
                            "workers", key[1], key[0], type(e).__name__, e)
         finally:
             with self._lock:
-                self._prewarming.pop(key, None)
+                if self._prewarming.get(key) is done:  # not a later prewarm's
+                    del self._prewarming[key]
             done.set()
 
     def acquire(self, request: pb.AcquireSliceRequest, slice_id: str) -> HeldSlice:
