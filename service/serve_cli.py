@@ -161,6 +161,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.prewarm is not None and not args.local:
         raise ValueError("--prewarm needs --local: it starts a slice of the simulated "
                          "cluster.")
+    if args.local:
+        from jaxpod.service.local_cluster import DEFAULT_SLICES
+
+        args.slices = args.slices or DEFAULT_SLICES
     args.provider = args.provider or os.environ.get(PROVIDER_ENV) or "ray"
     if args.provider not in PROVIDERS:
         raise ValueError(f"${PROVIDER_ENV}={args.provider!r} is not a provider; expected "
@@ -180,15 +184,14 @@ def run_serve(args: argparse.Namespace) -> int:
     ahead: Any = None
     if args.prewarm is not None:
         from jaxpod.service.host_processes import prewarm_type, start_ahead
-        from jaxpod.service.local_cluster import DEFAULT_SLICES
 
-        args.prewarm = prewarm_type(args.slices or DEFAULT_SLICES, args.prewarm)
+        args.prewarm = prewarm_type(args.slices, args.prewarm)
         if args.provider == "processes":  # first: they import JAX while this imports
-            ahead = start_ahead(args.slices or DEFAULT_SLICES, args.prewarm, args.platform)
+            ahead = start_ahead(args.slices, args.prewarm, args.platform)
     if args.local and args.provider == "ray":  # first: hosts start while this imports
-        from jaxpod.service.local_cluster import DEFAULT_SLICES, LocalTPUCluster
+        from jaxpod.service.local_cluster import LocalTPUCluster
 
-        cluster = LocalTPUCluster(args.slices or DEFAULT_SLICES).launch()
+        cluster = LocalTPUCluster(args.slices).launch()
     try:
         return _serve(args, address, tokens, cluster, tls, ahead)
     finally:
@@ -248,10 +251,9 @@ def _serve(args: argparse.Namespace, address: str, tokens: TokenBook | None, clu
 
     def cluster_slices() -> Any:
         if args.local and args.provider == "processes":
-            from jaxpod.service.local_cluster import DEFAULT_SLICES
             from jaxpod.service.process_workers import LocalProcessSlices
 
-            return LocalProcessSlices(args.slices or DEFAULT_SLICES, ahead=ahead)
+            return LocalProcessSlices(args.slices, ahead=ahead)
         from jaxpod.service.workers import RaySlices
 
         if cluster is not None:
