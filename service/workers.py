@@ -176,12 +176,7 @@ class PooledSlices(abc.ABC):
     def _prewarm(self, request: pb.AcquireSliceRequest, key: WarmKey,
                  done: threading.Event) -> None:
         try:
-            allocation = self._allocate(request, key)
-            try:
-                group = self._start_group(allocation)
-            except BaseException:
-                allocation.release()
-                raise
+            allocation, group = self._start_workers(request, key)
             logger.info("slice %s prewarmed", allocation.names())
             self._park(WarmSlice(key, group, allocation, GroupEngine(group).functions))
         except Exception as e:
@@ -236,18 +231,25 @@ class PooledSlices(abc.ABC):
 
     def _start(self, request: pb.AcquireSliceRequest, slice_id: str, key: WarmKey
                ) -> HeldSlice:
-        allocation = self._allocate(request, key)
-        group: ReplicaGroup | None = None
+        allocation, group = self._start_workers(request, key)
         try:
-            group = self._start_group(allocation)
             engine = GroupEngine(group)
             _configure(engine, request)
         except BaseException:
-            if group is not None:
-                group.stop()
+            group.stop()
             allocation.release()
             raise
         return self._held(slice_id, engine, allocation, key)
+
+    def _start_workers(self, request: pb.AcquireSliceRequest, key: WarmKey
+                       ) -> tuple[Held, ReplicaGroup]:
+        """Allocates and starts the workers; on a failure nothing stays held."""
+        allocation = self._allocate(request, key)
+        try:
+            return allocation, self._start_group(allocation)
+        except BaseException:
+            allocation.release()
+            raise
 
     def _reuse(self, warm: WarmSlice, request: pb.AcquireSliceRequest, slice_id: str
                ) -> HeldSlice | None:
