@@ -477,13 +477,12 @@ def test_serve_with_processes_starts_no_ray_and_runs_sessions_and_jobs(
             assert float(job.result().state["total"]) == float(
                 sum(b.sum() for b in batches * 2))
         tree = descendants(service.process.pid)
-        commands = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in tree
-                    if Path(f"/proc/{pid}/cmdline").exists()]
+        commands = [_cmdline(pid) for pid in tree]
         assert sum(b"jaxpod.worker.host_process" in c for c in commands) == 2
         assert not [c for c in commands if b"ray" in c.lower()], commands
         # A crashed service leaves no worker behind: they see their pipe end.
         workers = {p: s for p, s in tree.items()
-                   if b"host_process" in Path(f"/proc/{p}/cmdline").read_bytes()}
+                   if b"jaxpod.worker.host_process" in _cmdline(p)}
         os.kill(service.process.pid, signal.SIGKILL)
         assert not all_gone(workers, 30)
     finally:
