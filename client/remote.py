@@ -747,9 +747,9 @@ def _handle_signature(x: RemotePerReplica | RemoteGlobalValue) -> Hashable:
     """What of a handle argument shapes a call's outputs: its kind, shape, dtype and
     valid rows (kept here: the wire carries only its id)."""
     if isinstance(x, RemoteGlobalValue):
-        return ("global", x.shape, str(x.dtype))
+        return ("global", x.shape, trees.dtype_name(x.dtype))
     valid = None if x.valid_rows is None else tuple(x.valid_rows.tolist())
-    return ("per_replica", x.shape, str(x.dtype), valid)
+    return ("per_replica", x.shape, trees.dtype_name(x.dtype), valid)
 
 
 def _call_name(what: str, fn: Any) -> str:

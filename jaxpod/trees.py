@@ -81,7 +81,21 @@ def is_frozen(x: object) -> bool:
 
 def is_typed_key(x: object) -> bool:
     """Whether ``x`` is a (concrete or traced) array of typed PRNG keys."""
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return isinstance(x, jax.Array) and is_key_dtype(x.dtype)
+
+
+# Both cached: numpy answers each afresh (1 and 6 us), and every operation on a host
+# asks them of each of its outputs.
+@functools.cache
+def is_key_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` is a typed PRNG key's."""
+    return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+
+
+@functools.cache
+def dtype_name(dtype: Any) -> str:
+    """``str(dtype)``: the name a value's dtype travels by."""
+    return str(dtype)
 
 
 # --------------------------------------------------------------------------- freeze

@@ -8,6 +8,7 @@ each implement these; user code checks against them.
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,9 +53,7 @@ class PerReplica(metaclass=abc.ABCMeta):  # noqa: B024 (remote values register)
     @property
     def dtype(self) -> Any:
         """numpy's dtype of the components; a JAX dtype for typed PRNG keys."""
-        from jaxpod.trees import is_typed_key
-
-        return self.array.dtype if is_typed_key(self.array) else np.dtype(self.array.dtype)
+        return component_dtype(self.array.dtype)
 
     @property
     def padding(self) -> np.ndarray | None:
@@ -65,6 +64,15 @@ class PerReplica(metaclass=abc.ABCMeta):  # noqa: B024 (remote values register)
         rows = "" if self.valid_rows is None else f", valid_rows={self.valid_rows.tolist()}"
         return (f"PerReplica(num_replicas={self.num_replicas}, shape={self.shape}, "
                 f"dtype={self.dtype}{rows})")
+
+
+@functools.cache
+def component_dtype(dtype: Any) -> Any:
+    """numpy's dtype for an array's; the JAX dtype itself for typed PRNG keys (cached:
+    values are asked for it on every operation)."""
+    from jaxpod.trees import is_key_dtype
+
+    return dtype if is_key_dtype(dtype) else np.dtype(dtype)
 
 
 def padding_of(shape: tuple[int, ...], valid_rows: np.ndarray | None) -> np.ndarray | None:

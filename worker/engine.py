@@ -783,8 +783,8 @@ def _host_readable(array: jax.Array) -> tuple[jax.Array, Callable[[Any], Any]]:
 
 def _signature(leaves: Sequence[Any]) -> tuple[tuple[tuple[int, ...], str], ...]:
     """Each leaf's shape and dtype (a Python number's type), for a program cache key."""
-    return tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)))
-                 for x in leaves)
+    return tuple((tuple(getattr(x, "shape", ())),
+                  trees.dtype_name(getattr(x, "dtype", type(x).__name__))) for x in leaves)
 
 
 @dataclass(frozen=True)

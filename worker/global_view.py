@@ -28,9 +28,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpod.scope import mesh_scope
-from jaxpod.trees import is_typed_key
 from jaxpod.types import ReduceOp
-from jaxpod.values import PerReplica
+from jaxpod.values import PerReplica, component_dtype
 from jaxpod.worker.engine import Engine
 from jaxpod.worker.meshes import slice_major_mesh
 from jaxpod.worker.replica_context import REPLICA_AXIS
@@ -55,7 +54,7 @@ class GlobalValue:
 
     @property
     def dtype(self) -> Any:
-        return self.array.dtype if is_typed_key(self.array) else np.dtype(self.array.dtype)
+        return component_dtype(self.array.dtype)
 
 
 def is_global(x: Any) -> bool:

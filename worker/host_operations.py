@@ -174,9 +174,9 @@ class HostOperations(ops.Host):
 
         def keep(v: PerReplica | GlobalValue) -> HandleInfo:
             arrays.append(v.array)
-            valid = None if v.valid_rows is None else tuple(int(c) for c in v.valid_rows)
-            return HandleInfo(self.store.put(v, self._new_id()), v.shape, str(v.dtype), valid,
-                              global_view=is_global(v))
+            valid = None if v.valid_rows is None else tuple(v.valid_rows.tolist())
+            return HandleInfo(self.store.put(v, self._new_id()), v.shape,
+                              trees.dtype_name(v.dtype), valid, global_view=is_global(v))
 
         infos = trees.freeze(jax.tree.map(keep, tree, is_leaf=_is_value), "result")
         if watch:
