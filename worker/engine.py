@@ -19,7 +19,7 @@ import json
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -258,26 +258,30 @@ class Engine:
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"{what}: kwargs must be a dict or None. Got {type(kwargs).__name__}.")
         tree = (tuple(args), dict(kwargs or {}))
-        flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_per_replica)
+        leaves, treedef = jax.tree.flatten(tree, is_leaf=is_per_replica)
         kinds, distributed, mirrored, batch_leaves = [], [], [], []
         batch: tuple[int, np.ndarray] | None = None
-        for path, leaf in flat:
-            where = _arg_path(path)
+        for i, leaf in enumerate(leaves):
             if isinstance(leaf, PerReplica):
-                self._check_own(what, where, leaf)
+                if leaf.num_replicas != self.num_replicas_in_sync:
+                    self._check_own(what, _leaf_path(tree, i), leaf)
                 kinds.append(True)
                 distributed.append(leaf.array)
                 batch_leaves.append(leaf.valid_rows is not None)
                 if leaf.valid_rows is not None:
-                    batch = _same_batch(what, where, batch, (leaf.shape[0], leaf.valid_rows))
+                    this = (leaf.shape[0], leaf.valid_rows)
+                    if not _same_batch(batch, this):
+                        _mixed_batches(what, _leaf_path(tree, i), batch, this)
+                    batch = this
             elif isinstance(leaf, _ARRAY_TYPES):
                 kinds.append(False)
                 mirrored.append(self._mirrored(leaf))
             else:
                 raise TypeError(
-                    f"{what}: argument {where} is a {type(leaf).__name__}; every leaf of "
-                    "args/kwargs must be an array (numpy or jax), a Python number or a "
-                    "PerReplica value. Bind other configuration with functools.partial."
+                    f"{what}: argument {_leaf_path(tree, i)} is a {type(leaf).__name__}; "
+                    "every leaf of args/kwargs must be an array (numpy or jax), a Python "
+                    "number or a PerReplica value. Bind other configuration with "
+                    "functools.partial."
                 )
         rows, valid = batch if batch is not None else (None, None)
         return _Inputs(treedef, tuple(kinds), tuple(distributed), tuple(mirrored), rows, valid,
@@ -860,7 +864,8 @@ class LocalIterator(DistributedIterator):
     def __next__(self) -> Any:
         batch = self.next_steps(1, stepless=True)
         assert batch.valid_rows is not None
-        leaves = [PerReplica(a, batch.valid_rows[:, 0]) for a in batch.arrays]
+        valid = batch.valid_rows[:, 0]  # one array for all: a step's leaves share it
+        leaves = [PerReplica(a, valid) for a in batch.arrays]
         return jax.tree.unflatten(batch.treedef, leaves)
 
     def full_steps_ahead(self) -> int:
@@ -987,10 +992,20 @@ def _arg_path(path: Any, root: str = "args") -> str:
     return text
 
 
-def _same_batch(what: str, where: str, batch: tuple[int, np.ndarray] | None,
-                this: tuple[int, np.ndarray]) -> tuple[int, np.ndarray]:
-    if batch is None or (batch[0] == this[0] and np.array_equal(batch[1], this[1])):
-        return this
+def _leaf_path(tree: Any, index: int) -> str:
+    """The path of ``tree``'s leaf ``index`` as ``args[0]['w']``, for a message: built
+    only on error, since paths cost microseconds per leaf on every call."""
+    path, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_per_replica)[0][index]
+    return _arg_path(path)
+
+
+def _same_batch(batch: tuple[int, np.ndarray] | None, this: tuple[int, np.ndarray]) -> bool:
+    return batch is None or (batch[0] == this[0] and (
+        batch[1] is this[1] or np.array_equal(batch[1], this[1])))
+
+
+def _mixed_batches(what: str, where: str, batch: Any, this: tuple[int, np.ndarray]
+                   ) -> NoReturn:
     raise ValueError(
         f"{what}: {where} comes from a different partial batch (real rows per replica "
         f"{this[1].tolist()} of {this[0]}) than another argument ({batch[1].tolist()} of "
