@@ -53,6 +53,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -239,15 +240,10 @@ def receive(sock: socket.socket, deadline: float | None = None,
     try:
         received = _receive(sock, deadline, writable=False,
                             lender=getattr(sock, "lender", 0), layout=layout)
-    except BlockingIOError:  # the kernel's receive limit (see _limit) ran out
-        raise TimeoutError("The operation channel's deadline passed.") from None
     except (ValueError, IndexError, struct.error, MemoryError) as e:
         # Part of a message is still unread: what follows is out of step.
         raise ChannelClosedError(f"The operation channel's message was malformed or "
                                  f"too large to receive: {e!r}.") from e
-    finally:
-        if deadline is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(0, 0))
     return _loads(*received)
 
 
@@ -376,10 +372,13 @@ def _read(sock: socket.socket, n: int, deadline: float | None = None, into: Any 
     blocking receive waits for all of them, unless a time-out or signal cuts it short."""
     buffer = bytearray(n) if into is None else into
     view = memoryview(buffer).cast("B")
-    got = 0
+    got, exact = 0, False
     while got < n:
-        _limit(sock, deadline)
-        got += _checked(sock.recv_into(view[got:], n - got, socket.MSG_WAITALL))
+        _limit(sock, deadline, exact)
+        try:
+            got += _checked(sock.recv_into(view[got:], n - got, socket.MSG_WAITALL))
+        except BlockingIOError:  # the kernel's limit ran out: the deadline, or early
+            exact = True
     return buffer
 
 
@@ -389,18 +388,37 @@ def _checked(received: int) -> int:
     return received
 
 
-def _limit(sock: socket.socket, deadline: float | None) -> None:
-    """Bounds the next receive by ``deadline``. The socket stays blocking (a time-out
-    in Python would make it non-blocking, and a non-blocking receive returns whatever
-    has arrived instead of filling its buffer); the kernel applies the limit."""
+#: Each socket's receive limit in the kernel now (SO_RCVTIMEO, seconds; absent or 0:
+#: none). A message takes several receives, and a coordinator reads one from every
+#: host per operation: the limit is set again only when it is far from what the
+#: deadline leaves, not before every receive (a system call each).
+_limits: weakref.WeakKeyDictionary[socket.socket, float] = weakref.WeakKeyDictionary()
+_LIMIT_SLACK = 0.1
+
+
+def _limit(sock: socket.socket, deadline: float | None, exact: bool = False) -> None:
+    """Bounds the next receive by ``deadline``, to within ``_LIMIT_SLACK`` of the time
+    left, or exactly (after a receive that the kernel ended early). The socket stays
+    blocking (a time-out in Python would make it non-blocking, and a non-blocking
+    receive returns whatever has arrived instead of filling its buffer); the kernel
+    applies the limit."""
+    current = _limits.get(sock, 0.0)
     if deadline is None:
+        if current:
+            _set_limit(sock, 0.0)
         return
     left = deadline - time.monotonic()
     if left <= 0:
         raise TimeoutError("The operation channel's deadline passed.")
+    if exact or not left * (1 - _LIMIT_SLACK) <= current <= left * (1 + _LIMIT_SLACK):
+        _set_limit(sock, left)
+
+
+def _set_limit(sock: socket.socket, left: float) -> None:
     seconds = int(left)
-    micros = max(int((left - seconds) * 1e6), 0 if seconds else 1)
+    micros = max(int((left - seconds) * 1e6), 0 if seconds or not left else 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(seconds, micros))
+    _limits[sock] = left
 
 
 def _prove(sock: socket.socket, key: bytes) -> None:

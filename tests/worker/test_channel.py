@@ -46,9 +46,11 @@ def _echo(message: Any, release: threading.Event) -> Any:
 
 
 def _echo_call(*args: Any, release: threading.Event, slow: bool = False,
-               stream: bool = False, reply_floats: int = 0, **kwargs: Any) -> Any:
+               stream: bool = False, reply_floats: int = 0, delay: float = 0.0,
+               **kwargs: Any) -> Any:
     if slow:  # an operation that lasts until the test ends, for the deadline test
         release.wait(30)
+    time.sleep(delay)  # an operation that takes this long (the worker's side)
     if reply_floats:  # a large reply to a small message
         return (np.arange(reply_floats, dtype=np.float32) + kwargs["n"],), kwargs
     if stream:  # as a worker answers a gather: its first argument, streamed (a view)
@@ -178,6 +180,54 @@ def test_a_reply_that_does_not_come_in_time_raises_timeout(server: Served) -> No
         with pytest.raises(TimeoutError):
             channel.receive(sock, deadline=start + 0.2)
         assert time.monotonic() - start < 2.5  # gave up at the deadline
+
+
+def test_receive_limits_left_from_earlier_deadlines_keep_later_ones(server: Served
+                                                                   ) -> None:
+    # The kernel's limit stays set between receives (setting it is a system call):
+    # what an earlier deadline left must neither cut a later receive short nor let
+    # it run past its own deadline.
+    with channel.connect(server.address, server.key, 10) as sock:
+        channel.broadcast([sock], ((1,), {}))
+        assert channel.receive(sock, time.monotonic() + 0.05) == ((1,), {})
+        # Left a limit of at most 0.05 s: no deadline now, so it waits for the reply.
+        channel.broadcast([sock], ((2,), {"delay": 0.3}))
+        assert channel.receive(sock) == ((2,), {})
+        # As if the kernel ended a receive before a deadline it was set near: the
+        # receive goes on until the reply or the deadline.
+        channel._set_limit(sock, 0.05)
+        channel._limits[sock] = 20.0
+        channel.broadcast([sock], ((3,), {"delay": 0.3}))
+        assert channel.receive(sock, time.monotonic() + 20) == ((3,), {})
+        # A far deadline left a long limit: a near one still holds.
+        channel.broadcast([sock], ((4,), {}))
+        assert channel.receive(sock, time.monotonic() + 30) == ((4,), {})
+        channel.broadcast([sock], ((), {"slow": True}))
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            channel.receive(sock, deadline=start + 0.2)
+        assert time.monotonic() - start < 2.5
+
+
+def test_receives_with_deadlines_set_the_kernel_limit_once(server: Served) -> None:
+    # A coordinator reads a reply from every host for each operation, each with the
+    # operation's deadline: setting the limit before every receive costs a system
+    # call each, several per message.
+    with channel.connect(server.address, server.key, 10) as sock:
+        calls: list[tuple[Any, ...]] = []
+        real = sock.setsockopt
+
+        def counted(*args: Any) -> None:
+            calls.append(args)
+            real(*args)
+
+        sock.setsockopt = counted  # type: ignore[method-assign]
+        for n in range(20):
+            payload = np.arange(300_000, dtype=np.float32) + n  # out of band: more reads
+            channel.broadcast([sock], ((payload,), {"n": n}))
+            (got,), kwargs = channel.receive(sock, time.monotonic() + 60)
+            assert kwargs == {"n": n} and np.array_equal(got, payload)
+        assert [a[1] for a in calls] == [socket.SO_RCVTIMEO]
 
 
 def test_wrong_key_is_refused_and_the_server_keeps_serving(server: Served) -> None:
