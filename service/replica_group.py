@@ -392,9 +392,10 @@ class ReplicaGroup:
         one fails to unpickle, so that the next operation's replies are its own."""
         results: list[Any] = []
         unreadable: list[tuple[int, Exception]] = []
+        watch = channel.ReplyWatch(self._channels)
         try:
             for host, sock in enumerate(self._channels):
-                channel.await_turn(self._channels, host, deadline)
+                watch.wait(host, deadline)
                 try:
                     results.append(channel.receive(sock, deadline, layout))
                 except (TimeoutError, OSError):

@@ -105,7 +105,7 @@ class ChannelClosedError(JaxpodError, ConnectionError):
 
 class PeerClosedError(ChannelClosedError):
     """Channel ``index`` of a group closed while the coordinator waited on another
-    host's reply (see :func:`await_turn`)."""
+    host's reply (see :class:`ReplyWatch`)."""
 
     def __init__(self, index: int) -> None:
         super().__init__(f"operation channel {index} closed")
@@ -247,34 +247,43 @@ def receive(sock: socket.socket, deadline: float | None = None,
     return _loads(*received)
 
 
-def await_turn(socks: Sequence[socket.socket], turn: int, deadline: float | None = None
-               ) -> None:
-    """Waits until ``socks[turn]``'s reply starts to arrive, watching the later ones
-    too: raises :class:`PeerClosedError` as soon as one of those closes.
+class ReplyWatch:
+    """Waits for each host's reply to one operation in turn, watching the later hosts'
+    channels meanwhile: raises :class:`PeerClosedError` as soon as one of those closes.
 
     Replies are read in host order, but a host whose peer died may sit in a collective
     waiting for it until the collective's own time-out (minutes): waiting on that host
-    alone would hide the dead one for as long. A later socket with data waiting is fine
-    (its reply is read in its turn) and is no longer watched.
+    alone would hide the dead one for as long. A channel seen with a reply waiting is
+    fine (it is read in its turn) and is watched no more. One poll set serves the whole
+    operation: built again at each turn it cost hosts² registrations per operation, and
+    a turn whose reply was already seen takes no system call.
     """
-    poller = select.poll()
-    watching = {}
-    for index in range(turn, len(socks)):
-        fd = socks[index].fileno()
-        watching[fd] = index
-        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-    while True:
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
-            raise TimeoutError("The operation channel's deadline passed.")
-        events = poller.poll(None if remaining is None else max(1, int(remaining * 1000)))
-        for fd, _ in events:
-            index = watching[fd]
-            if index == turn:
-                return
-            if _closed(socks[index]):
-                raise PeerClosedError(index)
-            poller.unregister(fd)
+
+    def __init__(self, socks: Sequence[socket.socket]) -> None:
+        self._socks = socks
+        self._poller = select.poll()
+        self._watching: dict[int, int] = {}  # fd -> index
+        self._ready: set[int] = set()
+        for index, sock in enumerate(socks):
+            fd = sock.fileno()
+            self._watching[fd] = index
+            self._poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+
+    def wait(self, turn: int, deadline: float | None = None) -> None:
+        """Returns once ``socks[turn]``'s reply starts to arrive (or its channel closed:
+        reading it says so). Turns come in order, each once."""
+        while turn not in self._ready:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError("The operation channel's deadline passed.")
+            for fd, _ in self._poller.poll(
+                    None if remaining is None else max(1, int(remaining * 1000))):
+                index = self._watching.pop(fd)
+                self._poller.unregister(fd)
+                if turn < index and _closed(self._socks[index]):
+                    raise PeerClosedError(index)
+                self._ready.add(index)
+        self._ready.discard(turn)
 
 
 def _closed(sock: socket.socket) -> bool:

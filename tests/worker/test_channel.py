@@ -613,13 +613,50 @@ def test_a_later_hosts_closed_channel_is_seen_while_an_earlier_one_is_silent() -
         pairs[1][1].sendall(b"reply")
         pairs[2][1].close()
         with pytest.raises(channel.PeerClosedError) as lost:
-            channel.await_turn(ours, 0, time.monotonic() + 60)
+            channel.ReplyWatch(ours).wait(0, time.monotonic() + 60)
         assert lost.value.index == 2
         assert ours[1].recv(16, socket.MSG_PEEK) == b"reply"  # nothing consumed
         pairs[0][1].sendall(b"x")
-        channel.await_turn(ours, 0, time.monotonic() + 60)  # its turn: returns
-        with pytest.raises(TimeoutError):
-            channel.await_turn(ours[:2], 1, time.monotonic())  # deadline already past
+        watch = channel.ReplyWatch(ours[:2])
+        watch.wait(0, time.monotonic() + 60)  # its turn: returns
+        watch.wait(1, time.monotonic())  # seen waiting while host 0's turn came
+        with pytest.raises(TimeoutError):  # silent, and the deadline already past
+            channel.ReplyWatch(ours[:1]).wait(0, time.monotonic() - 1)
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+class _CountedPoll:
+    """A poll set that counts its waits (the system calls a watch makes)."""
+
+    def __init__(self, poller: Any) -> None:
+        self.poller, self.polls = poller, 0
+
+    def poll(self, timeout: Any) -> Any:
+        self.polls += 1
+        return self.poller.poll(timeout)
+
+    def unregister(self, fd: int) -> None:
+        self.poller.unregister(fd)
+
+
+def test_replies_already_waiting_are_seen_in_one_wait_for_the_whole_operation() -> None:
+    # A coordinator reads every host's reply to an operation in host order. Replies
+    # that came together cost one wait, not one per host (and the watch registers
+    # each channel once, not each later one again at every turn).
+    pairs = [socket.socketpair() for _ in range(64)]
+    ours = [a for a, _ in pairs]
+    try:
+        for _, theirs in pairs:
+            theirs.sendall(b"reply")
+        watch = channel.ReplyWatch(ours)
+        counted = watch._poller = _CountedPoll(watch._poller)  # type: ignore[assignment]
+        for host in range(len(ours)):
+            watch.wait(host, time.monotonic() + 60)
+            assert ours[host].recv(16) == b"reply"
+        assert counted.polls == 1
     finally:
         for a, b in pairs:
             a.close()
