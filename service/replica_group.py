@@ -368,7 +368,9 @@ class ReplicaGroup:
             raise self._reset(f"Operation {name} did not finish on every host within "
                               f"{limit:g}s ({OPERATION_TIMEOUT.env_var})") from e
         failed = [h for h, r in enumerate(results) if isinstance(r, RemoteError)]
-        created = [op.created(r) for r in results if not isinstance(r, RemoteError)]
+        # Once per distinct reply (identical ones are one object: channel.Decoded).
+        created = list({id(r): op.created(r) for r in results
+                        if not isinstance(r, RemoteError)}.values())
         self._next_id = max([self._next_id - 1, *(i for c in created for i in c.ids)]) + 1
         if op.dispatches and 0 < len(failed) < len(results) and self._recipe is not None:
             # The others may wait for ever in a collective the failed hosts never
@@ -391,18 +393,8 @@ class ReplicaGroup:
         """Every host's reply, in host order. Every host's reply is read, even after
         one fails to unpickle, so that the next operation's replies are its own."""
         results: list[Any] = []
-        unreadable: list[tuple[int, Exception]] = []
-        watch = channel.ReplyWatch(self._channels)
         try:
-            for host, sock in enumerate(self._channels):
-                watch.wait(host, deadline)
-                try:
-                    results.append(channel.receive(sock, deadline, layout))
-                except (TimeoutError, OSError):
-                    raise
-                except Exception as e:  # the whole reply was read: the stream is in step
-                    results.append(None)
-                    unreadable.append((host, e))
+            unreadable = channel.read_replies(self._channels, deadline, layout, results)
         except TimeoutError:
             host = len(results)
             self._broken = f"operation {name} timed out after {limit:g}s"

@@ -661,3 +661,25 @@ def test_replies_already_waiting_are_seen_in_one_wait_for_the_whole_operation() 
         for a, b in pairs:
             a.close()
             b.close()
+
+
+def test_identical_replies_decode_once_and_different_ones_each(server: Served) -> None:
+    # Hosts in lockstep answer an operation alike: the coordinator decodes one copy.
+    # A reply that differs, or that carries out-of-band buffers, is decoded itself.
+    # (One worker here: its replies in a row stand for the hosts' replies.)
+    infos = {f"w{i}": (i, (4, i), "float32") for i in range(50)}
+    big = np.arange(300_000, dtype=np.float32)
+    with channel.connect(server.address, server.key, 10) as sock:
+        decoded = channel.Decoded()
+
+        def reply(message: Any) -> Any:
+            channel.broadcast([sock], message)
+            return channel.receive(sock, None, None, decoded)
+
+        first, second, third, one, two = (reply(m) for m in [
+            ((infos,), {}), ((infos,), {}), ((infos,), {"ahead": 3}), ((big,), {}),
+            ((big,), {})])
+        assert first == second == ((infos,), {}) and second is first
+        assert third == ((infos,), {"ahead": 3})
+        assert one is not two
+        assert np.array_equal(one[0][0], big) and np.array_equal(two[0][0], big)
