@@ -74,6 +74,9 @@ AREAS = (
          "job's steps/s against no pollers."),
     Area("job_queue", "Priorities", "A high-priority job preempting a running one: submit to "
          "its first step, steps lost."),
+    Area("fan_in", "Replies at pod host counts", "What reading every host's reply to "
+         "an operation costs the coordinator at 8, 64 and 256 hosts (socket pairs "
+         "standing for the hosts)."),
     Area("growth", "Cost growth with hosts", "The same figures on 1, 2, 4 (and 8) "
          "simulated hosts, fitted per host and read at 64 and 256 hosts."),
 )

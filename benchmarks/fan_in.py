@@ -1,0 +1,138 @@
+"""The coordinator's share of each operation at pod host counts: reading every host's
+reply, on 8, 64 and 256 channels.
+
+A replica group's coordinator reads each host's reply to every operation, in host
+order, on one thread (``channel.read_replies``, as ``ReplicaGroup`` calls it). This
+measures that step alone, at host counts no simulated cluster here reaches: one socket
+pair per host, whose far end holds the host's reply already (written untimed before
+each operation, as if every host had answered). The reply is a ``run``'s on a state of
+``LEAVES`` leaves (its ``ValueInfos``, the same on every host, as hosts in lockstep
+answer). So each figure is the coordinator's CPU per operation for the replies alone;
+on a pod, the hosts' sockets are on other machines and the same reads come from the
+network.
+
+Figures, for each host count ``n``:
+
+* ``ms_per_op_<n>``: median time to read and decode every host's reply;
+* ``decode_each_ms_per_op_<n>``: the same, each reply decoded on its own (no
+  ``channel.Decoded``: what the coordinator did before), for comparison;
+* ``marginal_us_per_host_<a>_to_<b>``: what each host from ``a`` to ``b`` adds.
+
+Targets: ``marginal_per_host_growth`` (<= 1.5: a host from 64 to 256 costs no more
+than one from 8 to 64; waiting for each host's turn with a poll set of every later
+host made it grow with the host count) and ``decode_once_vs_each_256`` (<= 0.5).
+
+The last line of output is the JSON report.
+
+Usage: ``python benchmarks/fan_in.py [--quick]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import report, target
+
+from jaxpod import trees
+from jaxpod.operations import HandleInfo
+from jaxpod.worker import channel
+
+HOSTS = (8, 64, 256)
+LEAVES = 1000
+DEADLINE_S = 60.0
+
+
+def run_reply(leaves: int) -> Any:
+    """What a host answers a ``run`` whose state has ``leaves`` leaves: their infos."""
+    return trees.freeze({f"layer{i}": {"w": HandleInfo(2 * i, (512, 512), "float32", None),
+                                       "b": HandleInfo(2 * i + 1, (512,), "float32", None)}
+                         for i in range(leaves // 2)}, "result")
+
+
+def read_decoding_each(socks: list[socket.socket], deadline: float) -> list[Any]:
+    """Every reply read as ``read_replies`` reads them, but each one decoded."""
+    watch = channel.ReplyWatch(socks)
+    out = []
+    for host, sock in enumerate(socks):
+        watch.wait(host, deadline)
+        out.append(channel.receive(sock, deadline))
+    return out
+
+
+def read_as_the_coordinator(socks: list[socket.socket], deadline: float) -> list[Any]:
+    out: list[Any] = []
+    unreadable = channel.read_replies(socks, deadline, None, out)
+    assert not unreadable, unreadable
+    return out
+
+
+def op_times(read: Callable[[list[socket.socket], float], list[Any]], hosts: int,
+             encoded: tuple[bytes, list[Any]], expected: Any, repeats: int) -> list[float]:
+    """Seconds per operation of ``read`` over ``hosts`` channels, each reply written
+    before the clock starts."""
+    pairs = [socket.socketpair() for _ in range(hosts)]
+    ours, theirs = [a for a, _ in pairs], [b for _, b in pairs]
+    try:
+        times = []
+        for _ in range(repeats + 1):  # the first: warm-up
+            channel.send(theirs, encoded)
+            start = time.perf_counter()
+            replies = read(ours, time.monotonic() + DEADLINE_S)
+            times.append(time.perf_counter() - start)
+            assert len(replies) == hosts and replies[-1] == expected
+        return times[1:]
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (CI smoke run)")
+    args = parser.parse_args()
+    # Two descriptors per host.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * max(HOSTS) + 256)),
+                                                hard))
+    repeats = 5 if args.quick else 30
+    reply = run_reply(LEAVES)
+    encoded = channel.encode(reply)
+    figures: dict[str, Any] = {"leaves": LEAVES, "reply_bytes": len(encoded[0]),
+                               "repeats": repeats}
+    for hosts in HOSTS:
+        once = statistics.median(op_times(read_as_the_coordinator, hosts, encoded, reply,
+                                          repeats))
+        each = statistics.median(op_times(read_decoding_each, hosts, encoded, reply,
+                                          max(2, repeats // 5)))
+        figures[f"ms_per_op_{hosts}"] = round(once * 1e3, 3)
+        figures[f"decode_each_ms_per_op_{hosts}"] = round(each * 1e3, 3)
+        print(f"{hosts} hosts: {once * 1e3:.2f} ms per operation decoding once, "
+              f"{each * 1e3:.2f} decoding each reply", flush=True)
+    marginal = []
+    for a, b in itertools.pairwise(HOSTS):
+        added = (figures[f"ms_per_op_{b}"] - figures[f"ms_per_op_{a}"]) / (b - a) * 1e3
+        figures[f"marginal_us_per_host_{a}_to_{b}"] = round(added, 2)
+        marginal.append(added)
+    last = HOSTS[-1]
+    report("fan_in", figures, {
+        "marginal_per_host_growth": target(marginal[-1] / marginal[0], "<=", 1.5),
+        f"decode_once_vs_each_{last}": target(
+            figures[f"ms_per_op_{last}"] / figures[f"decode_each_ms_per_op_{last}"], "<=",
+            0.5),
+    })
+
+
+if __name__ == "__main__":
+    main()
