@@ -429,6 +429,8 @@ def _read(sock: socket.socket, n: int, deadline: float | None = None, into: Any 
         try:
             got += _checked(sock.recv_into(view[got:], n - got, socket.MSG_WAITALL))
         except BlockingIOError:  # the kernel's limit ran out: the deadline, or early
+            if deadline is None:  # none was set (_limit cleared it): not a blocking socket
+                raise
             exact = True
     return buffer
 
