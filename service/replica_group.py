@@ -394,7 +394,8 @@ class ReplicaGroup:
         one fails to unpickle, so that the next operation's replies are its own."""
         results: list[Any] = []
         try:
-            unreadable = channel.read_replies(self._channels, deadline, layout, results)
+            unreadable = channel.read_replies(self._channels, deadline, layout, results,
+                                              channel.Decoded())
         except TimeoutError:
             host = len(results)
             self._broken = f"operation {name} timed out after {limit:g}s"

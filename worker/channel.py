@@ -309,12 +309,14 @@ class ReplyWatch:
 
 
 def read_replies(socks: Sequence[socket.socket], deadline: float | None,
-                 layout: PieceLayout | None, into: list[Any]) -> list[tuple[int, Exception]]:
-    """Reads each host's reply to one operation, in host order, into ``into``; a reply
-    that did not unpickle is ``None`` there, and returned with its error (it was read
-    whole: the stream is in step). Raises ``TimeoutError`` or ``OSError`` with what
-    came before in ``into``."""
-    watch, decoded = ReplyWatch(socks), Decoded()
+                 layout: PieceLayout | None, into: list[Any], decoded: Decoded | None
+                 ) -> list[tuple[int, Exception]]:
+    """Reads each host's reply to one operation, in host order, into ``into``
+    (``decoded``: the operation's :class:`Decoded`; ``None``: each reply decoded); a
+    reply that did not unpickle is ``None`` there, and returned with its error (it was
+    read whole: the stream is in step). Raises ``TimeoutError`` or ``OSError`` with
+    what came before in ``into``."""
+    watch = ReplyWatch(socks)
     unreadable: list[tuple[int, Exception]] = []
     for host, sock in enumerate(socks):
         watch.wait(host, deadline)
