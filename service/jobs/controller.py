@@ -268,13 +268,13 @@ class JobController:
             except Stopped:
                 return self._stopped(state.attempt, run.step)
             except PREEMPTIONS as e:
-                return self._after_failure(state.attempt, run.step, Failure(
-                    FailureKind.PREEMPTION, describe_error(e)), e)
+                failure, error = Failure(FailureKind.PREEMPTION, describe_error(e)), e
             except Exception as e:
-                return self._after_failure(state.attempt, run.step, Failure(
-                    FailureKind.ERROR, describe_error(e)), e)
-            return self._set_state(Succeeded(finished), ended=AttemptEnd(
-                state.attempt, "succeeded", finished.steps))
+                failure, error = Failure(FailureKind.ERROR, describe_error(e)), e
+            else:
+                return self._set_state(Succeeded(finished), ended=AttemptEnd(
+                    state.attempt, "succeeded", finished.steps))
+            self._parts.clock.switch(goodput.RECOVERING)  # giving up the slice included
         finally:
             self.slice_names, self.run_now = (), None
             try:
@@ -282,6 +282,11 @@ class JobController:
             except Exception:
                 logger.exception("job %s: releasing its slice failed", self.job_id)
             self._parts.on_release()
+        # Only now is what storage kept read: the slice's hosts are stopped, so none
+        # can still commit a checkpoint (a survivor finishes one whose every part was
+        # written before its peer was lost), and the step the failure names is the
+        # step the next attempt resumes from.
+        return self._after_failure(state.attempt, run.step, failure, error)
 
     def _back_off(self, state: Retrying) -> JobStateData | None:
         if state.backoff_s and self.stop.wait(state.backoff_s):

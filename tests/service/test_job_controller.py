@@ -1,9 +1,9 @@
 """The job controller's policies and its allocation time-out, on a real job store.
 
-The failure policy and the queue policy are plain objects. The controller's allocation
-time-out needs a slice provider that says a slice is free but never gives one (a real
-cluster does so only in a race with a session); a stand-in of that one interface plays
-it, and the controller's real state machine, callbacks and store do the rest.
+The failure policy and the queue policy are plain objects. Two races of a real cluster
+are played by stand-ins of the slice provider's one interface: a slice that looks free
+but is never given (a session took it), and a host lost while a survivor still commits
+a checkpoint. The controller's real state machine, callbacks and store do the rest.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from jaxpod.errors import AllocationTimeoutError
+from jaxpod.errors import AllocationTimeoutError, WorkerLostError
 from jaxpod.jobs import JobSpec, JobState
 from jaxpod.service.jobs import policies
 from jaxpod.service.jobs.manager import JobManager
@@ -27,6 +27,7 @@ from jaxpod.service.jobs.policies import (
     RunningJob,
 )
 from jaxpod.service.jobs.store import JobStore
+from jaxpod.service.sessions import HeldSlice
 from jaxpod.timeouts import wait_for
 
 
@@ -129,3 +130,61 @@ def test_a_job_that_gets_no_slice_in_time_says_so_and_tries_again(
             manager.close()
         goodput = store.goodput(job.id)
         assert goodput["allocating"] > 0 and goodput["recovering"] > 0
+
+
+class _LostHost:
+    """A slice's engine whose host is lost: every call raises, as the real one does."""
+
+    def __getattr__(self, name: str) -> Any:
+        def lost(*args: Any, **kwargs: Any) -> Any:
+            raise WorkerLostError("host 1 of 2 stopped answering (its process died)")
+
+        return lost
+
+
+class _LosesAHostAsASurvivorCommits:
+    """A slice provider whose slices lose a host at once. Its surviving host finishes
+    committing checkpoint ``step`` (every host wrote its part before the loss) only
+    while the slice is given back: the coordinator saw the loss first."""
+
+    def __init__(self, checkpoint_dir: Path, step: int) -> None:
+        self.checkpoint_dir, self.step = checkpoint_dir, step
+
+    def has_free(self, accelerator_type: str, num_slices: int) -> bool:
+        return True
+
+    def acquire(self, request: Any, slice_id: str) -> Any:
+        job_id = slice_id.removeprefix("job-").rsplit("-", 1)[0]
+
+        def release() -> None:  # orbax finalizes a step by renaming its directory
+            (self.checkpoint_dir / job_id / str(self.step)).mkdir(parents=True, exist_ok=True)
+
+        return HeldSlice(slice_id, _LostHost(), release,  # type: ignore[arg-type]
+                         {"slice_names": [f"{slice_id}-slice"]})
+
+    def cluster(self) -> list[Any]:
+        return []
+
+
+def test_a_failed_attempt_names_the_checkpoint_its_survivors_committed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JAXPOD_JOB_RETRY_BACKOFF_S", "0.01")
+    checkpoint_dir = tmp_path / "checkpoints"
+    slices = _LosesAHostAsASurvivorCommits(checkpoint_dir, 8)
+    with JobStore(tmp_path / "state") as store:
+        manager = JobManager(store, slices, checkpoint_dir=str(checkpoint_dir))
+        manager.start()
+        try:
+            job = manager.submit(JobSpec(steps=16, step_fn=b"never unpickled",
+                                         accelerator_type="v4-16", max_retries_preemption=1,
+                                         max_retries_failure=0))
+            assert wait_for(lambda: manager.status(job.id).state is JobState.FAILED, 30), \
+                manager.status(job.id)
+        finally:
+            manager.close()
+        first, second = store.attempts(job.id)
+    # Read after the slice was given back, storage named the step the survivor
+    # committed, and the next attempt resumed from it, as the failure said.
+    assert first.cause is not None and first.cause.startswith("preempted: WorkerLostError")
+    assert "the next attempt starts at step 8" in first.cause, first.cause
+    assert second.start_step == 8, second

@@ -239,6 +239,9 @@ def test_a_killed_host_is_a_preemption_and_the_job_resumes_bit_for_bit(
     assert resumed_at % CHECKPOINT_EVERY == 0 and 0 < resumed_at <= first.step_reached
     assert int(lost.group(1)) == first.step_reached - resumed_at
     assert second.cause == "succeeded" and second.step_reached == STEPS
+    # The step the failure named is the one resumed from: the hosts' storage had no
+    # later checkpoint left to commit (a survivor can finish one its lost peer wrote).
+    assert second.start_step == resumed_at, (first, second)
     assert host_pids(job, 1)[-1] != victim  # the second attempt ran on new workers
     # It sought its input to the checkpoint: each host's first read is the element the
     # next step starts in (steps take the first element's 12 rows), then on in order.
