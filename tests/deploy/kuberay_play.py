@@ -255,16 +255,27 @@ def expand(text: str, env: Mapping[str, str]) -> str:
 PLAY_PORTS = range(20000, 32768)
 
 
-def free_port() -> int:
-    for _ in range(200):
-        port = random.choice(PLAY_PORTS)
-        with socket.socket() as s:
-            try:
-                s.bind((LOOPBACK, port))
-            except OSError:
+class FreePorts:
+    """Ports of :data:`PLAY_PORTS` free on loopback, each handed out once: ports picked
+    before any of their processes binds one must still differ (Ray refuses to start
+    when two of its components are given one port)."""
+
+    def __init__(self) -> None:
+        self._given: set[int] = set()
+
+    def take(self) -> int:
+        for _ in range(200):
+            port = random.choice(PLAY_PORTS)
+            if port in self._given:
                 continue
-        return port
-    raise OSError(f"no free port in {PLAY_PORTS} on {LOOPBACK} after 200 tries")
+            with socket.socket() as s:
+                try:
+                    s.bind((LOOPBACK, port))
+                except OSError:
+                    continue
+            self._given.add(port)
+            return port
+        raise OSError(f"no free port in {PLAY_PORTS} on {LOOPBACK} after 200 tries")
 
 
 def pod_ip(index: int) -> str:

@@ -36,9 +36,9 @@ from deploy_manifests import (
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kuberay_play import (
     RAY_CONTAINER_COMMAND,
+    FreePorts,
     Pod,
     expand,
-    free_port,
     gke_tpu_env,
     head_port,
     head_service_fqdn,
@@ -70,6 +70,7 @@ class Play:
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
+        self.ports = FreePorts()
         self.pods: list[Pod] = []
         self.grpc_address = ""
         self.token = secrets.token_hex(16)  # what `kubectl create secret` would hold
@@ -80,7 +81,7 @@ class Play:
     def start(self) -> None:
         objects = kustomize(f"overlays/{OVERLAY}")
         cluster = find(objects, "RayCluster")
-        gcs = free_port()
+        gcs = self.ports.take()
         # Pod DNS -> each pod's loopback address; per-pod ports -> free ones.
         head_ip = pod_ip(1)
         fqdn, port = head_ip, str(gcs)
@@ -90,8 +91,8 @@ class Play:
         head = container(head_spec["template"]["spec"], "ray-head")
         params = {**head_spec["rayStartParams"], "port": port, "dashboard-host": head_ip,
                   "node-ip-address": head_ip, **self._temp_dir(),
-                  **self._ray_ports(), "dashboard-port": str(free_port()),
-                  "ray-client-server-port": str(free_port())}
+                  **self._ray_ports(), "dashboard-port": str(self.ports.take()),
+                  "ray-client-server-port": str(self.ports.take())}
         command = ray_start_command(True, params, head["resources"], fqdn, port)
         env = {**env_values(head), **kuberay_env(cluster, "headgroup", "jaxpod-head", True,
                                                    fqdn, port, command)}
@@ -141,10 +142,9 @@ class Play:
         # head's, and on one machine their Unix sockets collide.
         return {"temp-dir": str(pod_dir(self.workdir, len(self.pods)) / "tmp" / "ray")}
 
-    @staticmethod
-    def _ray_ports() -> dict[str, str]:
-        return {"dashboard-agent-listen-port": str(free_port()),
-                "metrics-export-port": str(free_port())}
+    def _ray_ports(self) -> dict[str, str]:
+        return {"dashboard-agent-listen-port": str(self.ports.take()),
+                "metrics-export-port": str(self.ports.take())}
 
     def _start_coordinator(self, objects: tuple[dict, ...], gcs: str) -> None:
         pod = coordinator(objects)["spec"]["template"]["spec"]
@@ -171,7 +171,7 @@ class Play:
         checkpoints = self.workdir / "checkpoints"
         env["JAXPOD_CHECKPOINT_DIR"] = replace_once(
             env["JAXPOD_CHECKPOINT_DIR"], dr.CHECKPOINT_DIR, str(checkpoints))
-        grpc_port, self.http_port = free_port(), free_port()
+        grpc_port, self.http_port = self.ports.take(), self.ports.take()
         script = expand(c["args"][0], env)
         script = replace_once(script, f"--address=0.0.0.0:{dr.GRPC_PORT}",
                               f"--address={pod_ip(0)}:{grpc_port}")
