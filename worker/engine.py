@@ -10,7 +10,6 @@ global device list and host-local data is assembled into global arrays.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -38,6 +37,7 @@ from jaxpod.values import DistributedDataset, DistributedIterator, PerReplica, i
 from jaxpod.worker import input as input_lib
 from jaxpod.worker.device_assignment import DeviceAssignment
 from jaxpod.worker.infeed import Chunk, Infeed, InputWait
+from jaxpod.worker.program_cache import ProgramCache
 from jaxpod.worker.replica_context import (
     REPLICA_AXIS,
     ReplicaContext,
@@ -102,7 +102,7 @@ class Engine:
         self.host_replicas = input_lib.HostReplicas(
             self.local_replicas[0], len(self.local_replicas), self.num_replicas_in_sync,
             min(per_host))
-        self._compiled: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+        self._compiled = ProgramCache(_COMPILE_CACHE_SIZE)
         self._full_counts: dict[int, jax.Array] = {}
         #: The time this engine's iterators waited for their input (every infeed's).
         self.input_wait = InputWait()
@@ -238,16 +238,7 @@ class Engine:
                               num_valid_rows, batch_rows)
 
     def _cached(self, key: Hashable, build: Callable[[], _T]) -> _T:
-        try:
-            hash(key)
-        except TypeError:  # an unhashable callable: compile without caching
-            return build()
-        if key not in self._compiled:
-            self._compiled[key] = build()
-            if len(self._compiled) > _COMPILE_CACHE_SIZE:
-                self._compiled.popitem(last=False)
-        self._compiled.move_to_end(key)
-        return self._compiled[key]
+        return self._compiled.get(key, build)
 
     def _split_inputs(self, what: str, args: Any, kwargs: Any) -> _Inputs:
         if not isinstance(args, tuple | list):

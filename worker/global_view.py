@@ -16,7 +16,6 @@ current one, so bare ``PartitionSpec`` s name its axes.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
@@ -32,6 +31,7 @@ from jaxpod.types import ReduceOp
 from jaxpod.values import PerReplica, component_dtype
 from jaxpod.worker.engine import Engine
 from jaxpod.worker.meshes import slice_major_mesh
+from jaxpod.worker.program_cache import ProgramCache
 from jaxpod.worker.replica_context import REPLICA_AXIS
 
 #: Compiled programs kept per job (init, abstract init, one loop per length).
@@ -87,16 +87,11 @@ class GlobalView:
         self.batch_sharding = batch_sharding
         self.replicated = NamedSharding(self.mesh, P())
         self._same_order = list(self.mesh.devices.flat) == list(engine.mesh.devices.flat)
-        self._programs: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+        self._programs = ProgramCache(_PROGRAMS)
 
     # ------------------------------------------------------------------ programs
     def _cached(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        if key not in self._programs:
-            self._programs[key] = build()
-            if len(self._programs) > _PROGRAMS:
-                self._programs.popitem(last=False)
-        self._programs.move_to_end(key)
-        return self._programs[key]
+        return self._programs.get(key, build)
 
     def init(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` under ``jax.jit`` over the mesh: the state, as :class:`GlobalValue`
