@@ -59,6 +59,7 @@ from jaxpod import trees
 from jaxpod.timeouts import Timeout
 from jaxpod.values import PerReplica, is_per_replica
 from jaxpod.worker.global_view import GlobalValue, is_global
+from jaxpod.worker.program_cache import ProgramCache
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ META_VERSION = 1
 #: How long a host's checkpoint thread waits for the other hosts' input positions (a
 #: lost host resets the slice well before).
 PEER_TIMEOUT = Timeout("JAXPOD_CHECKPOINT_PEER_TIMEOUT_S", 300.0)
+#: Compiled layout changes kept per host (one each way per state structure saved).
+_PROGRAMS = 32
 
 
 @dataclass(frozen=True)
@@ -292,7 +295,9 @@ class HostCheckpoints:
     def __init__(self) -> None:
         self._managers: dict[str, Any] = {}
         self._committed: dict[str, int] = {}  # directory -> newest step known committed
-        self._programs: dict[tuple[Any, ...], Any] = {}  # compiled layout changes
+        #: Compiled layout changes, kept for the slice's next holders as the engine's
+        #: programs are: a warm slice's next job with the same state compiles none.
+        self._programs = ProgramCache(_PROGRAMS)
         self._lock = threading.Lock()
         # orbax's save calls of per-replica states, in order, beside the step loop;
         # directory -> the one under way (its error is raised by the next call).
@@ -302,16 +307,14 @@ class HostCheckpoints:
 
     def _program(self, to_storage: bool, layout: Layout, leaves: tuple[LeafSpec, ...]
                  ) -> Any:
-        key = (to_storage, layout.mesh, layout.gather, leaves)
-        program = self._programs.get(key)
-        if program is None:
+        def build() -> Any:
             if to_storage:
-                program = layout.to_storage(leaves)
-            else:  # compiled for the arrays orbax restores, while it reads them
-                program = layout.from_storage(leaves).lower(
-                    *[layout.target(leaf) for leaf in leaves]).compile()
-            self._programs[key] = program
-        return program
+                return layout.to_storage(leaves)
+            # Compiled for the arrays orbax restores, while it reads them.
+            return layout.from_storage(leaves).lower(
+                *[layout.target(leaf) for leaf in leaves]).compile()
+
+        return self._programs.get((to_storage, layout.mesh, layout.gather, leaves), build)
 
     def _manager(self, directory: str, keep: int) -> Any:
         import orbax.checkpoint as ocp
@@ -485,7 +488,6 @@ class HostCheckpoints:
             managers, self._managers = list(self._managers.values()), {}
             saving, self._saving = list(self._saving.values()), {}
             self._committed.clear()
-            self._programs.clear()
         for call in saving:
             try:
                 call.result()

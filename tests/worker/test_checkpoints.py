@@ -99,3 +99,33 @@ def test_a_saved_state_reads_back_bit_for_bit(mesh: Mesh, tmp_path: Path,
     finally:
         host.close()
         reader.close()
+
+
+def test_a_warm_slices_next_holder_saves_the_same_state_without_compiling(
+        mesh: Mesh, tmp_path: Path) -> None:
+    """The layout programs outlive ``close`` (a warm slice's reset between holders), as
+    the engine's programs do: the next job with the same state compiles nothing to save
+    it, and its checkpoint still reads back."""
+    compiled: list[str] = []
+
+    def count(event: str, duration: float, **kwargs: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(event)
+
+    host = HostCheckpoints()
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        for job in ("first", "second"):
+            before = len(compiled)
+            host.save(str(tmp_path / job), 1, 2, state(mesh), mesh, {}, f"{job}/input")
+            assert host.wait(str(tmp_path / job)) == 1
+            host.close()
+            if job == "first":
+                assert len(compiled) > before  # the listener sees this save's compile
+            else:
+                assert len(compiled) == before
+        plain = ocp.StandardCheckpointer().restore(tmp_path / "second" / "1" / "state")
+        assert np.array_equal(np.asarray(plain["w"]), values()["w"])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+        host.close()
