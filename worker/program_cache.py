@@ -26,20 +26,25 @@ class ProgramCache:
         self._lock = threading.Lock()
 
     def get(self, key: Hashable, build: Callable[[], _T]) -> _T:
-        try:
-            hash(key)
-        except TypeError:
-            return build()
+        # One lookup hashes the key (a long tuple for a big state) and says whether
+        # it can be kept at all.
+        hashable = True
         with self._lock:
-            if key in self._programs:
-                self._programs.move_to_end(key)
+            try:
                 kept: _T = self._programs[key]
+            except KeyError:
+                pass
+            except TypeError:
+                hashable = False
+            else:
+                self._programs.move_to_end(key)
                 return kept
         program = build()
-        with self._lock:
-            self._programs[key] = program
-            while len(self._programs) > self.size:
-                self._programs.popitem(last=False)
+        if hashable:
+            with self._lock:
+                self._programs[key] = program
+                while len(self._programs) > self.size:
+                    self._programs.popitem(last=False)
         return program
 
     def __len__(self) -> int:
