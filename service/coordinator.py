@@ -56,6 +56,7 @@ from jaxpod.service.quotas import SliceQuotas
 from jaxpod.service.replica_group import OPERATION_TIMEOUT
 from jaxpod.service.sessions import HeldSlice, Session, SessionManager
 from jaxpod.service.status import status_of
+from jaxpod.service.stopping import Stopping
 from jaxpod.service.tokens import LOCAL, Principal, TokenBook
 from jaxpod.shipping import ShippedFunction, runtime_versions
 
@@ -114,6 +115,8 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
         self.quotas = quotas if quotas is not None else SliceQuotas(tokens, self.sessions)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers, thread_name_prefix="jaxpod-slice")
+        #: Ends the calls waiting on their clients when the service stops.
+        self.stopping = Stopping()
 
     async def _blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
         loop = asyncio.get_running_loop()
@@ -353,7 +356,7 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
         joined: set[HeldSlice] = set()  # the slices this stream counts as open on
         caller = self.caller(context) if self.tokens is not None else None
         try:
-            async for batch in request_iterator:
+            while (batch := await self.stopping.next(request_iterator, "Stream")) is not None:
                 yield await self._blocking(self._apply_all, batch, joined, caller)
         finally:
             for held in joined:

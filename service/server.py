@@ -325,6 +325,7 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
             backend.stopping.set()
             await http.stop()
         await health.enter_graceful_shutdown()
+        service.stopping.stop()  # calls waiting on their clients end now, not at the grace
         await server.stop(SHUTDOWN_GRACE.seconds())
         reaper.cancel()
         with contextlib.suppress(asyncio.CancelledError):

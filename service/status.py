@@ -33,6 +33,8 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.AllocationTimeoutError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.AllocationCancelledError, grpc.StatusCode.CANCELLED),
     (errors.WorkerStartError, grpc.StatusCode.UNAVAILABLE),
+    # The service stopping, or its cluster failing to start: clients may come back.
+    (errors.ServiceUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (errors.OperationTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.WorkerLostError, grpc.StatusCode.ABORTED),
     (errors.SliceResetError, grpc.StatusCode.ABORTED),

@@ -17,6 +17,7 @@ from jaxpod.jobs import JobProfile, JobSpec, JobStatus, check_outputs, check_pro
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto.job_messages import from_message, to_message
 from jaxpod.service.jobs.manager import JobManager
+from jaxpod.service.stopping import Stopping
 from jaxpod.service.tokens import Principal
 from jaxpod.shipping import runtime_versions
 from jaxpod.timeouts import Deadline, Timeout
@@ -35,10 +36,11 @@ MAX_AUDIT_PAGE = 10_000
 
 class JobsServicer:
     """``SubmitJob`` ... ``ProfileJob``, ``ListAudit``; the class using it provides ``jobs``,
-    ``slices`` and ``_blocking``."""
+    ``slices``, ``stopping`` and ``_blocking``."""
 
     jobs: JobManager | None
     slices: Any
+    stopping: Stopping
 
     async def _blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
         raise NotImplementedError  # provided by CoordinatorService
@@ -87,8 +89,8 @@ class JobsServicer:
 
     async def WatchJob(self, request: pb.JobRequest, context: Any
                        ) -> AsyncIterator[pb.JobStatus]:
-        manager = self._manager()
-        async for status in watch_statuses(manager, request.job_id, self._blocking):
+        statuses = watch_statuses(self._manager(), request.job_id, self._blocking)
+        while (status := await self.stopping.next(statuses, "WatchJob")) is not None:
             yield to_message(status)
 
     async def CancelJob(self, request: pb.JobRequest, context: Any) -> pb.JobStatus:

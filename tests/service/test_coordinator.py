@@ -171,10 +171,16 @@ def _holders(client: Any) -> dict[str, str]:
 
 # ----------------------------------------------------------------------- shutdown
 # First in the module, so its own service runs before the shared one starts.
+def _idle_step(state: Any, batch: Any) -> Any:
+    return state, {}
+
+
 def test_graceful_shutdown_finishes_calls_in_flight(tmp_path: Path) -> None:
+    # A grace far longer than the test waits: the service must exit once the calls in
+    # flight are done, while an op stream and a job watch stay open and idle.
     own = start_service(tmp_path / "serve.log", "v6e-8",
-                         env={"JAXPOD_SHUTDOWN_GRACE_S": "30"})
-    grace_s = 30.0
+                         env={"JAXPOD_SHUTDOWN_GRACE_S": "3600"})
+    in_flight_s = 120.0
     started = descendants(own.process.pid)  # for clean-up, should the test fail early
     c = own.connect(lease_s=120)
     pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -204,9 +210,23 @@ def test_graceful_shutdown_finishes_calls_in_flight(tmp_path: Path) -> None:
         assert wait_for(lambda: started_file.exists() or in_flight.done(), 120)
         assert not in_flight.done(), in_flight.exception()
 
+        # Open and idle: a watch of a job queued behind the strategy's slice.
+        job = c.submit(_idle_step, steps=1, accelerator_type="v6e-8")
+        watch = c.stub.WatchJob(pb.JobRequest(job_id=job.id), timeout=120,
+                                metadata=c.metadata)
+        assert next(watch).state == "PENDING"
+
         started.update(descendants(own.process.pid))  # now with the slice's host worker
         assert len(started) > 1, "the service started no local cluster?"
         own.process.send_signal(signal.SIGTERM)
+        # The watch ends as the service starts to stop, saying so: the client's
+        # job.wait() takes UNAVAILABLE as a service going away and reconnects.
+        seen = []
+        with pytest.raises(grpc.RpcError) as ended:
+            seen += [status.state for status in watch]
+        assert all(state == "PENDING" for state in seen), seen
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
+        assert "the service is stopping" in (ended.value.details() or ""), ended.value
 
         def refused() -> BaseException | None:
             try:
@@ -231,7 +251,7 @@ def test_graceful_shutdown_finishes_calls_in_flight(tmp_path: Path) -> None:
         assert not in_flight.done()
 
         release_file.touch()
-        result = in_flight.result(timeout=grace_s)
+        result = in_flight.result(timeout=in_flight_s)
         assert isinstance(result, RemotePerReplica)
         assert (result.shape, result.dtype) == ((4,), np.dtype(np.float32))
         parts = tensors.read_result(itertools.chain([first], stream))
@@ -239,10 +259,12 @@ def test_graceful_shutdown_finishes_calls_in_flight(tmp_path: Path) -> None:
         for replica, part in enumerate(parts):
             np.testing.assert_array_equal(part, np.arange(n, dtype=np.float32) + replica)
 
-        try:
-            code = own.process.wait(grace_s + 60)
+        try:  # the strategy's op stream is still open, with nothing in flight
+            code = own.process.wait(120)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"no exit after SIGTERM:\n{own.log_tail()}") from None
+            raise AssertionError("the service waited on idle calls instead of exiting "
+                                 f"once the calls in flight were done:\n{own.log_tail()}"
+                                 ) from None
         assert code == 0, own.log_tail()
         survivors = all_gone(started, 30)
         assert not survivors, f"processes of the service survived its exit: {survivors}"
