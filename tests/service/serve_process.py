@@ -33,6 +33,10 @@ from jaxpod.service.local_cluster import descendants, is_running
 from jaxpod.timeouts import Deadline, wait_for
 
 START_TIMEOUT_S = 240.0
+#: ``start_service`` arguments for simulated hosts as plain processes, which start in a
+#: second or two where a local Ray cluster takes several: for tests of what the service
+#: does the same on either provider (TLS, roles, hostile input...).
+PROCESSES = ("--provider", "processes")
 STOP_TIMEOUT_S = 90.0
 
 

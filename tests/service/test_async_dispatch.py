@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from serve_process import Service, running_service
+from serve_process import PROCESSES, Service, running_service
 
 import jaxpod
 from jaxpod.client.remote import RemoteStrategy
@@ -29,7 +29,8 @@ _SERIALS = itertools.count()
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    with running_service(tmp_path_factory.mktemp("async") / "serve.log", "v4-16,v4-8") as s:
+    with running_service(tmp_path_factory.mktemp("async") / "serve.log", "v4-16,v4-8",
+                         args=PROCESSES) as s:
         yield s
 
 

@@ -37,6 +37,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 from serve_process import (
+    PROCESSES,
     Service,
     all_gone,
     kill_service,
@@ -63,7 +64,7 @@ SERVICE_NAME = "jaxpod.v1.Coordinator"
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     log = tmp_path_factory.mktemp("coordinator") / "serve.log"
-    with running_service(log, SLICES, lease_s=DEFAULT_LEASE_S) as running:
+    with running_service(log, SLICES, lease_s=DEFAULT_LEASE_S, args=PROCESSES) as running:
         yield running
 
 
@@ -178,7 +179,7 @@ def _idle_step(state: Any, batch: Any) -> Any:
 def test_graceful_shutdown_finishes_calls_in_flight(tmp_path: Path) -> None:
     # A grace far longer than the test waits: the service must exit once the calls in
     # flight are done, while an op stream and a job watch stay open and idle.
-    own = start_service(tmp_path / "serve.log", "v6e-8",
+    own = start_service(tmp_path / "serve.log", "v6e-8", args=PROCESSES,
                          env={"JAXPOD_SHUTDOWN_GRACE_S": "3600"})
     in_flight_s = 120.0
     started = descendants(own.process.pid)  # for clean-up, should the test fail early
@@ -217,7 +218,7 @@ def test_graceful_shutdown_finishes_calls_in_flight(tmp_path: Path) -> None:
         assert next(watch).state == "PENDING"
 
         started.update(descendants(own.process.pid))  # now with the slice's host worker
-        assert len(started) > 1, "the service started no local cluster?"
+        assert started, "the service started no host worker?"
         own.process.send_signal(signal.SIGTERM)
         # The watch ends as the service starts to stop, saying so: the client's
         # job.wait() takes UNAVAILABLE as a service going away and reconnects.

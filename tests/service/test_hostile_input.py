@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serve_process import Service, running_service
+from serve_process import PROCESSES, Service, running_service
 
 from jaxpod.client import rpc
 from jaxpod.proto import coordinator_pb2 as pb
@@ -35,7 +35,8 @@ UNEXPLAINED = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    with running_service(tmp_path_factory.mktemp("hostile") / "serve.log", "v6e-8") as s:
+    with running_service(tmp_path_factory.mktemp("hostile") / "serve.log", "v6e-8",
+                         args=PROCESSES) as s:
         yield s
 
 

@@ -29,7 +29,7 @@ import httpx
 import numpy as np
 import pytest
 from playwright.sync_api import expect, sync_playwright
-from serve_process import Service, chromium_path, running_service
+from serve_process import PROCESSES, Service, chromium_path, running_service
 
 import jaxpod
 from jaxpod.proto import coordinator_pb2 as pb
@@ -90,7 +90,7 @@ def service(tmp_path_factory: pytest.TempPathFactory,
     folder = tmp_path_factory.mktemp("roles-service")
     with running_service(folder / "serve.log", "v4-16",
                          args=("--tokens-file", str(tokens[0]),
-                               "--state-dir", str(folder / "state"))) as s:
+                               "--state-dir", str(folder / "state"), *PROCESSES)) as s:
         yield s
 
 

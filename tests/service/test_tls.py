@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from serve_process import Service, make_ca, start_service, stop_service
+from serve_process import PROCESSES, Service, make_ca, start_service, stop_service
 
 import jaxpod
 
@@ -36,7 +36,8 @@ def service(pki: tuple[Path, Path, Path], tmp_path_factory: pytest.TempPathFacto
             ) -> Iterator[Service]:
     ca, cert, key = pki
     running = start_service(tmp_path_factory.mktemp("tls") / "serve.log", "v6e-8",
-                            args=("--tls-cert", str(cert), "--tls-key", str(key)),
+                            args=("--tls-cert", str(cert), "--tls-key", str(key),
+                                  *PROCESSES),
                             tls_ca=ca.read_bytes())
     try:
         yield running
