@@ -2,10 +2,11 @@
 
 :func:`create_server` builds and binds the server (port 0 picks a free port, which
 tests use); :func:`serve` runs it until SIGTERM/SIGINT, then stops gracefully: new
-calls are refused, calls in flight get ``JAXPOD_SHUTDOWN_GRACE_S`` to finish, and
-every session's slices are released. Besides the ``Coordinator`` service the server
-has the standard ``grpc.health.v1`` health service (``SERVING`` once the cluster is
-reachable) and server reflection.
+calls are refused, calls in flight get ``JAXPOD_SHUTDOWN_GRACE_S`` to finish, calls
+that only wait on their client (an op stream between batches, a job watch) end at once
+(:mod:`jaxpod.service.stopping`), and every session's slices are released. Besides the
+``Coordinator`` service the server has the standard ``grpc.health.v1`` health service
+(``SERVING`` once the cluster is reachable) and server reflection.
 
 With ``http_port`` it also serves the HTTP API, Prometheus metrics and status page
 (:mod:`jaxpod.service.http`) on the same event loop, on the gRPC host.
