@@ -1,0 +1,86 @@
+"""``Stopping``: calls waiting on their clients end when the service stops; a call busy
+with work finishes it first. (The service end to end: the graceful-shutdown test in
+``test_coordinator.py``.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from jaxpod.errors import ServiceUnavailableError
+from jaxpod.service.stopping import Stopping
+
+#: Generous: each wait below ends at once, or the behaviour is broken.
+DEADLINE_S = 30.0
+
+
+async def _items(queue: asyncio.Queue[int | None]) -> AsyncIterator[int]:
+    while (item := await queue.get()) is not None:
+        yield item
+
+
+async def _serve(stopping: Stopping, queue: asyncio.Queue[int | None], done: list[int],
+                 working: asyncio.Event, finish: asyncio.Event) -> None:
+    """A stream handler: each item is work (``finish`` ends it), done in turn."""
+    items = _items(queue)
+    while (item := await stopping.next(items, "Test")) is not None:
+        working.set()
+        await finish.wait()
+        done.append(item)
+
+
+async def _ended(task: asyncio.Task[object]) -> None:
+    """Waits for ``task`` to end by itself (``asyncio.wait_for`` would cancel it at its
+    deadline, which is what ``Stopping`` turns into its error)."""
+    await asyncio.wait({task}, timeout=DEADLINE_S)
+    assert task.done(), "still running"
+
+
+def test_a_waiting_call_ends_at_stop_and_a_busy_one_after_its_work() -> None:
+    async def scenario() -> None:
+        stopping = Stopping()
+        idle_queue: asyncio.Queue[int | None] = asyncio.Queue()
+        busy_queue: asyncio.Queue[int | None] = asyncio.Queue()
+        idle_done: list[int] = []
+        busy_done: list[int] = []
+        finish = asyncio.Event()
+        idle_working, busy_working = asyncio.Event(), asyncio.Event()
+        idle = asyncio.create_task(_serve(stopping, idle_queue, idle_done, idle_working,
+                                          asyncio.Event()))
+        busy = asyncio.create_task(_serve(stopping, busy_queue, busy_done, busy_working,
+                                          finish))
+        busy_queue.put_nowait(1)
+        # The busy call is in its work; the idle one waits for its client.
+        await asyncio.wait_for(busy_working.wait(), DEADLINE_S)
+        busy_queue.put_nowait(2)  # sent, not started: not run after the stop
+        stopping.stop()
+        await _ended(idle)
+        with pytest.raises(ServiceUnavailableError, match="Test: the service is stopping"):
+            idle.result()
+        assert not busy.done()  # still working
+        finish.set()
+        await _ended(busy)
+        with pytest.raises(ServiceUnavailableError, match="the service is stopping"):
+            busy.result()
+        assert busy_done == [1] and idle_done == []
+        with pytest.raises(ServiceUnavailableError):  # a call opened after the stop
+            await stopping.next(_items(asyncio.Queue()), "Later")
+
+    asyncio.run(scenario())
+
+
+def test_a_call_cancelled_otherwise_stays_cancelled() -> None:
+    async def scenario() -> None:
+        stopping = Stopping()
+        queue: asyncio.Queue[int | None] = asyncio.Queue()
+        waiting = asyncio.create_task(stopping.next(_items(queue), "Test"))
+        await asyncio.sleep(0)  # let it start waiting
+        waiting.cancel()  # as gRPC does when the client goes away
+        await _ended(waiting)
+        assert waiting.cancelled()
+        queue.put_nowait(None)
+        assert await stopping.next(_items(queue), "Test") is None  # the stream's end
+
+    asyncio.run(scenario())
