@@ -16,8 +16,14 @@ from jaxpod.service.stopping import Stopping
 DEADLINE_S = 30.0
 
 
-async def _items(queue: asyncio.Queue[int | None]) -> AsyncIterator[int]:
-    while (item := await queue.get()) is not None:
+async def _items(queue: asyncio.Queue[int | None], asked: asyncio.Event | None = None
+                 ) -> AsyncIterator[int]:
+    """The client's messages; ``asked`` is set once a reader waits for one."""
+    while True:
+        if asked is not None:
+            asked.set()
+        if (item := await queue.get()) is None:
+            return
         yield item
 
 
@@ -75,8 +81,9 @@ def test_a_call_cancelled_otherwise_stays_cancelled() -> None:
     async def scenario() -> None:
         stopping = Stopping()
         queue: asyncio.Queue[int | None] = asyncio.Queue()
-        waiting = asyncio.create_task(stopping.next(_items(queue), "Test"))
-        await asyncio.sleep(0)  # let it start waiting
+        asked = asyncio.Event()
+        waiting = asyncio.create_task(stopping.next(_items(queue, asked), "Test"))
+        await asyncio.wait_for(asked.wait(), DEADLINE_S)  # it waits inside Stopping.next
         waiting.cancel()  # as gRPC does when the client goes away
         await _ended(waiting)
         assert waiting.cancelled()
