@@ -79,6 +79,10 @@ _LENT = struct.Struct("<QQQQ")  # buffer index, offset in it, address, length
 _TIMEVAL = struct.Struct("@ll")  # SO_RCVTIMEO's struct timeval
 _UCRED = struct.Struct("@iII")  # SO_PEERCRED's struct ucred: pid, uid, gid
 _YES, _NO = b"\x01", b"\x00"
+# Combined once: ``|`` on the socket module's flags is an enum operation in Python,
+# and a coordinator checks every host's channel per operation.
+_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
+_POLL_EVENTS = select.POLLIN | select.POLLHUP | select.POLLERR
 
 
 @dataclass(frozen=True)
@@ -289,7 +293,7 @@ class ReplyWatch:
         for index, sock in enumerate(socks):
             fd = sock.fileno()
             self._watching[fd] = index
-            self._poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+            self._poller.register(fd, _POLL_EVENTS)
 
     def wait(self, turn: int, deadline: float | None = None) -> None:
         """Returns once ``socks[turn]``'s reply starts to arrive (or its channel closed:
@@ -333,7 +337,7 @@ def read_replies(socks: Sequence[socket.socket], deadline: float | None,
 def _closed(sock: socket.socket) -> bool:
     """Whether the peer closed ``sock`` (nothing is consumed)."""
     try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        return sock.recv(1, _PEEK) == b""
     except BlockingIOError:
         return False
     except OSError:
