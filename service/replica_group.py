@@ -31,7 +31,15 @@ from jaxpod.errors import (
     WorkerLostError,
     WorkerStartError,
 )
-from jaxpod.operations import Dropped, Envelope, Operation, RemoteError
+from jaxpod.operations import (
+    Digest,
+    Digested,
+    DivergedError,
+    Dropped,
+    Envelope,
+    Operation,
+    RemoteError,
+)
 from jaxpod.pieces import PieceLayout
 from jaxpod.timeouts import Count, Timeout
 from jaxpod.worker import channel
@@ -367,6 +375,7 @@ class ReplicaGroup:
                 raise
             raise self._reset(f"Operation {name} did not finish on every host within "
                               f"{limit:g}s ({OPERATION_TIMEOUT.env_var})") from e
+        results = undigest(results, name)
         failed = [h for h, r in enumerate(results) if isinstance(r, RemoteError)]
         # Once per distinct reply (identical ones are one object: channel.Decoded).
         created = list({id(r): op.created(r) for r in results
@@ -522,6 +531,31 @@ class Pipeline:
         while self._sent:
             with contextlib.suppress(Exception):
                 self.receive()
+
+
+def undigest(replies: list[Any], name: str) -> list[Any]:
+    """Each host's result from its reply to operation ``name``: a host's
+    :class:`Digest` that matches the first host's :class:`Digested` stands for the
+    same result (the same object); one that does not is a :class:`DivergedError`.
+    Where the first host failed, the others' digests stay: nothing is there to
+    compare them with, and a uniform operation that failed on some hosts only
+    restarts the slice."""
+    first = replies[0] if replies else None
+    if not isinstance(first, Digested):
+        return replies
+    results: list[Any] = [first.result]
+    for host, reply in enumerate(replies[1:], start=1):
+        if not isinstance(reply, Digest):
+            results.append(reply)
+        elif first.digest is not None and reply.digest == first.digest:
+            results.append(first.result)
+        else:
+            results.append(RemoteError.of(DivergedError(
+                f"Host {host}'s result of operation {name} differs from host 0's: the "
+                "hosts are out of lockstep. A step function whose outputs (their tree, "
+                "shapes or dtypes) depend on the host, e.g. on jax.process_index(), "
+                "causes this; make them the same on every host."), ""))
+    return results
 
 
 def _host_error(results: list[Any], failed: list[int], name: str) -> BaseException:

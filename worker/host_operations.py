@@ -47,6 +47,7 @@ from jaxpod.worker.global_view import (
 )
 from jaxpod.worker.output_capture import OutputCapture
 from jaxpod.worker.profiles import HostProfiler
+from jaxpod.worker.result_digest import result_digest
 from jaxpod.worker.value_store import ValueStore
 
 
@@ -56,10 +57,14 @@ class HostOperations(ops.Host):
     Args:
       process_id: this host's index in the group.
       engine: the engine over the group's global mesh.
+      hosts: how many hosts the group has: with more than one, uniform operations
+        are answered as :class:`~jaxpod.operations.Digested` by the first host and
+        as a :class:`~jaxpod.operations.Digest` by the others.
     """
 
-    def __init__(self, process_id: int, engine: Engine) -> None:
+    def __init__(self, process_id: int, engine: Engine, hosts: int = 1) -> None:
         self.process_id = process_id
+        self.hosts = hosts
         self.engine = engine
         self.store = ValueStore()
         self.functions = FunctionRegistry()
@@ -103,7 +108,7 @@ class HostOperations(ops.Host):
         try:
             if envelope.dropped:
                 self._drop(envelope.dropped)
-            return op.apply(self)
+            result = op.apply(self)
         except BaseException as e:
             # What it created here goes with it: the operation took effect nowhere.
             self._drop(Dropped(values=tuple(self._created), iterators=tuple(self._created),
@@ -113,6 +118,18 @@ class HostOperations(ops.Host):
             if op.counts_as_work:
                 self._busy.add(start, time.perf_counter())
                 self._operations += 1
+        return self._answer(op, result)
+
+    def _answer(self, op: ops.Operation[Any], result: Any) -> Any:
+        """The reply to a successful ``op``: its result, or for a uniform operation of
+        a group of several hosts, the first host's result with its digest and the
+        others' digest alone (a result without a digest goes whole)."""
+        if not (op.uniform and self.hosts > 1):
+            return result
+        digest = result_digest(result)
+        if self.process_id == 0:
+            return ops.Digested(result, digest)
+        return result if digest is None else ops.Digest(digest)
 
     def close(self) -> None:
         """Stops every iterator's infeed, drops the datasets, stops capturing output

@@ -111,7 +111,7 @@ class HostWorker:
         from jaxpod.worker.engine import Engine
         from jaxpod.worker.host_operations import HostOperations
 
-        self._host = HostOperations(self.process_id, Engine())
+        self._host = HostOperations(self.process_id, Engine(), self.num_processes)
         # Again, now the distributed runtime and the backend have started: native code
         # may have put its own SIGTERM handler in place of Python's.
         preemption.install_sigterm_handler()

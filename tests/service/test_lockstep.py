@@ -256,3 +256,22 @@ def test_a_dataset_that_raises_mid_stream_on_one_host_stops_its_iterator_everywh
         consume()  # it stays failed, on every host alike, and nothing waits
     _hosts_agree(group)
     _normal_round(group)
+
+
+def test_a_step_whose_outputs_differ_between_hosts_gets_the_slice_reset(
+        group: GroupEngine) -> None:
+    # Hosts other than host 0 answer a run with a digest of its outputs' infos; one
+    # that does not match host 0's is a host out of lockstep, never a silent mix.
+    value = group.experimental_distribute_values_from_function(
+        lambda ctx: np.full((2,), ctx.replica_id_in_sync_group, np.float32))
+
+    def step(x: jax.Array) -> Any:
+        return {"host1": x} if jax.process_index() == 1 else {"host0": x}
+
+    resets = group.group.resets
+    with pytest.raises(jaxpod.SliceResetError, match="workers were restarted") as info:
+        group.run(step, args=(value,))
+    assert "Host 1's result of operation Run differs from host 0's" in str(info.value)
+    assert group.group.resets == resets + 1
+    _normal_round(group)
+    _hosts_agree(group)

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 import numpy as np
 import pytest
 
@@ -19,6 +20,7 @@ from jaxpod.operations import Envelope, RemoteError
 from jaxpod.service.group_engine import DropQueue
 from jaxpod.service.replica_group import ReplicaGroup
 from jaxpod.worker import channel
+from jaxpod.worker.result_digest import result_digest
 
 
 class _Unloadable:
@@ -121,6 +123,57 @@ def test_waiting_for_the_group_does_not_count_against_the_time_out(group_of: Any
 class _TwoArgs(Exception):
     def __init__(self, a: int, b: int) -> None:
         super().__init__(f"{a}-{b}")
+
+
+def _two_hosts(group_of: Any, replies: list[Any],
+               host_one: Callable[[Any], Any] = lambda reply: reply) -> Any:
+    """A ``GroupEngine`` over two in-process hosts of one 2-host group; each reply
+    host 1 sends goes through ``host_one`` and every reply is kept in ``replies``."""
+    from jaxpod.service.group_engine import GroupEngine
+    from jaxpod.worker.engine import Engine
+    from jaxpod.worker.host_operations import HostOperations
+
+    hosts = [HostOperations(i, Engine(), hosts=2) for i in range(2)]
+
+    def answer(host: int) -> Handler:
+        def handle(message: Envelope) -> Any:
+            reply = hosts[host].execute(message)
+            reply = host_one(reply) if host == 1 else reply
+            replies.append((host, type(message.operation), reply))
+            return reply
+        return handle
+
+    return GroupEngine(group_of([answer(0), answer(1)]))
+
+
+def test_hosts_after_the_first_answer_a_run_with_its_digest(group_of: Any) -> None:
+    replies: list[Any] = []
+    engine = _two_hosts(group_of, replies)
+    x = np.arange(8, dtype=np.float32)
+    out = engine.run(lambda x: {f"leaf{i}": x + i for i in range(100)}, args=(x,))
+    gathered = engine.gather(out, axis=0)
+    copies = 2 * len(jax.devices())  # each in-process host runs on all the devices
+    for i in range(100):  # both hosts hold the same values, described once
+        np.testing.assert_array_equal(gathered[f"leaf{i}"], np.tile(x + i, copies))
+    ((_, _, first),) = [r for r in replies if r[:2] == (0, ops.Run)]
+    ((_, _, second),) = [r for r in replies if r[:2] == (1, ops.Run)]
+    assert isinstance(first, ops.Digested) and isinstance(second, ops.Digest)
+    assert second.digest == first.digest == result_digest(first.result)
+    # What host 1 sends for 100 leaves is a fraction of host 0's reply.
+    assert len(channel.encode(second)[0]) * 20 < len(channel.encode(first)[0])
+    # Operations whose results may differ between hosts go whole from each.
+    assert all(not isinstance(r, ops.Digest) for _, op, r in replies if op is not ops.Run)
+
+
+def test_a_host_whose_digest_differs_fails_the_operation(group_of: Any) -> None:
+    def diverge(reply: Any) -> Any:
+        return ops.Digest(bytes(16)) if isinstance(reply, ops.Digest) else reply
+
+    engine = _two_hosts(group_of, [], host_one=diverge)
+    with pytest.raises(ops.DivergedError, match=r"Host 1's result of operation Run "
+                                                r"differs from host 0's") as info:
+        engine.run(lambda x: x * 2, args=(np.arange(8, dtype=np.float32),))
+    assert "failed on host(s) [1] of 2" in "\n".join(info.value.__notes__)
 
 
 def test_an_exception_that_cannot_come_back_travels_as_its_description() -> None:
