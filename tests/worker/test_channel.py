@@ -683,3 +683,25 @@ def test_identical_replies_decode_once_and_different_ones_each(server: Served) -
         assert third == ((infos,), {"ahead": 3})
         assert one is not two
         assert np.array_equal(one[0][0], big) and np.array_equal(two[0][0], big)
+
+
+@pytest.mark.parametrize("needs_cloudpickle", [False, True])
+def test_streamed_buffers_travel_out_of_band_with_either_pickler(
+        needs_cloudpickle: bool) -> None:
+    array = np.arange(20_000, dtype=np.float32)  # 80 KB: over OUT_OF_BAND_BYTES
+    offset = 7
+    # A lambda only cloudpickle takes: the message goes through the other pickler.
+    extra = (lambda x: x + offset) if needs_cloudpickle else offset
+    message = {"streamed": [Streamed(array), Streamed(array[::-1])], "extra": extra}
+    data, buffers = channel.encode(message)
+    assert [memoryview(b).nbytes for b in buffers] == [array.nbytes] * 2
+    assert len(data) < 1024  # the arrays are not in the pickle
+    a, b = socket.socketpair()
+    with a, b:
+        channel.send([a], (data, buffers))
+        got = channel.receive(b, time.monotonic() + 10)
+    assert got["streamed"] == [array.tobytes(), array[::-1].tobytes()]
+    if needs_cloudpickle:
+        assert got["extra"](1) == 1 + offset
+    else:
+        assert got["extra"] == offset
