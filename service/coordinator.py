@@ -56,7 +56,7 @@ from jaxpod.service.quotas import SliceQuotas
 from jaxpod.service.replica_group import OPERATION_TIMEOUT
 from jaxpod.service.sessions import HeldSlice, Session, SessionManager
 from jaxpod.service.status import status_of
-from jaxpod.service.stopping import Stopping
+from jaxpod.service.stopping import Cancel, Stopping
 from jaxpod.service.tokens import LOCAL, Principal, TokenBook
 from jaxpod.shipping import ShippedFunction, runtime_versions
 
@@ -72,7 +72,11 @@ MAX_UPLOAD_BYTES = 4 * 1024 * 1024 * 1024
 class SliceProvider(Protocol):
     """Acquires slices with their replica groups started and configured."""
 
-    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str) -> HeldSlice: ...
+    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str,
+                cancel: Cancel | None = None) -> HeldSlice:
+        """Slices as ``request`` asks; a wait for free ones gives up once ``cancel`` is
+        set (``AllocationCancelledError``)."""
+        ...
 
     def cluster(self) -> list[pb.ClusterSlice]: ...
 
@@ -214,7 +218,9 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
         session = self.sessions.get(request.session_id)
         slice_id = f"slice-{secrets.token_hex(4)}"
         with self.quotas.reserve(session.owner, max(1, request.num_slices), "AcquireSlice"):
-            held = await self._blocking(self.slices.acquire, request, slice_id)
+            held = await self.stopping.during(  # a wait for a busy slice ends at a stop
+                lambda cancel: self._blocking(self.slices.acquire, request, slice_id,
+                                              cancel), "AcquireSlice")
             try:
                 session.add_slice(held)
             except SessionError:

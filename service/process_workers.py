@@ -17,21 +17,26 @@ No Ray process starts, which is most of a Ray cluster's start-up CPU.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from jaxpod.errors import AllocationTimeoutError
+from jaxpod.errors import AllocationCancelledError, AllocationTimeoutError
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.host_processes import HostsStartedAhead, LocalHeld, ProcessWorkers
 from jaxpod.service.local_cluster import SimulatedSlice, plan_slices
 from jaxpod.service.replica_group import ReplicaGroup
 from jaxpod.service.resolvers.base import ALLOCATION_TIMEOUT, HostInfo, SliceInfo
+from jaxpod.service.stopping import Cancel
 from jaxpod.service.topology import slice_shape
 from jaxpod.service.workers import Held, PooledSlices, WarmKey
 from jaxpod.worker.host_process import LOOPBACK
 from jaxpod.worker.host_worker import SIMULATED_PLATFORM
+
+logger = logging.getLogger(__name__)
 
 
 class LocalProcessSlices(PooledSlices):
@@ -54,12 +59,15 @@ class LocalProcessSlices(PooledSlices):
         self._free = {s.name for s in self.slices}
         self._changed = threading.Condition()
 
-    def _allocate(self, request: pb.AcquireSliceRequest, key: WarmKey) -> Held:
+    def _allocate(self, request: pb.AcquireSliceRequest, key: WarmKey,
+                  cancel: Cancel | None) -> Held:
         wanted, count = slice_shape(request.accelerator_type).accelerator_type, key[1]
         of_type = [s for s in self.slices if s.shape.accelerator_type == wanted]
         limit = ALLOCATION_TIMEOUT.resolve(request.timeout_s or None)
         deadline = time.monotonic() + limit
-        with self._changed:
+        told = False
+        with self._changed, (cancel.waking(self._wake) if cancel is not None
+                             else contextlib.nullcontext()):
             while True:
                 free = [s for s in of_type if s.name in self._free]
                 if len(free) >= count:
@@ -70,7 +78,19 @@ class LocalProcessSlices(PooledSlices):
                 if left <= 0 or len(of_type) < count:
                     raise AllocationTimeoutError(self._unavailable(wanted, of_type, count,
                                                                    limit))
+                if cancel is not None and cancel.is_set():
+                    raise AllocationCancelledError(
+                        f"The acquire of {count} x {wanted} was cancelled while it "
+                        "waited for a free slice; nothing is held.")
+                if not told:
+                    logger.info("an acquire of %d x %s waits for a free slice (%d of %d "
+                                "idle)", count, wanted, len(free), len(of_type))
+                    told = True
                 self._changed.wait(left)
+
+    def _wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
 
     def _unavailable(self, wanted: str, of_type: list[SimulatedSlice], count: int,
                      limit: float) -> str:

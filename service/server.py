@@ -3,7 +3,8 @@
 :func:`create_server` builds and binds the server (port 0 picks a free port, which
 tests use); :func:`serve` runs it until SIGTERM/SIGINT, then stops gracefully: new
 calls are refused, calls in flight get ``JAXPOD_SHUTDOWN_GRACE_S`` to finish, calls
-that only wait on their client (an op stream between batches, a job watch) end at once
+that only wait on their client or on others (an op stream between batches, a job watch,
+an acquire waiting for a slice another session holds) end at once
 (:mod:`jaxpod.service.stopping`), and every session's slices are released. Besides the
 ``Coordinator`` service the server has the standard ``grpc.health.v1`` health service
 (``SERVING`` once the cluster is reachable) and server reflection.
@@ -61,6 +62,7 @@ from jaxpod.service.quotas import SliceQuotas
 from jaxpod.service.resolvers.base import ALLOCATION_TIMEOUT
 from jaxpod.service.sessions import SessionManager
 from jaxpod.service.status import status_of
+from jaxpod.service.stopping import Cancel
 from jaxpod.service.tokens import TokenBook, denial
 from jaxpod.timeouts import Deadline, Timeout
 
@@ -399,9 +401,10 @@ class _DeferredSlices:
                 f"again.")
         return self._target
 
-    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str) -> Any:
+    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str,
+                cancel: Cancel | None = None) -> Any:
         if self._target is not None:
-            return self._target.acquire(request, slice_id)
+            return self._target.acquire(request, slice_id, cancel)
         deadline = Deadline(ALLOCATION_TIMEOUT.resolve(request.timeout_s or None))
         target = self._wait(
             deadline, f"acquiring a {request.accelerator_type or '?'} slice",
@@ -412,7 +415,7 @@ class _DeferredSlices:
         waited = pb.AcquireSliceRequest()
         waited.CopyFrom(request)
         waited.timeout_s = max(deadline.remaining(), 1e-3)
-        return target.acquire(waited, slice_id)
+        return target.acquire(waited, slice_id, cancel)
 
     def has_free(self, accelerator_type: str, num_slices: int) -> bool:
         """False until the cluster is up (a job then waits in its queue)."""

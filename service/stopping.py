@@ -10,15 +10,21 @@ end their calls with :class:`ServiceUnavailableError` (``UNAVAILABLE``), which c
 treat as a service going away: a job watch re-opens on the restarted service, and an
 operation stream's unanswered operations fail at the client's next synchronising call.
 A call busy with work when the service stops finishes it, and ends at its next wait.
+
+A call that waits in a worker thread (an acquire waiting for a slice another session
+holds) runs through :meth:`Stopping.during` with a :class:`Cancel`, which the stop sets:
+the wait gives up at once and the call ends as above.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
-from jaxpod.errors import ServiceUnavailableError
+from jaxpod.errors import AllocationCancelledError, ServiceUnavailableError
 
 _T = TypeVar("_T")
 
@@ -29,6 +35,7 @@ class Stopping:
 
     def __init__(self) -> None:
         self._waiting: set[asyncio.Task[Any]] = set()
+        self._cancels: set[Cancel] = set()
         self._stopped = False
 
     async def next(self, items: AsyncIterator[_T], what: str) -> _T | None:
@@ -53,11 +60,74 @@ class Stopping:
         finally:
             self._waiting.discard(task)
 
+    async def during(self, call: Callable[[Cancel], Awaitable[_T]], what: str) -> _T:
+        """What ``call`` returns: it waits in a worker thread, and gives up when its
+        :class:`Cancel` is set, raising ``AllocationCancelledError``.
+
+        Raises:
+          ServiceUnavailableError: the service is stopping (``call`` then gave up, or
+            was not made); ``what`` names the call.
+        """
+        if self._stopped:
+            raise _stopped(what)
+        cancel = Cancel()
+        self._cancels.add(cancel)
+        try:
+            return await call(cancel)
+        except AllocationCancelledError:
+            if not self._stopped:
+                raise
+            raise _stopped(what) from None
+        finally:
+            self._cancels.discard(cancel)
+
     def stop(self) -> None:
-        """Ends the calls waiting in :meth:`next` now, and every later wait at once."""
+        """Ends the calls waiting in :meth:`next` or :meth:`during` now, and every later
+        wait at once."""
         self._stopped = True
         for task in self._waiting:
             task.cancel()
+        for cancel in self._cancels:
+            cancel.set()
+
+
+class Cancel:
+    """Tells a call waiting in a worker thread to give up; set from any thread. A wait
+    on a condition of its own registers how to wake it (:meth:`waking`)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._wakes: list[Callable[[], None]] = []
+
+    @property
+    def event(self) -> threading.Event:
+        """Set once cancelled (for waits that take an event)."""
+        return self._event
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def set(self) -> None:
+        with self._lock:
+            self._event.set()
+            wakes = list(self._wakes)
+        for wake in wakes:
+            wake()
+
+    @contextlib.contextmanager
+    def waking(self, wake: Callable[[], None]) -> Iterator[None]:
+        """Calls ``wake`` when cancelled while the block runs (at once if already)."""
+        with self._lock:
+            self._wakes.append(wake)
+            now = self._event.is_set()
+        if now:
+            wake()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._wakes.remove(wake)
 
 
 def _stopped(what: str) -> ServiceUnavailableError:

@@ -28,6 +28,7 @@ from jaxpod.service.group_engine import GroupEngine
 from jaxpod.service.replica_group import HostPlacement, ReplicaGroup
 from jaxpod.service.resolvers.base import ALLOCATION_TIMEOUT
 from jaxpod.service.sessions import HeldSlice
+from jaxpod.service.stopping import Cancel
 from jaxpod.timeouts import Timeout
 from jaxpod.worker.host_worker import SIMULATED_PLATFORM
 
@@ -129,8 +130,10 @@ class PooledSlices(abc.ABC):
         self._closed = False
 
     @abc.abstractmethod
-    def _allocate(self, request: pb.AcquireSliceRequest, key: WarmKey) -> Held:
-        """Holds ``key[1]`` whole slices of ``key[0]`` (waiting as the request allows)."""
+    def _allocate(self, request: pb.AcquireSliceRequest, key: WarmKey,
+                  cancel: Cancel | None) -> Held:
+        """Holds ``key[1]`` whole slices of ``key[0]`` (waiting as the request allows;
+        ``AllocationCancelledError`` once ``cancel`` is set)."""
 
     @abc.abstractmethod
     def _start_group(self, held: Held) -> ReplicaGroup:
@@ -188,10 +191,12 @@ class PooledSlices(abc.ABC):
                     del self._prewarming[key]
             done.set()
 
-    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str) -> HeldSlice:
+    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str,
+                cancel: Cancel | None = None) -> HeldSlice:
         """A warm slice of the request's shape if one still works (after waiting for
         one being prewarmed), else allocates, starts and configures; on any failure
-        nothing stays held."""
+        nothing stays held. A wait for a free slice gives up once ``cancel`` is set
+        (``AllocationCancelledError``)."""
         key = _key(request)
         with self._lock:
             prewarming = self._prewarming.get(key)
@@ -207,7 +212,7 @@ class PooledSlices(abc.ABC):
             self._waiting[key[0]] += 1
         try:
             self._make_room(key)
-            return self._start(request, slice_id, key)
+            return self._start(request, slice_id, key, cancel)
         finally:
             with self._lock:
                 self._waiting[key[0]] -= 1
@@ -229,9 +234,9 @@ class PooledSlices(abc.ABC):
             warm = sum(w.key[1] for w in self._warm if w.key[0] == key[0])
         return warm + self._idle_slices(key[0]) >= num_slices
 
-    def _start(self, request: pb.AcquireSliceRequest, slice_id: str, key: WarmKey
-               ) -> HeldSlice:
-        allocation, group = self._start_workers(request, key)
+    def _start(self, request: pb.AcquireSliceRequest, slice_id: str, key: WarmKey,
+               cancel: Cancel | None = None) -> HeldSlice:
+        allocation, group = self._start_workers(request, key, cancel)
         try:
             engine = GroupEngine(group)
             _configure(engine, request)
@@ -241,10 +246,10 @@ class PooledSlices(abc.ABC):
             raise
         return self._held(slice_id, engine, allocation, key)
 
-    def _start_workers(self, request: pb.AcquireSliceRequest, key: WarmKey
-                       ) -> tuple[Held, ReplicaGroup]:
+    def _start_workers(self, request: pb.AcquireSliceRequest, key: WarmKey,
+                       cancel: Cancel | None = None) -> tuple[Held, ReplicaGroup]:
         """Allocates and starts the workers; on a failure nothing stays held."""
-        allocation = self._allocate(request, key)
+        allocation = self._allocate(request, key, cancel)
         try:
             return allocation, self._start_group(allocation)
         except BaseException:
@@ -383,9 +388,11 @@ class RaySlices(PooledSlices):
         self.platform = platform
         self.start_timeout_s = start_timeout_s
 
-    def _allocate(self, request: pb.AcquireSliceRequest, key: WarmKey) -> Held:
+    def _allocate(self, request: pb.AcquireSliceRequest, key: WarmKey,
+                  cancel: Cancel | None) -> Held:
         return self.allocator.allocate(request.accelerator_type, key[1],
-                                       timeout_s=request.timeout_s or None)
+                                       timeout_s=request.timeout_s or None,
+                                       cancel=cancel.event if cancel is not None else None)
 
     def _start_group(self, held: Held) -> ReplicaGroup:
         return start_replica_group(cast("Allocation", held), self.platform,

@@ -330,7 +330,8 @@ class _Provider:
     def __init__(self) -> None:
         self.requests: list[pb.AcquireSliceRequest] = []
 
-    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str) -> Any:
+    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str,
+                cancel: Any = None) -> Any:
         self.requests.append(request)
         return f"held {slice_id}"
 

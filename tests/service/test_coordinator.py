@@ -184,7 +184,7 @@ def test_graceful_shutdown_finishes_calls_in_flight(tmp_path: Path) -> None:
     in_flight_s = 120.0
     started = descendants(own.process.pid)  # for clean-up, should the test fail early
     c = own.connect(lease_s=120)
-    pool = concurrent.futures.ThreadPoolExecutor(1)
+    pool = concurrent.futures.ThreadPoolExecutor(2)
     try:
         s = c.strategy("v6e-8", num_replicas=2, timeout_s=120)
 
@@ -217,6 +217,14 @@ def test_graceful_shutdown_finishes_calls_in_flight(tmp_path: Path) -> None:
                                 metadata=c.metadata)
         assert next(watch).state == "PENDING"
 
+        # Open and idle: another session's acquire, waiting for the slice the strategy
+        # holds for as long as it allows (an hour).
+        waiting = pool.submit(own.connect(lease_s=120).strategy, "v6e-8", num_replicas=2,
+                              timeout_s=3600)
+        assert wait_for(lambda: "waits for a free slice" in own.log_tail(10**7)
+                        or waiting.done(), 60)
+        assert not waiting.done(), waiting.exception()
+
         started.update(descendants(own.process.pid))  # now with the slice's host worker
         assert started, "the service started no host worker?"
         own.process.send_signal(signal.SIGTERM)
@@ -228,6 +236,9 @@ def test_graceful_shutdown_finishes_calls_in_flight(tmp_path: Path) -> None:
         assert all(state == "PENDING" for state in seen), seen
         assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
         assert "the service is stopping" in (ended.value.details() or ""), ended.value
+        with pytest.raises(jaxpod.ServiceUnavailableError,
+                           match="AcquireSlice: the service is stopping"):
+            waiting.result(timeout=60)
 
         def refused() -> BaseException | None:
             try:

@@ -25,6 +25,7 @@ from serve_process import all_gone, kill_service, start_service
 
 import jaxpod
 from jaxpod.errors import (
+    AllocationCancelledError,
     AllocationTimeoutError,
     SliceResetError,
     WorkerLostError,
@@ -38,6 +39,7 @@ from jaxpod.service.local_cluster import descendants, plan_slices
 from jaxpod.service.process_workers import LocalProcessSlices
 from jaxpod.service.replica_group import ID_BLOCK, HostPlacement, ReplicaGroup
 from jaxpod.service.sessions import HeldSlice
+from jaxpod.service.stopping import Cancel
 from jaxpod.shipping import ship
 from jaxpod.timeouts import wait_for
 
@@ -364,6 +366,36 @@ def test_an_acquire_waiting_for_capacity_gets_a_slice_released_meanwhile(
         assert not set(result[0].engine.group.pids) & set(pids)
         assert not any(_alive(pid) for pid in pids) and slices.warm() == []
         result[0].release()
+    finally:
+        slices.close()
+
+
+def test_an_acquire_waiting_for_capacity_gives_up_when_cancelled() -> None:
+    slices = LocalProcessSlices("v4-8", start_timeout_s=120)
+    try:
+        held = _acquire(slices, "v4-8")
+        cancel = Cancel()
+        ended: list[BaseException] = []
+
+        def wait() -> None:
+            request = pb.AcquireSliceRequest(accelerator_type="v4-8", timeout_s=3600)
+            try:
+                slices.acquire(request, "slice-waiting", cancel)
+            except BaseException as e:
+                ended.append(e)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        assert wait_for(lambda: slices.waiting("v4-8") == 1, 30)
+        cancel.set()  # as a stopping service does: not after the hour it would wait
+        waiter.join(30)
+        assert not waiter.is_alive(), "the cancelled acquire still waits"
+        (error,) = ended
+        assert isinstance(error, AllocationCancelledError), error
+        assert "nothing is held" in str(error)
+        assert slices.waiting("v4-8") == 0
+        assert _doubled_sum(held) == 2 * sum(range(4))  # the holder is untouched
+        held.release()
     finally:
         slices.close()
 

@@ -5,12 +5,13 @@ with work finishes it first. (The service end to end: the graceful-shutdown test
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 
 import pytest
 
-from jaxpod.errors import ServiceUnavailableError
-from jaxpod.service.stopping import Stopping
+from jaxpod.errors import AllocationCancelledError, ServiceUnavailableError
+from jaxpod.service.stopping import Cancel, Stopping
 
 #: Generous: each wait below ends at once, or the behaviour is broken.
 DEADLINE_S = 30.0
@@ -89,5 +90,59 @@ def test_a_call_cancelled_otherwise_stays_cancelled() -> None:
         assert waiting.cancelled()
         queue.put_nowait(None)
         assert await stopping.next(_items(queue), "Test") is None  # the stream's end
+
+    asyncio.run(scenario())
+
+
+def _acquire_in_thread(cancel: Cancel, started: threading.Event) -> str:
+    """Stands for an acquire waiting for a busy slice: gives up only when cancelled."""
+    with cancel.waking(lambda: None):
+        started.set()
+        if cancel.event.wait(DEADLINE_S):
+            raise AllocationCancelledError("cancelled while waiting; nothing is held")
+    return "a slice"
+
+
+def test_a_call_waiting_in_a_thread_gives_up_at_stop() -> None:
+    async def scenario() -> None:
+        stopping = Stopping()
+        started = threading.Event()
+        call = asyncio.create_task(stopping.during(
+            lambda cancel: asyncio.to_thread(_acquire_in_thread, cancel, started),
+            "AcquireSlice"))
+        assert await asyncio.to_thread(started.wait, DEADLINE_S)
+        stopping.stop()
+        await _ended(call)
+        with pytest.raises(ServiceUnavailableError, match=r"AcquireSlice: the service is "
+                                                           r"stopping"):
+            call.result()
+        made: list[Cancel] = []
+
+        async def never(cancel: Cancel) -> str:
+            made.append(cancel)
+            return "made after the stop"
+
+        with pytest.raises(ServiceUnavailableError, match="the service is stopping"):
+            await stopping.during(never, "AcquireSlice")
+        assert made == []  # refused before it started
+
+    asyncio.run(scenario())
+
+
+def test_a_cancel_from_elsewhere_is_not_a_stop() -> None:
+    async def scenario() -> None:
+        stopping = Stopping()
+
+        async def cancelled(cancel: Cancel) -> str:
+            raise AllocationCancelledError("given up by the caller")
+
+        with pytest.raises(AllocationCancelledError, match="given up by the caller"):
+            await stopping.during(cancelled, "AcquireSlice")
+        woken: list[str] = []
+        cancel = Cancel()
+        cancel.set()
+        with cancel.waking(lambda: woken.append("at once")):  # set already: woken now
+            pass
+        assert woken == ["at once"]
 
     asyncio.run(scenario())
