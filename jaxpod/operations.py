@@ -121,7 +121,8 @@ class RemoteError:
 class Digested:
     """The first host's reply to a :attr:`~Operation.uniform` operation of a group of
     several hosts: its result and the result's digest (``None``: it has none, see
-    ``channel.digest``), which the other hosts' :class:`Digest` replies must match."""
+    ``jaxpod.worker.result_digest``), which the other hosts' :class:`Digest` replies
+    must match."""
 
     result: Any
     digest: bytes | None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+from jaxpod import operations as ops
 from jaxpod.operations import HandleInfo
 from jaxpod.trees import KeyData, Structure
 from jaxpod.worker.result_digest import result_digest
@@ -53,3 +54,14 @@ def test_what_it_cannot_describe_has_no_digest() -> None:
     looped: list[Any] = []
     looped.append(looped)
     assert result_digest(looped) is None
+
+
+def test_only_operations_that_dispatch_are_uniform() -> None:
+    # A host whose digest differs fails there alone: only a restart of the slice (which
+    # follows a partial failure of an operation that dispatches) frees what it made.
+    def subclasses(cls: type) -> list[type]:
+        return [c for sub in cls.__subclasses__() for c in (sub, *subclasses(sub))]
+
+    uniform = {c.__name__ for c in subclasses(ops.Operation) if c.uniform}
+    assert {"Run", "RunSpmd", "RunSteps"} <= uniform
+    assert all(c.dispatches for c in subclasses(ops.Operation) if c.uniform)
