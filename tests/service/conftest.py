@@ -2,7 +2,8 @@
 
 A test module that needs a cluster sets ``CLUSTER_SLICES = "v4-16,v4-8"`` (default
 ``"v4-16"``) and uses ``ray_cluster``: one cluster per module, with this process
-connected as the driver; ``group`` is a v4-16 replica group on it (one per module).
+connected as the driver; ``group`` is a v4-16 replica group on it (one per module), and
+``process_group`` one whose hosts are plain processes (no cluster).
 Tear-down disconnects, stops the cluster, asserts that every process started under it
 is gone, and undoes the driver's loopback setting so later tests in the same pytest
 process see Ray as it was.
@@ -17,11 +18,14 @@ import pytest
 
 from jaxpod.service.allocator import SliceAllocator
 from jaxpod.service.group_engine import GroupEngine
+from jaxpod.service.host_processes import ProcessWorkers
 from jaxpod.service.local_cluster import (
     LocalTPUCluster,
     descendants,
     is_running,
+    plan_slices,
 )
+from jaxpod.service.replica_group import HostPlacement, ReplicaGroup
 from jaxpod.service.resolvers.base import LOOPBACK_ENV
 from jaxpod.service.workers import start_replica_group
 
@@ -64,3 +68,19 @@ def group(ray_cluster: LocalTPUCluster) -> Iterator[GroupEngine]:
     finally:
         replica_group.stop()
         allocation.release()
+
+
+@pytest.fixture(scope="module")
+def process_group() -> Iterator[GroupEngine]:
+    """A v4-16 replica group (2 hosts x 4 chips) whose hosts are plain processes, as
+    ``jaxpod serve --provider processes`` starts them: for what a replica group does
+    the same whichever launcher started its workers (no Ray cluster to start)."""
+    (simulated,) = plan_slices("v4-16")
+    placements = [HostPlacement(None, i, {}, env=simulated.host_env(i))
+                  for i in range(simulated.shape.num_hosts)]
+    replica_group = ReplicaGroup.start(placements, simulated.shape.devices_per_host,
+                                       launcher=ProcessWorkers(), start_timeout_s=120)
+    try:
+        yield GroupEngine(replica_group)
+    finally:
+        replica_group.stop()

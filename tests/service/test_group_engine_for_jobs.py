@@ -15,7 +15,14 @@ import pytest
 from jaxpod import operations as ops
 from jaxpod.service.group_engine import GroupEngine
 
-CLUSTER_SLICES = "v4-16"
+
+@pytest.fixture(scope="module")
+def group(process_group: GroupEngine) -> GroupEngine:
+    """This module's v4-16: hosts as plain processes (what it tests does not depend on
+    how they were started, and no Ray cluster need start for it)."""
+    return process_group
+
+
 HOSTS, LOCAL_REPLICAS = 2, 4
 
 

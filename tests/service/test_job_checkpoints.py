@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from serve_process import Service, start_service, stop_service
+from serve_process import PROCESSES, Service, start_service, stop_service
 
 import jaxpod
 
@@ -58,7 +58,7 @@ for _ in range({steps}):
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     folder = tmp_path_factory.mktemp("job-checkpoints")
     running = start_service(folder / "serve.log", "v4-8",
-                            args=("--state-dir", str(folder / "state")))
+                            args=(*PROCESSES, "--state-dir", str(folder / "state")))
     try:
         yield running
     finally:

@@ -1,9 +1,9 @@
 """Lockstep: an operation takes effect on every host of a slice or on none.
 
-Real host workers on a simulated v4-16 (2 hosts x 4 chips). Each test makes one kind
-of operation fail on host 1 only, checks that the caller gets the user's own exception
-naming the host, and that the hosts still hold the same objects, then runs a normal
-round of operations on the same slice and compares it with numpy.
+Real host workers on a simulated v4-16 (2 hosts x 4 chips, as plain processes). Each
+test makes one kind of operation fail on host 1 only, checks that the caller gets the
+user's own exception naming the host, and that the hosts still hold the same objects,
+then runs a normal round of operations on the same slice and compares it with numpy.
 """
 
 from __future__ import annotations
@@ -21,7 +21,14 @@ import jaxpod
 from jaxpod.service.group_engine import GroupEngine
 from jaxpod.shipping import ship_object
 
-CLUSTER_SLICES = "v4-16"
+
+@pytest.fixture(scope="module")
+def group(process_group: GroupEngine) -> GroupEngine:
+    """This module's v4-16: hosts as plain processes (what it tests does not depend on
+    how they were started, and no Ray cluster need start for it)."""
+    return process_group
+
+
 HOSTS, REPLICAS = 2, 8
 
 

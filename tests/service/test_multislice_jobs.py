@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from serve_process import Service, start_service, stop_service
+from serve_process import PROCESSES, Service, start_service, stop_service
 from test_jobs import (
     _assert_lr_result,
     initial_lr_state,
@@ -46,7 +46,7 @@ def paced_lr_step(state: Any, batch: Any) -> Any:
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     where = tmp_path_factory.mktemp("multislice")
     running = start_service(where / "serve.log", "v4-8,v4-8",
-                            args=("--state-dir", str(where / "state")))
+                            args=(*PROCESSES, "--state-dir", str(where / "state")))
     try:
         yield running
     finally:

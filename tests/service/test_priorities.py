@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serve_process import Service, running_service
+from serve_process import PROCESSES, Service, running_service
 
 import jaxpod
 from jaxpod.timeouts import wait_for
@@ -74,7 +74,7 @@ def _numpy_w(batches: list[dict[str, np.ndarray]], steps: int) -> np.ndarray:
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     folder = tmp_path_factory.mktemp("priorities")
     with running_service(folder / "serve.log", "v4-16",
-                         args=("--state-dir", str(folder / "state"))) as s:
+                         args=(*PROCESSES, "--state-dir", str(folder / "state"))) as s:
         yield s
 
 

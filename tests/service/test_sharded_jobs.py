@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from serve_process import Service, start_service, stop_service
+from serve_process import PROCESSES, Service, start_service, stop_service
 
 from jaxpod.timeouts import wait_for
 
@@ -138,7 +138,7 @@ def one_device_run(axes: dict[str, int], data: list[dict[str, np.ndarray]], step
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     root = tmp_path_factory.mktemp("sharded-jobs")
     running = start_service(root / "serve.log", "v4-16",
-                            args=("--state-dir", str(root / "state")))
+                            args=(*PROCESSES, "--state-dir", str(root / "state")))
     try:
         yield running
     finally:
