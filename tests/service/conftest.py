@@ -15,17 +15,15 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from process_hosts import start_process_group
 
 from jaxpod.service.allocator import SliceAllocator
 from jaxpod.service.group_engine import GroupEngine
-from jaxpod.service.host_processes import ProcessWorkers
 from jaxpod.service.local_cluster import (
     LocalTPUCluster,
     descendants,
     is_running,
-    plan_slices,
 )
-from jaxpod.service.replica_group import HostPlacement, ReplicaGroup
 from jaxpod.service.resolvers.base import LOOPBACK_ENV
 from jaxpod.service.workers import start_replica_group
 
@@ -72,14 +70,9 @@ def group(ray_cluster: LocalTPUCluster) -> Iterator[GroupEngine]:
 
 @pytest.fixture(scope="module")
 def process_group() -> Iterator[GroupEngine]:
-    """A v4-16 replica group (2 hosts x 4 chips) whose hosts are plain processes, as
-    ``jaxpod serve --provider processes`` starts them: for what a replica group does
-    the same whichever launcher started its workers (no Ray cluster to start)."""
-    (simulated,) = plan_slices("v4-16")
-    placements = [HostPlacement(None, i, {}, env=simulated.host_env(i))
-                  for i in range(simulated.shape.num_hosts)]
-    replica_group = ReplicaGroup.start(placements, simulated.shape.devices_per_host,
-                                       launcher=ProcessWorkers(), start_timeout_s=120)
+    """A v4-16 replica group (2 hosts x 4 chips) whose hosts are plain processes
+    (:mod:`process_hosts`)."""
+    replica_group = start_process_group()
     try:
         yield GroupEngine(replica_group)
     finally:

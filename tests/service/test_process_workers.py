@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from process_hosts import start_process_group
 from serve_process import all_gone, kill_service, start_service
 
 import jaxpod
@@ -35,7 +35,7 @@ from jaxpod.operations import HandleInfo
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.group_engine import GroupEngine, ResultCall
 from jaxpod.service.host_processes import ProcessWorkers, prewarm_type, start_ahead
-from jaxpod.service.local_cluster import descendants, plan_slices
+from jaxpod.service.local_cluster import descendants
 from jaxpod.service.process_workers import LocalProcessSlices
 from jaxpod.service.replica_group import ID_BLOCK, HostPlacement, ReplicaGroup
 from jaxpod.service.sessions import HeldSlice
@@ -46,24 +46,9 @@ from jaxpod.timeouts import wait_for
 DEVICES_PER_HOST = 4
 
 
-def _placements(accelerator_type: str = "v4-16") -> list[HostPlacement]:
-    (simulated,) = plan_slices(accelerator_type)
-    return [HostPlacement(None, i, {}, env=simulated.host_env(i))
-            for i in range(simulated.shape.num_hosts)]
-
-
-def _start() -> ReplicaGroup:
-    return ReplicaGroup.start(_placements(), DEVICES_PER_HOST, launcher=ProcessWorkers(),
-                              start_timeout_s=120)
-
-
 @pytest.fixture(scope="module")
-def group() -> Iterator[GroupEngine]:
-    replica_group = _start()
-    try:
-        yield GroupEngine(replica_group)
-    finally:
-        replica_group.stop()
+def group(process_group: GroupEngine) -> GroupEngine:
+    return process_group
 
 
 def _alive(pid: int) -> bool:
@@ -203,7 +188,7 @@ def test_a_step_stuck_ahead_of_another_resets_the_slice_and_voids_it(
     operation time-out the slice restarts, the run behind it fails without having
     run, and the engine works on the new workers."""
     monkeypatch.setenv("JAXPOD_OPERATION_TIMEOUT_S", "5")
-    replica_group = _start()
+    replica_group = start_process_group()
     engine = GroupEngine(replica_group)
     try:
         value = _ones(engine)
@@ -228,7 +213,7 @@ def test_a_step_stuck_ahead_of_another_resets_the_slice_and_voids_it(
 
 
 def test_a_killed_worker_is_a_lost_host_and_stop_leaves_no_process() -> None:
-    replica_group = _start()
+    replica_group = start_process_group()
     engine = GroupEngine(replica_group)
     pids = replica_group.pids
     try:
