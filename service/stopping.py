@@ -12,8 +12,9 @@ operation stream's unanswered operations fail at the client's next synchronising
 A call busy with work when the service stops finishes it, and ends at its next wait.
 
 A call that waits in a worker thread (an acquire waiting for a slice another session
-holds) runs through :meth:`Stopping.during` with a :class:`Cancel`, which the stop sets:
-the wait gives up at once and the call ends as above.
+holds, or for one being prewarmed) runs through :meth:`Stopping.during` with a
+:class:`Cancel`, which the stop sets: the wait gives up at once and the call ends as
+above.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import contextlib
 import logging
 import threading
 import weakref
@@ -22,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from jaxpod.errors import SliceResetError
+from jaxpod.errors import AllocationCancelledError, SliceResetError
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.group_engine import GroupEngine
 from jaxpod.service.replica_group import HostPlacement, ReplicaGroup
@@ -125,8 +126,9 @@ class PooledSlices(abc.ABC):
     def __init__(self) -> None:
         self._warm: list[WarmSlice] = []
         self._waiting: collections.Counter[str] = collections.Counter()  # by type
-        self._prewarming: dict[WarmKey, threading.Event] = {}
+        self._prewarming: dict[WarmKey, object] = {}  # a token per prewarm under way
         self._lock = threading.Lock()
+        self._prewarm_ended = threading.Condition(self._lock)
         self._closed = False
 
     @abc.abstractmethod
@@ -168,16 +170,16 @@ class PooledSlices(abc.ABC):
         request = pb.AcquireSliceRequest(accelerator_type=accelerator_type,
                                          num_slices=num_slices)
         key = _key(request)
-        done = threading.Event()
+        token = object()
         with self._lock:
-            self._prewarming[key] = done
-        thread = threading.Thread(target=self._prewarm, args=(request, key, done),
+            self._prewarming[key] = token
+        thread = threading.Thread(target=self._prewarm, args=(request, key, token),
                                   name=f"jaxpod-prewarm-{key[0]}", daemon=True)
         thread.start()
         return thread
 
     def _prewarm(self, request: pb.AcquireSliceRequest, key: WarmKey,
-                 done: threading.Event) -> None:
+                 token: object) -> None:
         try:
             allocation, group = self._start_workers(request, key)
             logger.info("slice %s prewarmed", allocation.names())
@@ -186,22 +188,19 @@ class PooledSlices(abc.ABC):
             logger.warning("prewarming %d x %s failed (%s: %s); acquires start their own "
                            "workers", key[1], key[0], type(e).__name__, e)
         finally:
-            with self._lock:
-                if self._prewarming.get(key) is done:  # not a later prewarm's
+            with self._prewarm_ended:
+                if self._prewarming.get(key) is token:  # not a later prewarm's
                     del self._prewarming[key]
-            done.set()
+                self._prewarm_ended.notify_all()
 
     def acquire(self, request: pb.AcquireSliceRequest, slice_id: str,
                 cancel: Cancel | None = None) -> HeldSlice:
         """A warm slice of the request's shape if one still works (after waiting for
         one being prewarmed), else allocates, starts and configures; on any failure
-        nothing stays held. A wait for a free slice gives up once ``cancel`` is set
-        (``AllocationCancelledError``)."""
+        nothing stays held. A wait for a free slice, or for the prewarm, gives up once
+        ``cancel`` is set (``AllocationCancelledError``)."""
         key = _key(request)
-        with self._lock:
-            prewarming = self._prewarming.get(key)
-        if prewarming is not None:  # its capacity is held meanwhile: wait, then take it
-            prewarming.wait(ALLOCATION_TIMEOUT.resolve(request.timeout_s or None))
+        self._await_prewarm(request, key, cancel)
         while (warm := self._take_warm(key)) is not None:
             held = self._reuse(warm, request, slice_id)
             if held is not None:
@@ -216,6 +215,32 @@ class PooledSlices(abc.ABC):
         finally:
             with self._lock:
                 self._waiting[key[0]] -= 1
+
+    def _await_prewarm(self, request: pb.AcquireSliceRequest, key: WarmKey,
+                       cancel: Cancel | None) -> None:
+        """Waits for a prewarm of ``key`` under way, if any: its capacity is held
+        meanwhile, and its slice is the acquire's to take. Gives up at the request's
+        allocation time-out (the acquire then starts its own workers), or raises
+        ``AllocationCancelledError`` once ``cancel`` is set."""
+        limit = ALLOCATION_TIMEOUT.resolve(request.timeout_s or None)
+        with (cancel.waking(self._wake_prewarm_waiters) if cancel is not None
+              else contextlib.nullcontext()), self._prewarm_ended:
+            token = self._prewarming.get(key)
+            if token is None:
+                return
+            logger.info("an acquire of %d x %s waits for that slice's workers being "
+                        "prewarmed", key[1], key[0])
+            self._prewarm_ended.wait_for(
+                lambda: self._prewarming.get(key) is not token
+                or (cancel is not None and cancel.is_set()), limit)
+            if cancel is not None and cancel.is_set():
+                raise AllocationCancelledError(
+                    f"The acquire of {key[1]} x {key[0]} was cancelled while it waited "
+                    "for that slice's workers to be prewarmed; nothing is held.")
+
+    def _wake_prewarm_waiters(self) -> None:
+        with self._prewarm_ended:
+            self._prewarm_ended.notify_all()
 
     def waiting(self, accelerator_type: str) -> int:
         """Acquires of the type that found no warm slice and allocate (or wait to)."""

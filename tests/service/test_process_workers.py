@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -355,33 +356,73 @@ def test_an_acquire_waiting_for_capacity_gets_a_slice_released_meanwhile(
         slices.close()
 
 
+def _cancelled_acquire(slices: LocalProcessSlices, waits: Callable[[], bool]
+                       ) -> BaseException:
+    """What an acquire of a v4-8 that would wait an hour raises when cancelled (as a
+    stopping service does) once ``waits()`` says it is waiting."""
+    cancel = Cancel()
+    ended: list[BaseException] = []
+
+    def wait() -> None:
+        request = pb.AcquireSliceRequest(accelerator_type="v4-8", timeout_s=3600)
+        try:
+            slices.acquire(request, "slice-waiting", cancel)
+        except BaseException as e:
+            ended.append(e)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    assert wait_for(waits, 30), "the acquire never came to wait"
+    cancel.set()
+    waiter.join(30)
+    assert not waiter.is_alive(), "the cancelled acquire still waits"
+    (error,) = ended
+    return error
+
+
 def test_an_acquire_waiting_for_capacity_gives_up_when_cancelled() -> None:
     slices = LocalProcessSlices("v4-8", start_timeout_s=120)
     try:
         held = _acquire(slices, "v4-8")
-        cancel = Cancel()
-        ended: list[BaseException] = []
-
-        def wait() -> None:
-            request = pb.AcquireSliceRequest(accelerator_type="v4-8", timeout_s=3600)
-            try:
-                slices.acquire(request, "slice-waiting", cancel)
-            except BaseException as e:
-                ended.append(e)
-
-        waiter = threading.Thread(target=wait)
-        waiter.start()
-        assert wait_for(lambda: slices.waiting("v4-8") == 1, 30)
-        cancel.set()  # as a stopping service does: not after the hour it would wait
-        waiter.join(30)
-        assert not waiter.is_alive(), "the cancelled acquire still waits"
-        (error,) = ended
+        error = _cancelled_acquire(slices, lambda: slices.waiting("v4-8") == 1)
         assert isinstance(error, AllocationCancelledError), error
         assert "nothing is held" in str(error)
         assert slices.waiting("v4-8") == 0
         assert _doubled_sum(held) == 2 * sum(range(4))  # the holder is untouched
         held.release()
     finally:
+        slices.close()
+
+
+def test_an_acquire_waiting_for_a_prewarm_gives_up_when_cancelled(
+        caplog: pytest.LogCaptureFixture) -> None:
+    gate = threading.Event()
+
+    class Gated(LocalProcessSlices):
+        """Its prewarm's workers start only once the test opens the gate."""
+
+        def _start_group(self, held: Any) -> ReplicaGroup:
+            assert gate.wait(120), "the test never opened the gate"
+            return super()._start_group(held)
+
+    caplog.set_level("INFO", logger="jaxpod.service.workers")
+    slices = Gated("v4-8", start_timeout_s=120)
+    try:
+        prewarming = slices.prewarm("v4-8")
+        error = _cancelled_acquire(  # while the prewarm still runs
+            slices, lambda: "waits for that slice's workers being prewarmed" in caplog.text)
+        assert isinstance(error, AllocationCancelledError), error
+        assert "prewarmed; nothing is held" in str(error)
+        assert slices.waiting("v4-8") == 0
+        gate.set()  # the prewarm ends as if nothing had happened, and its slice serves
+        prewarming.join(120)
+        (warm,) = slices.warm()
+        held = _acquire(slices, "v4-8")
+        assert held.engine.group is warm.group
+        assert _doubled_sum(held) == 2 * sum(range(4))
+        held.release()
+    finally:
+        gate.set()
         slices.close()
 
 
