@@ -104,7 +104,8 @@ class Backend:
     def job_detail(self, job_id: str, points: int = 0) -> models.JobDetail:
         """The job's detail; ``points``: at most this many points per series (0: all)."""
         manager = self.jobs
-        return models.detail_of(manager.details(job_id), manager.store.metrics(job_id), points)
+        series = manager.store.metrics(job_id, points=points)
+        return models.detail_of(manager.details(job_id), series)
 
     def job_counts(self) -> dict[str, int]:
         """Jobs by state (every state, zeros included)."""

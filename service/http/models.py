@@ -6,7 +6,7 @@ import dataclasses
 import math
 import typing
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from pydantic import BaseModel, Field, create_model
 
@@ -22,8 +22,6 @@ from jaxpod.jobs import (
     Transition,
 )
 from jaxpod.service.tokens import Principal
-
-_P = TypeVar("_P")
 
 JobStateName: TypeAlias = JobState
 ClusterState = Literal["connecting", "ready", "failed"]
@@ -131,7 +129,8 @@ else:
                                                      "productive_share (empty: none yet)")),
         series=(dict[str, list[tuple[int, float | None]]], Field(
             description="each metric: [step, value] by step (null: NaN); with `points`, "
-                        "at most that many, evenly spaced, the first and last kept")),
+                        "at most that many, evenly spaced in steps, the first and last "
+                        "kept")),
         hosts=(list[HostInput], Field(description="each host's input feed in the running "
                                                   "attempt, as last read (empty when none "
                                                   "runs)")),
@@ -185,25 +184,13 @@ def _summary_fields(status: JobStatus) -> dict[str, Any]:
             "steps_per_productive_s": steps_per_productive_s(status)}
 
 
-def thin(points: Sequence[_P], at_most: int) -> list[_P]:
-    """``points`` if there are at most ``at_most`` of them (0: no limit), else
-    ``at_most`` of them evenly spaced, the first and the last kept: what a chart of a
-    long job draws."""
-    n = len(points)
-    if at_most <= 0 or n <= at_most:
-        return list(points)
-    if at_most == 1:
-        return [points[-1]]
-    return [points[round(i * (n - 1) / (at_most - 1))] for i in range(at_most)]
-
-
-def detail_of(details: JobDetails, series: dict[str, list[tuple[int, float]]],
-              points: int = 0) -> Any:
-    """``details`` and the job's metric series as the API's :data:`JobDetail`."""
+def detail_of(details: JobDetails, series: dict[str, list[tuple[int, float]]]) -> Any:
+    """``details`` and the job's metric series (as the store thinned them) as the API's
+    :data:`JobDetail`."""
     return JobDetail.model_validate({
         **_summary_fields(details.status), "history": list(details.history),
         "attempt_records": list(details.attempts), "goodput": dict(details.status.goodput or {}),
-        "series": {name: [(step, finite(v)) for step, v in thin(kept, points)]
+        "series": {name: [(step, finite(v)) for step, v in kept]
                    for name, kept in sorted(series.items())},
         "hosts": list(details.hosts), "checkpoints": list(details.checkpoints),
         "profiles": list(details.profiles)})

@@ -206,8 +206,9 @@ async def list_jobs(backend: BackendDep, recent: RecentDep,
           summary="A job: history, attempts, metric series, goodput")
 def get_job(backend: BackendDep, job_id: JobId,
             points: Annotated[int, Query(ge=0, le=MAX_OFFSET, description=(
-                "at most this many points per series, evenly spaced with the first and "
-                "last kept (0, the default: every point)"))] = 0) -> models.JobDetail:
+                "at most this many points per series, evenly spaced in steps with the "
+                "first and last kept (0, the default: every point)"))] = 0
+            ) -> models.JobDetail:
     return backend.job_detail(job_id, points)
 
 
@@ -265,12 +266,12 @@ async def _events(backend: Backend, job_id: str) -> AsyncIterator[bytes]:
         # A job records all its scalar outputs at each step it records, so reading
         # after the series sent least far misses nothing (and reads only the tail).
         since = min(sent.values(), default=-1)
-        for name, points in manager.store.metrics(job_id, since).items():
+        # The first read of a long job's history is thinned for the chart (in the
+        # store: seeks, not the whole history); later reads carry the few points of
+        # the loops since.
+        for name, points in manager.store.metrics(job_id, since, CHART_POINTS).items():
             after = sent.get(name, -1)
-            # The first read of a long job's history is thinned for the chart; later
-            # reads carry the few points of the loops since.
-            tail = [(step, models.finite(v)) for step, v in
-                    models.thin([p for p in points if p[0] > after], CHART_POINTS)]
+            tail = [(step, models.finite(v)) for step, v in points if step > after]
             if tail:
                 fresh[name] = tail
                 sent[name] = tail[-1][0]

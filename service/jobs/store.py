@@ -571,14 +571,40 @@ class JobStore:
                              "VALUES (?, ?, ?, ?)", (job_id, str(name), step,
                                                      _metric_value(name, value)))
 
-    def metrics(self, job_id: str, after: int = -1
+    def metrics(self, job_id: str, after: int = -1, points: int = 0
                 ) -> dict[str, builtins.list[tuple[int, float]]]:
-        """Every metric series of the job: name -> [(step, value)] by step; ``after``:
-        only the points of later steps (to follow a running job: the read costs what
-        it returns, not the job's length)."""
+        """Every metric series of the job: name -> [(step, value)] by step.
+
+        Args:
+          after: only the points of later steps (to follow a running job: the read
+            costs what it returns, not the job's length).
+          points: at most this many points per series (0: every one), as a chart of a
+            long job draws it: the first and the last, and between them the first point
+            at or after each of ``points - 2`` steps evenly spaced between theirs (1:
+            the last only). Each is an index seek, so the read costs the points it
+            returns, not the job's length; a series whose steps span fewer than
+            ``points`` steps is read whole.
+        """
+        if points < 0:
+            raise ValueError(f"points must be >= 0 (0: every point), got {points}")
         with self._read() as conn:
             self._require(conn, job_id)
-            rows = conn.execute(_METRICS_AFTER, {"job": job_id, "after": after}).fetchall()
+            if points == 0:
+                rows = conn.execute(_METRICS_AFTER, {"job": job_id, "after": after}
+                                    ).fetchall()
+            else:
+                rows = []
+                for name, first, last in conn.execute(
+                        _METRIC_ENDS, {"job": job_id, "after": after}).fetchall():
+                    if first is None:
+                        continue
+                    if points == 1:
+                        first = last
+                    span = {"job": job_id, "name": name, "first": first, "last": last,
+                            "points": points}
+                    thinned = last - first + 1 > points
+                    rows += [(name, step, value) for step, value in conn.execute(
+                        _METRIC_TICKS if thinned else _METRIC_RANGE, span)]
         series: dict[str, builtins.list[tuple[int, float]]] = {}
         for name, step, value in rows:
             series.setdefault(name, []).append((step, math.nan if value is None else value))
@@ -810,6 +836,34 @@ SELECT m.name, m.step, m.value FROM names
 JOIN metrics m ON m.job_id = :job AND m.name = names.name AND m.step > :after
 WHERE names.name IS NOT NULL
 ORDER BY m.name, m.step
+"""
+#: Each metric's first step after :after (NULL if none) and last step: two seeks a name.
+_METRIC_ENDS = _METRIC_NAMES + """
+SELECT name,
+       (SELECT step FROM metrics WHERE job_id = :job AND name = names.name
+          AND step > :after ORDER BY step LIMIT 1),
+       (SELECT step FROM metrics WHERE job_id = :job AND name = names.name
+          ORDER BY step DESC LIMIT 1)
+FROM names WHERE name IS NOT NULL
+"""
+#: One metric's points from step :first to :last.
+_METRIC_RANGE = """
+SELECT step, value FROM metrics
+WHERE job_id = :job AND name = :name AND step BETWEEN :first AND :last ORDER BY step
+"""
+#: One metric's first point at or after each of :points steps evenly spaced from :first
+#: to :last (both points, so both kept): a seek per point (:points >= 2).
+_METRIC_TICKS = """
+WITH RECURSIVE ticks(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM ticks WHERE i + 1 < :points),
+picked(step) AS (
+    SELECT DISTINCT (SELECT step FROM metrics WHERE job_id = :job AND name = :name
+                       AND step >= :first + (:last - :first) * i / (:points - 1)
+                     ORDER BY step LIMIT 1)
+    FROM ticks
+)
+SELECT m.step, m.value FROM picked  -- CROSS JOIN keeps picked outside: a seek per point
+CROSS JOIN metrics m ON m.job_id = :job AND m.name = :name AND m.step = picked.step
+ORDER BY m.step
 """
 
 

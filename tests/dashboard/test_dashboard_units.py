@@ -4,7 +4,6 @@ origin check of state-changing requests and the job store's readiness check."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import sqlite3
 import threading
 from pathlib import Path
@@ -13,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from starlette.requests import Request
 
-from jaxpod.service.http import auth, models, routes
+from jaxpod.service.http import auth, routes
 from jaxpod.service.http.backend import Backend, store_writable
 from jaxpod.service.http.routes import CACHE, Recent
 from jaxpod.service.jobs.manager import JobManager
@@ -154,23 +153,6 @@ def test_the_store_check_sees_a_held_write_lock_and_names_no_path(
     assert problem is not None and "locked" in problem
     assert str(tmp_path) not in problem  # /readyz answers anyone: no server paths
     assert store_writable(store.path) is None
-
-
-@pytest.mark.parametrize("n", [0, 1, 2, 5, 1999, 2000, 2001, 4000, 123_457])
-@pytest.mark.parametrize("at_most", [0, 1, 2, 3, 2000])
-def test_thinned_series_keep_their_ends_evenly_spaced(n: int, at_most: int) -> None:
-    points = [(10 * i, float(i)) for i in range(n)]
-    got = models.thin(points, at_most)
-    if at_most == 0 or n <= at_most:
-        assert got == points
-        return
-    assert len(got) == at_most and got[-1] == points[-1]
-    if at_most > 1:
-        assert got[0] == points[0]
-        steps = [s for s, _ in got]
-        gaps = [b - a for a, b in itertools.pairwise(steps)]
-        # Evenly spaced: the gaps differ by at most one original point (10 steps).
-        assert min(gaps) > 0 and max(gaps) - min(gaps) <= 10
 
 
 @pytest.mark.parametrize("jobs", [3, 200, 205])

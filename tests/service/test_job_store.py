@@ -281,6 +281,92 @@ def test_latest_metrics_are_each_series_last_point(store: JobStore) -> None:
         store.latest_metrics("nope")
 
 
+def _record(store: JobStore, job_id: str, steps: list[int],
+            names: tuple[str, ...] = ("loss",)) -> None:
+    """Metrics of a long job, each step's value its index, written in one transaction
+    through a connection of its own (add_metrics writes a step per transaction)."""
+    store.create_job(steps=max(steps, default=0) + 1, payload=b"", job_id=job_id)
+    with sqlite3.connect(store.path) as conn:
+        conn.executemany("INSERT INTO metrics (job_id, name, step, value) VALUES (?, ?, ?, ?)",
+                         [(job_id, name, step, float(i)) for name in names
+                          for i, step in enumerate(steps)])
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 1999, 2000, 2001, 4000, 123_457])
+@pytest.mark.parametrize("at_most", [0, 1, 2, 3, 2000])
+def test_thinned_series_keep_their_ends_evenly_spaced(store: JobStore, n: int,
+                                                      at_most: int) -> None:
+    points = [(10 * i, float(i)) for i in range(n)]
+    _record(store, "j", [step for step, _ in points])
+    got = store.metrics("j", points=at_most).get("loss", [])
+    if at_most == 0 or n <= at_most:
+        assert got == points
+        return
+    assert len(got) == at_most and got[-1] == points[-1]
+    if at_most > 1:
+        assert got[0] == points[0]
+        steps = np.array([s for s, _ in got])
+        # The first point at or after each evenly spaced step (numpy's own search).
+        all_steps = np.array([s for s, _ in points])
+        ticks = 0 + (all_steps[-1] - 0) * np.arange(at_most) // (at_most - 1)
+        np.testing.assert_array_equal(steps, all_steps[np.searchsorted(all_steps, ticks)])
+        gaps = np.diff(steps)
+        # Evenly spaced: the gaps differ by at most one original point (10 steps).
+        assert gaps.min() > 0 and gaps.max() - gaps.min() <= 10
+        assert all(v == s / 10 for s, v in got)  # each step with its own value
+
+
+def test_thinned_series_follow_their_own_steps_after_a_step(store: JobStore) -> None:
+    # Series recorded at different steps, one only near the start; a gap in the middle.
+    steps = [*range(0, 3000, 3), *range(9000, 12000, 3)]
+    _record(store, "j", steps, names=("a", "loss"))
+    _record(store, "early", list(range(10)))
+    store.add_metrics("j", 12_005, {"rare": 1.0})
+    store.add_metrics("j", 12_010, {"rare": 2.0})
+    for after in (-1, 0, 2999, 5000, 11_997, 12_005, 12_010):
+        full = store.metrics("j", after=after)
+        got = store.metrics("j", after=after, points=100)
+        assert got.keys() == full.keys()
+        for name, points in got.items():
+            assert len(points) <= 100
+            assert points[0] == full[name][0] and points[-1] == full[name][-1]
+            assert set(points) <= set(full[name]) and points == sorted(points)
+            if len(full[name]) <= 100:
+                assert points == full[name]
+    assert store.metrics("j", points=1) == {"a": [(11_997, 1999.0)], "loss": [(11_997, 1999.0)],
+                                            "rare": [(12_010, 2.0)]}
+    assert store.metrics("early", points=1000) == store.metrics("early")
+    with pytest.raises(ValueError, match=r"points must be >= 0.*got -1"):
+        store.metrics("j", points=-1)
+
+
+def test_a_thinned_read_costs_its_points_not_the_jobs_length(tmp_path: Path) -> None:
+    """SQLite's own count of the instructions a read runs (a progress handler called
+    every 100): a thinned read of a job 100 times longer runs about as many, where a
+    whole read runs about 100 times as many."""
+    with JobStore(tmp_path) as store:
+        for job_id, steps in (("short", 1_000), ("long", 100_000)):
+            _record(store, job_id, list(range(steps)), names=("acc", "loss"))
+
+        def instructions(job_id: str, points: int) -> int:
+            ticks = [0]
+
+            def count() -> int:
+                ticks[0] += 1
+                return 0  # go on
+
+            store._conn.set_progress_handler(count, 100)
+            try:
+                store.metrics(job_id, points=points)
+            finally:
+                store._conn.set_progress_handler(None, 100)
+            return ticks[0]
+
+        assert instructions("long", 0) > 50 * instructions("short", 0)  # the counter counts
+        for points in (1, 500):
+            assert instructions("long", points) < 2 * instructions("short", points) + 10
+
+
 def test_a_failed_metrics_write_lands_nothing(store: JobStore) -> None:
     store.create_job(steps=10, payload=b"", job_id="j")
     store.add_metrics("j", 1, {"loss": 1.0})
