@@ -29,6 +29,8 @@ PAIRS: dict[str, dict[str, tuple[str, str]]] = {
                                                 "inprocess_trivial_run_reduce_p50_ms")},
     "sharded": {"job_vs_plain": ("job_steps_per_s", "plain_steps_per_s")},
     "dashboard": {"polled_vs_quiet": ("steps_per_s_polled", "steps_per_s_quiet")},
+    "job_history": {"last_longest_vs_shortest": ("last_ms_longest", "last_ms_shortest"),
+                    "chart_vs_whole_longest": ("chart_ms_longest", "whole_ms_longest")},
 }
 #: The README lines: (text, script, figure) with ``{}`` for the figure's value.
 HEADLINES = (

@@ -77,6 +77,9 @@ AREAS = (
     Area("fan_in", "Replies at pod host counts", "What reading every host's reply to "
          "an operation costs the coordinator at 8, 64 and 256 hosts (socket pairs "
          "standing for the hosts)."),
+    Area("job_history", "A long job's history", "What reading a job's metric series "
+         "costs the dashboard at 1,000 to 1,000,000 steps: whole, thinned for the "
+         "chart, the last point."),
     Area("growth", "Cost growth with hosts", "The same figures on 1, 2, 4 (and 8) "
          "simulated hosts, fitted per host and read at 64 and 256 hosts."),
 )
