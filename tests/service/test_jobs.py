@@ -270,8 +270,9 @@ def test_a_host_whose_input_lags_shows_its_input_wait(client: Any, service: Serv
     # Host 1 makes each element in DELAY_S, host 0 reads its own from memory: host 1's
     # steps wait for their input, and host 0's then wait for host 1 in the collectives.
     # Making an element (DELAY_S) must take well over a step's compute on any machine,
-    # or the infeed's read-ahead hides the making behind the steps.
-    delay_s, steps, per_step = 0.01, 200, 4  # 4 replicas per host: 4 elements a step
+    # or the infeed's read-ahead hides the making behind the steps: 10 ms did not once,
+    # on a CI machine busy with other processes (a quarter of the making waited for).
+    delay_s, steps, per_step = 0.025, 80, 4  # 4 replicas per host: 4 elements a step
     host_batches = {h: lr_batches([3] * 8, seed=20 + h) for h in range(2)}
 
     def dataset_fn(ctx: Any) -> Any:
