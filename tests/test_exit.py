@@ -1,6 +1,6 @@
 """No process aborts at exit, whatever iterators, infeeds and values are alive.
 
-Each scenario runs in a fresh interpreter, ten times: a daemon infeed thread still in a
+Each scenario runs in a fresh interpreter, five times: a daemon infeed thread still in a
 JAX call while the interpreter finalizes used to abort it ("terminate called after
 throwing an instance of ''", exit 134). The last one is a client of a real service
 that exits holding a slice whose host worker was killed (SIGKILL).
@@ -22,7 +22,7 @@ from jaxpod.client import embedded
 from jaxpod.service.local_cluster import descendants
 from jaxpod.timeouts import wait_for
 
-RUNS = 10
+RUNS = 5
 ABORTED = ("terminate called", "FATAL: exception not rethrown", "Fatal Python error")
 
 _PRELUDE = """
