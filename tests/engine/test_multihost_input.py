@@ -34,8 +34,9 @@ import jaxpod
 #: replica count of that slice.
 SLICES = {1: ("remote", 8), 2: ("remote-2hosts", 8), 4: ("remote-4hosts", 16)}
 #: Examples per slice: each costs about a second of compiles and remote calls (more
-#: on 4 hosts, whose 4 worker processes share the CI machine's cores).
-EXAMPLES = 15
+#: on 4 hosts, whose 4 worker processes share the CI machine's cores). Each run draws
+#: new ones; the explicit @example cases run every time.
+EXAMPLES = 10
 ORACLE = Path(__file__).with_name("inprocess_oracle.py")
 ORACLE_TIMEOUT_S = 120
 
