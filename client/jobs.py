@@ -23,7 +23,6 @@ import grpc
 from jaxpod import errors, trees
 from jaxpod.client import rpc
 from jaxpod.jobs import (
-    JOB_STATES,
     SUBMIT_DEFAULTS,
     SUBMIT_KEYWORDS,
     Attempt,
@@ -42,6 +41,7 @@ from jaxpod.jobs import (
     check_mesh_axes,
     check_outputs,
     check_profile_seconds,
+    check_state,
     is_reiterable,
 )
 from jaxpod.proto import coordinator_pb2 as pb
@@ -276,17 +276,6 @@ def _check_spec_size(spec: JobSpec) -> None:
            "instead of the arrays themselves." if biggest == "dataset" else
            "do not capture large arrays in functions; build or load them on the hosts "
            "(in init_fn or dataset_fn)."))
-
-
-def check_state(state: str | None) -> str:
-    """A job state named in any case, as the service spells it ("" for ``None``: all)."""
-    if state is None:
-        return ""
-    wanted = state.upper() if isinstance(state, str) else ""
-    if wanted not in JOB_STATES:
-        raise ValueError(f"Unknown job state {state!r}; expected one of "
-                         f"{', '.join(JOB_STATES)} (any case), or none for every job.")
-    return wanted
 
 
 def submit_spec(client: Client, spec: JobSpec) -> Job:

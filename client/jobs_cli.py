@@ -126,10 +126,10 @@ def _address(args: argparse.Namespace) -> str:
 
 
 def _connect(args: argparse.Namespace) -> Client:
+    address = _address(args)  # before the client's imports (JAX): a missing one says so at once
     from jaxpod.client.client import connect
     from jaxpod.errors import ServiceUnavailableError
 
-    address = _address(args)
     try:
         return connect(address, os.environ.get(TOKEN_ENV) or None)
     except ServiceUnavailableError as e:
@@ -226,7 +226,7 @@ def run_submit(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------- jobs, job, cancel
 def run_jobs(args: argparse.Namespace) -> int:
-    from jaxpod.client.jobs import check_state
+    from jaxpod.jobs import check_state  # not the client's modules: they import JAX
 
     check_state(args.state)  # before connecting: a typo needs no service to be told
     with _connect(args) as client:

@@ -64,6 +64,17 @@ TERMINAL_STATES: frozenset[JobState] = frozenset(
 JOB_STATES: tuple[str, ...] = tuple(s.value for s in JobState)
 
 
+def check_state(state: str | None) -> str:
+    """A job state named in any case, as the service spells it ("" for ``None``: all)."""
+    if state is None:
+        return ""
+    wanted = state.upper() if isinstance(state, str) else ""
+    if wanted not in JOB_STATES:
+        raise ValueError(f"Unknown job state {state!r}; expected one of "
+                         f"{', '.join(JOB_STATES)} (any case), or none for every job.")
+    return wanted
+
+
 @dataclass(frozen=True)
 class JobStatus:
     """A job as the service last recorded it.

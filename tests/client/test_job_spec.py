@@ -361,6 +361,12 @@ def test_job_commands_without_an_address_say_how_to_give_one(tmp_path: Path) -> 
     for command in (("jobs",), ("job", "abc"), ("cancel", "abc")):
         _check_refused(_jaxpod(*command), f"`jaxpod {command[0]}` needs", "--address",
                        "JAXPOD_ADDRESS")
+    # Said before the client's modules load: they import JAX (most of a second).
+    probe = ("import sys\nfrom jaxpod.cli import main\n"
+             "print(main(['jobs']), 'jax' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          env=_env(), timeout=COMMAND_TIMEOUT_S, check=False)
+    assert done.stdout.split() == ["2", "False"], done.stdout + done.stderr
 
 
 def test_jaxpod_submit_refuses_bad_job_files_before_connecting(tmp_path: Path) -> None:
