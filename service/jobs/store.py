@@ -582,8 +582,8 @@ class JobStore:
             long job draws it: the first and the last, and between them the first point
             at or after each of ``points - 2`` steps evenly spaced between theirs (1:
             the last only). Each is an index seek, so the read costs the points it
-            returns, not the job's length; a series whose steps span fewer than
-            ``points`` steps is read whole.
+            returns, not the job's length; a series whose steps span at most
+            ``points`` steps is read whole (it has at most that many points).
         """
         if points < 0:
             raise ValueError(f"points must be >= 0 (0: every point), got {points}")
