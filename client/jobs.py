@@ -381,10 +381,10 @@ class Job:
 
         Args:
           timeout: seconds to wait at most for the job to finish (``None``: no limit).
-          state: fetch the final state (read from the job's last checkpoint, streamed
-            leaf by leaf). ``False`` leaves ``JobResult.state`` ``None``: for a state
-            too big for this process, open the checkpoint with orbax instead
-            (``job.checkpoints()[-1].path``).
+          state: fetch the final state (read from the job's last checkpoint and
+            streamed through the service in blocks). ``False`` leaves
+            ``JobResult.state`` ``None``: for a state too big for this process, open
+            the checkpoint with orbax instead (``job.checkpoints()[-1].path``).
 
         Raises:
           jaxpod.JobFailedError: the job ended ``FAILED`` (``error`` says why).

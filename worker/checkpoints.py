@@ -70,6 +70,9 @@ META_VERSION = 1
 #: How long a host's checkpoint thread waits for the other hosts' input positions (a
 #: lost host resets the slice well before).
 PEER_TIMEOUT = Timeout("JAXPOD_CHECKPOINT_PEER_TIMEOUT_S", 300.0)
+#: The most bytes of one stored chunk (orbax splits larger shards): whoever reads the
+#: checkpoint back in blocks, as the coordinator streams a job's result, holds no more.
+CHUNK_BYTES = 4 * 1024 * 1024
 #: Compiled layout changes kept per host (one each way per state structure saved).
 _PROGRAMS = 32
 
@@ -278,6 +281,12 @@ def _barriers_on_the_coordination_service() -> None:
     flags.FLAGS.set_default(multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.name, True)
 
 
+def _save_args() -> Any:
+    import orbax.checkpoint as ocp
+
+    return ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES)
+
+
 def _state_handler() -> Any:
     """The state item's orbax handler: the standard pytree format, its arrays written
     without a sharding file."""
@@ -353,8 +362,10 @@ class HostCheckpoints:
                       if leaves else [])
         else:
             raise TypeError("A job's state must hold only values on the slice.")
-        state_item = (ocp.args.PyTreeSave(jax.tree.unflatten(treedef, stored)) if leaves
-                      else None)  # a job without state keeps only its input positions
+        state_item = (ocp.args.PyTreeSave(
+            jax.tree.unflatten(treedef, stored),
+            save_args=jax.tree.unflatten(treedef, [_save_args()] * len(stored))) if leaves
+            else None)  # a job without state keeps only its input positions
         self._settle(directory)
         manager = self._manager(directory, keep)
         start = functools.partial(self._start, directory, manager, step, leaves, state_item,

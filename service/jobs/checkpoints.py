@@ -8,20 +8,20 @@ cluster). The coordinator tells them when, records each step once they committed
 and reads the directory through orbax to find committed steps (after its own restart,
 or an attempt lost before it heard of a commit); a checkpoint's state never passes
 through it, except when a client asks for a finished job's state, which it streams
-one leaf at a time.
+in bounded blocks (:mod:`~jaxpod.service.jobs.state_reader`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
 from jaxpod import trees
-from jaxpod.proto.tensors import RowParts, dtype_from_name
+from jaxpod.proto.tensors import NOT_HANDLED, RowParts, dtype_from_name, encode
+from jaxpod.service.jobs.state_reader import StateReader
 from jaxpod.timeouts import Timeout
 from jaxpod.worker.checkpoints import META, STATE
 
@@ -82,19 +82,36 @@ class JobCheckpoints:
 
     def state(self, step: int, skeleton: Any) -> Any:
         """Step ``step``'s state as a result to stream: ``skeleton`` (the state's frozen
-        structure, each leaf its index) with every leaf a :class:`RowParts` that reads it
-        from storage only as the stream reaches it, so no more than one leaf is held."""
+        structure, each leaf its index) with every leaf a :class:`RowParts` whose rows
+        are read from storage as the stream reaches them, in one pass over the
+        checkpoint (:class:`StateReader`), so no more than a few blocks are held."""
         specs = self.meta(step)["leaves"]
-        paths = _leaf_paths(skeleton)
+        paths, order = _leaf_paths(skeleton), _stream_order(skeleton)
+        place = {leaf: k for k, leaf in enumerate(order)}
+        reader = StateReader(self.state_path(step), [paths[i] for i in order])
 
         def leaf(i: int) -> Any:
             spec = specs[i]
             dtype = dtype_from_name(spec["dtype"])
-            parts = _LazyLeaf(self.state_path(step), paths[i])
+            parts = (np.asarray(block, dtype) for block in reader.blocks(place[i]))
             data = RowParts(tuple(spec["shape"]), dtype, parts)
             return data if spec["key_impl"] is None else trees.KeyData(spec["key_impl"], data)
 
         return jax.tree.map(leaf, skeleton)  # frozen nodes are pytrees: their leaves
+
+
+def _stream_order(skeleton: Any) -> list[int]:
+    """The skeleton's leaf indices in the order a result stream sends their bytes
+    (:func:`~jaxpod.proto.tensors.split_result` encodes the tree front to back)."""
+    order: list[int] = []
+
+    def visit(node: Any, path: str) -> Any:
+        if isinstance(node, int) and not isinstance(node, bool):
+            order.append(node)
+        return NOT_HANDLED
+
+    encode(skeleton, visit)
+    return order
 
 
 def _leaf_paths(skeleton: Any) -> list[tuple[str, ...]]:
@@ -116,47 +133,3 @@ def _leaf_paths(skeleton: Any) -> list[tuple[str, ...]]:
 
     walk(skeleton, ())
     return [out[i] for i in range(len(out))]
-
-
-class _LazyLeaf:
-    """One leaf of a checkpoint's state, read (restored alone, the others left as
-    placeholders) when a result stream iterates it."""
-
-    def __init__(self, path: str, names: tuple[str, ...]) -> None:
-        self._path = path
-        self._names = names
-
-    def __iter__(self) -> Iterator[np.ndarray]:
-        import orbax.checkpoint as ocp
-
-        checkpointer = ocp.PyTreeCheckpointer()
-        tree = checkpointer.metadata(self._path).item_metadata.tree
-        wanted = _placeholders(tree, self._names)
-        restored = checkpointer.restore(self._path, args=ocp.args.PyTreeRestore(
-            item=wanted, restore_args=_numpy(wanted)))
-        yield np.asarray(_at(restored, self._names))
-
-
-def _placeholders(tree: Any, names: tuple[str, ...], here: tuple[str, ...] = ()) -> Any:
-    import orbax.checkpoint as ocp
-
-    if isinstance(tree, dict):
-        return {k: _placeholders(v, names, (*here, str(k))) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return type(tree)(_placeholders(v, names, (*here, str(i)))
-                          for i, v in enumerate(tree))
-    return tree if here == names else ocp.PLACEHOLDER
-
-
-def _numpy(tree: Any) -> Any:
-    import jax
-    import orbax.checkpoint as ocp
-
-    return jax.tree.map(lambda x: ocp.RestoreArgs(restore_type=np.ndarray)
-                        if x is not ocp.PLACEHOLDER else x, tree)
-
-
-def _at(tree: Any, names: tuple[str, ...]) -> Any:
-    for name in names:
-        tree = tree[name] if isinstance(tree, dict) else tree[int(name)]
-    return tree

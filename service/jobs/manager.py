@@ -419,7 +419,7 @@ class JobManager:
 
     def result(self, job_id: str, with_state: bool = True) -> dict[str, Any]:
         """A SUCCEEDED job's result to stream: its outputs and (``with_state``) its final
-        state, read from its last checkpoint leaf by leaf as the stream goes.
+        state, read from its last checkpoint in blocks as the stream goes.
 
         Raises:
           ValueError: the job did not succeed (it has no result).
