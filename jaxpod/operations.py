@@ -445,12 +445,16 @@ class GatherParts(Operation["tuple[int, list[Any]]"]):
     """This host's replicas' parts of ``gather(value, axis)`` (only ``replicas``,
     when given) and the normalized axis: arrays, or with ``streamed``, views of the
     device memory as :class:`~jaxpod.pieces.Streamed` buffers (the receiving end cuts
-    them as it forwards them)."""
+    them as it forwards them). ``rows``: only rows ``[start, stop)`` of each part, so
+    a large result travels in blocks; ``padded``: each replica's whole component,
+    padding rows included (``PerReplica.array``'s parts; ``axis`` 0)."""
 
     value: Handle
     axis: int
     replicas: tuple[int, ...] | None = None
     streamed: bool = False
+    rows: tuple[int, int] | None = None
+    padded: bool = False
 
     def apply(self, host: Host) -> tuple[int, list[Any]]:
         return host.gather_parts(self)
@@ -473,9 +477,11 @@ ShardIndex = tuple[tuple[int, int], ...]
 @dataclass(frozen=True)
 class FetchShards(Operation["list[tuple[ShardIndex, np.ndarray]]"]):
     """The shards of a global array this host holds, each once (a replicated shard
-    comes from the host holding its first copy), with where each goes."""
+    comes from the host holding its first copy), with where each goes; with ``rows``,
+    only their parts within rows ``[start, stop)`` of the array's first axis."""
 
     value: Handle
+    rows: tuple[int, int] | None = None
 
     def apply(self, host: Host) -> list[tuple[ShardIndex, np.ndarray]]:
         return host.fetch_shards(self)

@@ -513,20 +513,32 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
 
     def _gather_in_parts(self, session: Session, held: HeldSlice,
                          request: pb.GatherRequest) -> Any:
-        """:meth:`_gather`, with rows left in their hosts' parts to stream one by one
-        (other axes must be joined)."""
+        """:meth:`_gather`, with large leaves left in blocks of rows to stream one by
+        one: the coordinator holds a few blocks, never the result."""
         value = self._args(session, held, request.value)
-        return jax.tree.map(
-            lambda g: tensors.RowParts(g.shape, g.dtype, g.parts) if g.axis == 0 else g.join(),
-            held.engine.gather_parts(value, tensors.decode(request.axis), tensors.DATA_PIECES),
-            is_leaf=lambda x: isinstance(x, GatherParts))
+        return _streamed(held.engine.gather_parts(value, tensors.decode(request.axis),
+                                                  tensors.DATA_PIECES))
 
     def _local_results(self, session: Session, held: HeldSlice, request: pb.ValueRequest
                        ) -> Any:
         return held.engine.experimental_local_results(self._args(session, held, request.value))
 
+    def _local_results_in_parts(self, session: Session, held: HeldSlice,
+                                request: pb.ValueRequest) -> Any:
+        """:meth:`_local_results`, with large leaves left in blocks of rows."""
+        value = self._args(session, held, request.value)
+        return _streamed(held.engine.local_results_parts(value, tensors.DATA_PIECES))
+
     def _fetch(self, session: Session, held: HeldSlice, request: pb.ValueRequest) -> Any:
         return held.engine.fetch(self._args(session, held, request.value))
+
+    def _fetch_in_parts(self, session: Session, held: HeldSlice, request: pb.ValueRequest
+                        ) -> Any:
+        """:meth:`_fetch`, with a large value left in blocks of rows."""
+        value = self._args(session, held, request.value)
+        if not isinstance(value, GroupValue):
+            return held.engine.fetch(value)  # the engine says what it takes
+        return _streamed(held.engine.fetch_parts(value, tensors.DATA_PIECES))
 
     _RESULTS: ClassVar[dict[str, Callable[[CoordinatorService, Session, HeldSlice, Any],
                                           Any]]] = {
@@ -558,10 +570,10 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
         return self._result_stream(self._gather_in_parts, request)
 
     def LocalResults(self, request: pb.ValueRequest, context: Any) -> ResultStream:
-        return self._result_stream(self._local_results, request)
+        return self._result_stream(self._local_results_in_parts, request)
 
     def Fetch(self, request: pb.ValueRequest, context: Any) -> ResultStream:
-        return self._result_stream(self._fetch, request)
+        return self._result_stream(self._fetch_in_parts, request)
 
     async def Free(self, request: pb.FreeRequest, context: Any) -> pb.Empty:
         session = self.sessions.get(request.session_id)
@@ -619,6 +631,17 @@ class _Stopped(Exception):
     def __init__(self, error: StopIteration) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+def _streamed(tree: Any) -> Any:
+    """``tree`` with each :class:`GatherParts` leaf a result to stream as it comes
+    (rows) or joined (parts along another axis)."""
+    def leaf(g: Any) -> Any:
+        if not isinstance(g, GatherParts):
+            return g
+        return tensors.RowParts(g.shape, g.dtype, g.parts) if g.axis == 0 else g.join()
+
+    return jax.tree.map(leaf, tree, is_leaf=lambda x: isinstance(x, GatherParts))
 
 
 def _inline(call: ResultCall) -> Callable[[list[Any]], pb.Tree]:

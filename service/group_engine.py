@@ -14,6 +14,8 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
+import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,9 +30,14 @@ from jaxpod.operations import Dropped, Handle, HandleInfo, StepItems
 from jaxpod.pieces import PieceLayout, Pieces
 from jaxpod.service.replica_group import Pipeline, ReplicaGroup
 from jaxpod.shipping import ShippedFunction, ship
+from jaxpod.timeouts import Count
 from jaxpod.types import InputOptions, ReduceOp
 
 _R = TypeVar("_R")
+#: The most bytes of a large result fetched from the workers in one operation: a
+#: caller that streams it holds the block it sends and the one fetched ahead.
+RESULT_BLOCK = Count("JAXPOD_RESULT_BLOCK_BYTES", 4 * 1024 * 1024,
+                     "bytes of a large result fetched from the hosts in one operation")
 
 
 @dataclass(frozen=True, eq=False)
@@ -324,36 +331,44 @@ class GroupEngine:
                           joined)
 
     def _gather_call(self, v: Any, axis: int, replicas: tuple[int, ...] | None = None,
-                     layout: PieceLayout | None = None) -> tuple[int, list[Any]]:
+                     layout: PieceLayout | None = None, rows: tuple[int, int] | None = None,
+                     padded: bool = False) -> tuple[int, list[Any]]:
         """One ``gather_parts`` operation: the normalized axis, every host's parts."""
-        op = ops.GatherParts(self._to_handles(v), axis, replicas, streamed=layout is not None)
+        op = ops.GatherParts(self._to_handles(v), axis, replicas,
+                             streamed=layout is not None, rows=rows, padded=padded)
         per_host = self._call(op, layout)
         return per_host[0][0], [p for _, parts in per_host for p in parts]
 
     def gather_parts(self, value: Any, axis: int, layout: PieceLayout | None = None) -> Any:
-        """``gather``'s result per leaf as the replicas' parts, not yet joined (a
-        caller that streams them never holds the joined copy).
-
-        Rows of a value held here (``axis`` 0) come one replica per operation, the
-        next fetched while the caller reads the current one, so a streaming caller
-        overlaps the workers' transfer with its own; with a ``layout`` those parts
-        come as ``Pieces`` cut that way (views of the workers' device memory, copied
-        once, into the pieces), ready to forward. Anything else
-        comes at once, as arrays.
+        """``gather``'s result per leaf as blocks of its rows, not yet joined: a caller
+        that streams them never holds the joined copy, nor more than two blocks of
+        ``JAXPOD_RESULT_BLOCK_BYTES`` (one operation each, the next fetched while the
+        caller reads the current one). With a ``layout``, blocks of rows a replica holds come as
+        ``Pieces`` cut that way (views of the workers' device memory, copied once,
+        into the pieces), ready to forward. Small leaves come in one operation.
         """
         def leaf(v: Any) -> GatherParts:
             n = self.num_replicas_in_sync
-            if isinstance(v, GroupValue) and n > 1 and v.shape and axis in (0, -len(v.shape)):
-                # the workers check the input first
-                _, first = self._gather_call(v, axis, (0,), layout)
+            big = isinstance(v, GroupValue) and n * _nbytes(v) > RESULT_BLOCK.value()
+            if isinstance(v, GroupValue) and not v.info.global_view and v.shape \
+                    and -len(v.shape) <= axis < len(v.shape) and (n > 1 or big):
+                ax = axis % len(v.shape)
                 rows = v.info.valid_rows or (v.shape[0],) * n
-                return GatherParts(0, (sum(rows), *v.shape[1:]), v.dtype, _fetched_ahead(
-                    first[0], lambda r: self._gather_call(v, axis, (r,), layout)[1][0],
-                    range(1, n)))
+                if ax == 0:  # each replica's rows in turn, streamed as they come
+                    spans = [(r, a, b) for r in range(n) for a, b in _spans(rows[r], v)]
+                    return GatherParts(0, (sum(rows), *v.shape[1:]), v.dtype, _fetched_ahead(
+                        lambda s: self._gather_call(v, 0, (s[0],), layout, s[1:])[1][0],
+                        spans or [(0, 0, 0)]))
+                if big and len(set(rows)) == 1:  # each row of the result spans replicas
+                    shape = (rows[0], *v.shape[1:ax], v.shape[ax] * n, *v.shape[ax + 1:])
+                    return GatherParts(0, shape, v.dtype, _fetched_ahead(
+                        lambda span: np.concatenate(
+                            self._gather_call(v, ax, rows=span)[1], axis=ax),
+                        _spans(rows[0], v, n) or [(0, 0)]))
             ax, parts = self._gather_call(v, axis)
-            shape = list(parts[0].shape)
-            shape[ax] = sum(p.shape[ax] for p in parts)
-            return GatherParts(ax, tuple(shape), parts[0].dtype, parts)
+            joined = list(parts[0].shape)
+            joined[ax] = sum(p.shape[ax] for p in parts)
+            return GatherParts(ax, tuple(joined), parts[0].dtype, parts)
 
         return jax.tree.map(leaf, value, is_leaf=_is_value)
 
@@ -367,15 +382,28 @@ class GroupEngine:
         if not value.info.global_view:
             return ResultCall(ops.FetchParts(self._to_handles(value)), lambda per_host: np.stack(
                 [p for parts in per_host for p in parts]))
+        return ResultCall(ops.FetchShards(self._to_handles(value)),
+                          lambda per_host: _assembled(value, per_host, None))
 
-        def whole(per_host: list[Any]) -> np.ndarray:
-            out = np.empty(value.shape, value.dtype)
-            for shards in per_host:
-                for index, data in shards:
-                    out[tuple(slice(start, stop) for start, stop in index)] = data
-            return out
-
-        return ResultCall(ops.FetchShards(self._to_handles(value)), whole)
+    def fetch_parts(self, value: GroupValue, layout: PieceLayout | None = None
+                    ) -> GatherParts:
+        """:meth:`fetch`'s result as blocks of its rows (see :meth:`gather_parts`): a
+        per-replica value's padded components one after another, a global value's
+        rows assembled block by block from the shards holding them."""
+        if _nbytes(value) * (1 if value.info.global_view else self.num_replicas_in_sync) \
+                <= RESULT_BLOCK.value() or not value.shape:
+            whole = self.fetch(value)
+            return GatherParts(0, whole.shape, whole.dtype, (whole,))
+        if value.info.global_view:
+            return GatherParts(0, value.shape, value.dtype, _fetched_ahead(
+                lambda span: _assembled(value, self._call(
+                    ops.FetchShards(self._to_handles(value), span)), span),
+                _spans(value.shape[0], value)))
+        n = self.num_replicas_in_sync
+        spans = [(r, a, b) for r in range(n) for a, b in _spans(value.shape[0], value)]
+        return GatherParts(0, (n, *value.shape), value.dtype, _fetched_ahead(
+            lambda s: self._gather_call(value, 0, (s[0],), layout, s[1:], padded=True)[1][0],
+            spans))
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         results: tuple[Any, ...] = self.answer(self.local_results_call(value))
@@ -388,6 +416,41 @@ class GroupEngine:
             return ResultCall(ops.LocalResults(self._to_handles(value)), first_host)
         return ResultCall(ops.LocalResults(self._to_handles(value)), lambda per_host: tuple(
             r for host in per_host for r in host))
+
+    def _replica_rows(self, v: GroupValue, replica: int, layout: PieceLayout | None,
+                      rows: tuple[int, int]) -> Any:
+        """Rows ``rows`` of replica ``replica``'s component of ``v`` (padding dropped)."""
+        return self._gather_call(v, 0, (replica,), layout, rows)[1][0]
+
+    def local_results_parts(self, value: Any, layout: PieceLayout | None = None
+                            ) -> tuple[Any, ...]:
+        """:meth:`experimental_local_results` with each large leaf's components as
+        blocks of rows (``GatherParts``, see :meth:`gather_parts`); the small leaves
+        come in one operation."""
+        leaves, treedef = jax.tree.flatten(value, is_leaf=_is_value)
+        big = [i for i, v in enumerate(leaves) if isinstance(v, GroupValue)
+               and not v.info.global_view and v.shape
+               and _nbytes(v) * self.num_replicas_in_sync > RESULT_BLOCK.value()]
+        if not big:
+            return self.experimental_local_results(value)
+        n = self.num_replicas_in_sync
+        small = [v for i, v in enumerate(leaves) if i not in big]
+        per_replica = ([list(r) for r in self.experimental_local_results(small)] if small
+                       else [[] for _ in range(n)])
+        out = []
+        for r in range(n):
+            rest = iter(per_replica[r])
+            row = []
+            for i, v in enumerate(leaves):
+                if i not in big:
+                    row.append(next(rest))
+                    continue
+                rows = (v.info.valid_rows or (v.shape[0],) * n)[r]
+                block = functools.partial(self._replica_rows, v, r, layout)
+                row.append(GatherParts(0, (rows, *v.shape[1:]), v.dtype,
+                                       _fetched_ahead(block, _spans(rows, v) or [(0, 0)])))
+            out.append(jax.tree.unflatten(treedef, row))
+        return tuple(out)
 
     def replica_value(self, value: Any, replica: int = 0) -> Any:
         """Replica ``replica``'s component of ``value``'s leaves as numpy, sent by the
@@ -576,12 +639,48 @@ class GroupIterator(Iterator[Any]):
 
 
 _Part = TypeVar("_Part")
+_Span = TypeVar("_Span")
 
 
-def _fetched_ahead(first: _Part, fetch: Callable[[int], _Part], rest: Sequence[int]
-                   ) -> Iterator[_Part]:
-    """Yields ``first``, then ``fetch(r)`` for each of ``rest``, each fetched on a
-    helper thread while its predecessor is being read."""
+def _nbytes(v: GroupValue) -> int:
+    """Bytes of one component of ``v`` (of the whole array, for a global value)."""
+    return math.prod(v.shape) * v.dtype.itemsize
+
+
+def _spans(rows: int, v: GroupValue, copies: int = 1) -> list[tuple[int, int]]:
+    """``[0, rows)`` cut into spans of at most ``JAXPOD_RESULT_BLOCK_BYTES`` of ``v``'s
+    rows (times ``copies``), at least one row each."""
+    row_bytes = max(1, math.prod(v.shape[1:]) * v.dtype.itemsize * copies)
+    step = max(1, RESULT_BLOCK.value() // row_bytes)
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+def _assembled(value: GroupValue, per_host: list[Any], rows: tuple[int, int] | None
+               ) -> np.ndarray:
+    """A global value (rows ``rows`` only, if given) put together from each host's
+    shards of it (``FetchShards``' answers)."""
+    start, stop = rows if rows is not None else (0, value.shape[0] if value.shape else 0)
+    shape = value.shape if not value.shape else (stop - start, *value.shape[1:])
+    out = np.empty(shape, value.dtype)
+    for shards in per_host:
+        for index, data in shards:
+            at = [slice(a, b) for a, b in index]
+            if at:
+                at[0] = slice(at[0].start - start, at[0].stop - start)
+            out[tuple(at)] = data
+    return out
+
+
+def _fetched_ahead(fetch: Callable[[_Span], _Part], spans: Sequence[_Span]) -> Iterator[_Part]:
+    """``fetch(s)`` for each of ``spans`` (at least one), as an iterator: the first
+    fetched now (so its errors reach the caller before anything is sent), each
+    following one on a helper thread while its predecessor is being read."""
+    first = fetch(spans[0])
+    return _ahead(first, fetch, spans[1:])
+
+
+def _ahead(first: _Part, fetch: Callable[[_Span], _Part], rest: Sequence[_Span]
+           ) -> Iterator[_Part]:
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpod-gather")
     try:
         ahead = [pool.submit(fetch, r) for r in rest[:1]]

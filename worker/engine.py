@@ -528,7 +528,8 @@ class Engine:
                             value, is_leaf=is_per_replica)
 
     def gather_parts(self, value: PerReplica, axis: int, replicas: Sequence[int] | None = None,
-                     views: bool = False) -> tuple[int, list[np.ndarray]]:
+                     views: bool = False, padded: bool = False
+                     ) -> tuple[int, list[np.ndarray]]:
         """This host's share of ``gather``: the normalized axis and its replicas' parts.
 
         A multi-host caller concatenates every host's parts in replica order, so no
@@ -540,9 +541,13 @@ class Engine:
           views: a part held whole by one device may be a read-only view of its
             memory (no copy; valid while ``value`` lives), for a caller that copies
             the parts at once.
+          padded: each replica's whole component, padding rows included (``axis`` 0:
+            the parts of ``value.array``).
         """
         value = self._as_per_replica("gather", value)
         ax = normalize_axis(axis, len(value.shape), "gather")
+        if padded:
+            return ax, self._local_leaf(value, padded=True, replicas=replicas, views=views)
         valid = value.padding
         if valid is not None and ax != 0 and not np.all(valid == valid[0]):
             self._drop_equal_padding(f"gather with axis={axis}", value)  # raises

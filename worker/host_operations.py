@@ -308,7 +308,10 @@ class HostOperations(ops.Host):
     def gather_parts(self, op: ops.GatherParts) -> tuple[int, list[Any]]:
         # Streamed parts are views of device memory: the receiver copies them once.
         axis, parts = self.engine.gather_parts(self.store.per_replica(op.value.id), op.axis,
-                                               op.replicas, views=op.streamed)
+                                               op.replicas, views=op.streamed,
+                                               padded=op.padded)
+        if op.rows is not None:
+            parts = [p[op.rows[0]:op.rows[1]] for p in parts]
         return axis, [Streamed(p) for p in parts] if op.streamed else parts
 
     def fetch_parts(self, op: ops.FetchParts) -> list[np.ndarray]:
@@ -320,8 +323,18 @@ class HostOperations(ops.Host):
             raise TypeError(f"Handle {op.value.id} is a per-replica value, not a global "
                             "array: fetch its replicas' parts instead.")
         array = value.array
-        return [(_bounds(shard.index, array.shape), np.asarray(shard.data))
-                for shard in array.addressable_shards if shard.replica_id == 0]
+        shards = [(_bounds(shard.index, array.shape), shard.data)
+                  for shard in array.addressable_shards if shard.replica_id == 0]
+        if op.rows is None or not array.shape:
+            return [(index, np.asarray(data)) for index, data in shards]
+        start, stop = op.rows
+        out = []
+        for index, data in shards:  # each shard's rows within [start, stop)
+            (first, last), rest = index[0], index[1:]
+            a, b = max(start, first), min(stop, last)
+            if a < b:
+                out.append((((a, b), *rest), np.asarray(data[a - first:b - first])))
+        return out
 
     def local_results(self, op: ops.LocalResults) -> tuple[Any, ...]:
         return tuple(trees.freeze(r, "result") for r in
