@@ -79,6 +79,27 @@ def machine_cpu_s() -> float:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
+def memory_mib(pid: int, field: str = "VmRSS") -> float:
+    """A memory figure of process ``pid`` in MiB: ``VmRSS`` (resident now) or
+    ``VmHWM`` (its peak so far), from ``/proc/<pid>/status``."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/{pid}/status has no {field} line")
+
+
+def peak_rss_growth_mib(pid: int, fn: Callable[[], Any]) -> tuple[float, Any]:
+    """How far process ``pid``'s peak resident memory rose above its resident memory
+    at the start while ``fn()`` ran (Linux's ``clear_refs`` resets the peak first), and
+    what ``fn`` returned."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    before = memory_mib(pid)
+    out = fn()
+    return memory_mib(pid, "VmHWM") - before, out
+
+
 def process_cpu_s(pid: int) -> float:
     """CPU seconds process ``pid`` has used so far (user and system, all its threads;
     0 once it is gone), from ``/proc/<pid>/stat``."""
@@ -258,18 +279,20 @@ SERVE_START_S, SERVE_STOP_S = 300.0, 90.0
 
 
 class ServeProcess:
-    """``jaxpod serve --local --slices SLICES`` with free gRPC and HTTP ports, its own
-    token and state dir (removed when it stops): the service as users run it."""
+    """``jaxpod serve --local --slices SLICES --provider PROVIDER`` with free gRPC and
+    HTTP ports, its own token and state dir (removed when it stops): the service as
+    users run it."""
 
-    def __init__(self, log_path: str, slices: str, tls: bool = False) -> None:
+    def __init__(self, log_path: str, slices: str, tls: bool = False,
+                 provider: str = "ray") -> None:
         self.token = secrets.token_hex(16)
         self.state_dir = tempfile.mkdtemp(prefix="jaxpod-bench-dashboard-")
         self.log_path = log_path
         env = {**os.environ, "JAXPOD_TOKEN": self.token}
         env.pop("JAXPOD_ADDRESS", None)
         command = [sys.executable, "-m", "jaxpod.cli", "serve", "--local", "--slices", slices,
-                   "--port", "0", "--http-port", "0", "--stop-on-stdin-eof", "--state-dir",
-                   self.state_dir]
+                   "--provider", provider, "--port", "0", "--http-port", "0",
+                   "--stop-on-stdin-eof", "--state-dir", self.state_dir]
         #: The certificate clients trust (self-signed, for 127.0.0.1), with --tls.
         self.ca: bytes | None = None
         if tls:

@@ -27,6 +27,7 @@ PAIRS: dict[str, dict[str, tuple[str, str]]] = {
                                                "loop_inprocess_ms_per_step"),
                   "trivial_run_reduce_p50_ms": ("trivial_run_reduce_p50_ms",
                                                 "inprocess_trivial_run_reduce_p50_ms")},
+    "results": {"result_over_bound_largest": ("result_s_largest", "orbax_s_largest")},
     "sharded": {"job_vs_plain": ("job_steps_per_s", "plain_steps_per_s")},
     "dashboard": {"polled_vs_quiet": ("steps_per_s_polled", "steps_per_s_quiet")},
     "job_history": {"last_longest_vs_shortest": ("last_ms_longest", "last_ms_shortest"),

@@ -68,6 +68,10 @@ AREAS = (
     Area("checkpoint", "Checkpoints", "Host-written orbax checkpoints through a job against "
          "plain orbax on plain `jax.distributed` processes; the step loop's stall; "
          "resume far against near."),
+    Area("results", "Reading results back", "`job.result()` against plain orbax restoring "
+         "the same checkpoint at 10 to 1,000 leaves and 16 to 256 MiB; the coordinator's "
+         "peak memory while a 256 MiB result, gather, local results or fetch passes "
+         "through it."),
     Area("sharded", "Sharded (global-view) jobs", "A `mesh=` job's steps/s against the same "
          "`jax.jit` step on plain `jax.distributed` processes."),
     Area("dashboard", "Dashboard", "32 pollers of the job list: p99 latency, and a running "
