@@ -144,7 +144,8 @@ class Transition:
 class Attempt:
     """One attempt at running a job (1 is the first). ``ended_at`` and ``step_reached``
     are ``None`` while it runs; ``running_at`` and ``start_step`` say when it began
-    running steps and from which (``None``: it never did)."""
+    running steps and from which, ``first_step_at`` when its first loop of steps was
+    done (``None``: it never got that far)."""
 
     number: int
     started_at: float
@@ -153,6 +154,7 @@ class Attempt:
     step_reached: int | None
     running_at: float | None = None
     start_step: int | None = None
+    first_step_at: float | None = None
 
 
 @dataclass(frozen=True)

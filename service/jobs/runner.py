@@ -377,6 +377,8 @@ class JobRun:
             self.store.add_metrics(self.job_id, step, scalars)
         else:
             self.store.set_step(self.job_id, step)
+        if step - self.start_step <= self.spec.steps_per_run:  # the attempt's first loop
+            self.store.first_loop_done(self.job_id)
         self._changed()
 
     def _poll_hosts(self) -> list[HostNews]:

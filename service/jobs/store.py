@@ -221,12 +221,16 @@ _V10 = ["""CREATE TABLE profiles (
     )"""]
 
 
+# v11: when each attempt's first loop of steps was done (submit -> first step).
+_V11 = ["ALTER TABLE attempts ADD COLUMN first_step_at REAL"]
+
+
 #: MIGRATIONS[i] takes a database from schema version i to i + 1. Append only: never
 #: edit a released one (databases in the field were built by it).
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _statements(_V1), _statements(_V2), _statements(_V3), _statements(_V4),
     _statements(_V5), _statements(_V6), _statements(_V7), _statements(_V8),
-    _statements(_V9), _statements(_V10)]
+    _statements(_V9), _statements(_V10), _statements(_V11)]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -546,12 +550,20 @@ class JobStore:
                          "WHERE job_id = ? AND number = ?",
                          (self._clock(), cause, step_reached, job_id, number))
 
+    def first_loop_done(self, job_id: str) -> None:
+        """The running attempt (the newest) did its first loop of steps now."""
+        with self._write() as conn:
+            self._require(conn, job_id)
+            conn.execute("UPDATE attempts SET first_step_at = COALESCE(first_step_at, ?) "
+                         "WHERE job_id = ? AND number = (SELECT MAX(number) FROM attempts "
+                         "WHERE job_id = ?)", (self._clock(), job_id, job_id))
+
     def attempts(self, job_id: str) -> builtins.list[Attempt]:
         with self._read() as conn:
             self._require(conn, job_id)
             rows = conn.execute("SELECT number, started_at, ended_at, cause, step_reached, "
-                                "running_at, start_step FROM attempts WHERE job_id = ? "
-                                "ORDER BY number", (job_id,)).fetchall()
+                                "running_at, start_step, first_step_at FROM attempts "
+                                "WHERE job_id = ? ORDER BY number", (job_id,)).fetchall()
         return [Attempt(*r) for r in rows]
 
     # ------------------------------------------------------------------ metrics, logs

@@ -242,6 +242,9 @@ def test_a_killed_host_is_a_preemption_and_the_job_resumes_bit_for_bit(
     # The step the failure named is the one resumed from: the hosts' storage had no
     # later checkpoint left to commit (a survivor can finish one its lost peer wrote).
     assert second.start_step == resumed_at, (first, second)
+    for attempt in (first, second):  # each timed its first loop while it ran
+        assert attempt.running_at is not None and attempt.first_step_at is not None
+        assert attempt.running_at <= attempt.first_step_at <= attempt.ended_at, attempt
     assert host_pids(job, 1)[-1] != victim  # the second attempt ran on new workers
     # It sought its input to the checkpoint: each host's first read is the element the
     # next step starts in (steps take the first element's 12 rows), then on in order.

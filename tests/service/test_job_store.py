@@ -231,6 +231,18 @@ def test_attempts_round_trip(store: JobStore) -> None:
     assert store.attempts("j") == attempts
 
 
+def test_the_first_loop_of_each_attempt_is_timed_once(store: JobStore) -> None:
+    store.create_job(steps=10, payload=b"", job_id="j")
+    store.record_attempt("j")                               # t=1001
+    assert store.attempts("j")[0].first_step_at is None
+    store.first_loop_done("j")                              # t=1002
+    store.first_loop_done("j")                              # t=1003: kept at 1002
+    store.end_attempt("j", 1, cause="preempted", step_reached=4)
+    store.record_attempt("j")
+    store.first_loop_done("j")
+    assert [a.first_step_at for a in store.attempts("j")] == [1002.0, 1006.0]
+
+
 # --------------------------------------------------------------------------- metrics, logs
 
 def test_metrics_round_trip(store: JobStore) -> None:
