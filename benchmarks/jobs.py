@@ -14,16 +14,18 @@ global batch of 64 rows split over all 8 replicas of both hosts
 
 Figures (``*_p50``: medians):
 
-1. ``submit_to_first_step_ms_p50`` (target < 100): p50 over 20 jobs (8 with
+1. ``submit_to_first_step_ms_p50`` (target <= 30): p50 over 20 jobs (8 with
    ``--quick``) on a warm slice, submitted one after another (each after the previous
    finished), after one warm-up job of the same function (so the slice is warm and the
-   step compiled). Measured as the job's own record, ``finished_at - created_at`` on
-   the service's clock: the job has one step, so this is an upper bound of the time
-   from submission to its first completed step. Also, as separate figures:
-   ``submit_to_wait_ms_p50``, the client-observed time from calling
-   ``client.submit(...)`` to ``job.wait()`` returning (what a user sees), and
-   ``submit_call_ms_p50``, ``client.submit`` alone; the job record split at
-   ``started_at`` (``job_created_to_started_ms_p50``: queued and given the slice;
+   step compiled). Measured as the job's own record on the service's clock: its
+   attempt's ``first_step_at`` (its first loop of steps done and recorded) minus its
+   ``created_at``. ``submit_to_finished_ms_p50`` is ``finished_at - created_at``: the
+   one step, then the job's end, whose final state is committed to storage by the
+   hosts as an orbax checkpoint before the job is ``SUCCEEDED`` (its result).
+   Also, as separate figures: ``submit_to_wait_ms_p50``, the client-observed time
+   from calling ``client.submit(...)`` to ``job.wait()`` returning (what a user
+   sees), and ``submit_call_ms_p50``, ``client.submit`` alone; the job record split
+   at ``started_at`` (``job_created_to_started_ms_p50``: queued and given the slice;
    ``job_started_to_finished_ms_p50``: running); ``first_job_s`` is the warm-up job
    (ships and compiles the function).
 2. ``reacquire_ms_p50`` (target < 50): ``client.strategy(accelerator_type=...)`` and
@@ -95,7 +97,7 @@ from _common import kept_log_on_failure, log_tail, parse_parts, report, stop_pro
 ACCELERATOR = "v4-16"
 ROWS = 64  # rows of the one global batch: 8 per replica on a v4-16
 EXPECTED_LOSS = (ROWS - 1) / 2  # mean of 0..63
-SUBMIT_TARGET_MS = 100.0
+SUBMIT_TARGET_MS = 30.0
 REACQUIRE_TARGET_MS = 50.0
 SERVICE_START_S = 300.0
 SERVICE_STOP_S = 60.0
@@ -375,7 +377,7 @@ def measure_jobs(client: Any, accelerator: str, sequential: int, burst: int
     check_result(warmup)
     print(f"first job (ships and compiles the step) {first_job_s:.2f} s", flush=True)
 
-    record, observed, submit_call, to_start, to_finish = [], [], [], [], []
+    record, first_step, observed, submit_call, to_start, to_finish = [], [], [], [], [], []
     for i in range(sequential):
         start = time.perf_counter()
         job = submit(client, accelerator, f"bench-seq-{i}")
@@ -384,11 +386,14 @@ def measure_jobs(client: Any, accelerator: str, sequential: int, burst: int
         done = time.perf_counter()
         check_succeeded(status)
         record.append(status.finished_at - status.created_at)
+        first_step.append(job.details().attempts[-1].first_step_at - status.created_at)
         to_start.append(status.started_at - status.created_at)
         to_finish.append(status.finished_at - status.started_at)
         observed.append(done - start)
         submit_call.append(submitted - start)
     check_result(job)
+    print("job record (first step - created_at) ms: "
+          + ", ".join(f"{ms(t):.1f}" for t in first_step), flush=True)
     print("job record (finished_at - created_at) ms: "
           + ", ".join(f"{ms(t):.1f}" for t in record), flush=True)
     print("submit -> wait() ms: " + ", ".join(f"{ms(t):.1f}" for t in observed), flush=True)
@@ -405,8 +410,9 @@ def measure_jobs(client: Any, accelerator: str, sequential: int, burst: int
     print(f"{burst} jobs at once: {burst_s:.2f} s, {60 * burst / burst_s:.1f} jobs/min",
           flush=True)
     return {"first_job_s": first_job_s,
-            "submit_to_first_step_ms_p50": ms(statistics.median(record)),
-            "submit_to_first_step_ms_max": ms(max(record)),
+            "submit_to_first_step_ms_p50": ms(statistics.median(first_step)),
+            "submit_to_first_step_ms_max": ms(max(first_step)),
+            "submit_to_finished_ms_p50": ms(statistics.median(record)),
             "job_created_to_started_ms_p50": ms(statistics.median(to_start)),
             "job_started_to_finished_ms_p50": ms(statistics.median(to_finish)),
             "submit_to_wait_ms_p50": ms(statistics.median(observed)),
@@ -496,7 +502,7 @@ def main() -> None:
     targets: dict[str, Any] = {}
     if "jobs" in parts:
         targets["submit_to_first_step_ms_p50"] = target(
-            figures["submit_to_first_step_ms_p50"], "<", SUBMIT_TARGET_MS)
+            figures["submit_to_first_step_ms_p50"], "<=", SUBMIT_TARGET_MS)
     if "reacquire" in parts:
         targets["reacquire_ms_p50"] = target(
             figures["reacquire_ms_p50"], "<", REACQUIRE_TARGET_MS)
