@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import ray
 
-from jaxpod.service.allocator import Allocation, SliceAllocator
-from jaxpod.service.local_cluster import LocalTPUCluster
-from jaxpod.service.resolvers.ray import connect
+from jaxpod.service.capacity.allocator import Allocation, SliceAllocator
+from jaxpod.service.capacity.local_cluster import LocalTPUCluster
+from jaxpod.service.capacity.resolvers.ray import connect
 
 TARGET_S = 1.0
 ROUNDS = 10

@@ -413,7 +413,7 @@ def main() -> None:
         print(f"plain orbax: {plain}", flush=True)
     if "jobs" in args.parts:
         import jaxpod
-        from jaxpod.service.local_cluster import LocalTPUCluster
+        from jaxpod.service.capacity.local_cluster import LocalTPUCluster
 
         with LocalTPUCluster(ACCELERATOR) as cluster, \
                 running_service(cluster.address, "checkpoint") as service, \

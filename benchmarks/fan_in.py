@@ -47,7 +47,7 @@ from _common import report, target
 
 from jaxpod import trees
 from jaxpod.operations import Digest, Digested, HandleInfo
-from jaxpod.service.replica_group import undigest
+from jaxpod.service.slices.replica_group import undigest
 from jaxpod.worker import channel
 from jaxpod.worker.result_digest import result_digest
 

@@ -158,7 +158,7 @@ def main() -> None:
         parser.error(f"--hosts takes two or more of {sorted(TYPE_BY_HOSTS)}; got {args.hosts}")
 
     import jaxpod
-    from jaxpod.service.local_cluster import LocalTPUCluster
+    from jaxpod.service.capacity.local_cluster import LocalTPUCluster
 
     measured: dict[int, dict[str, float]] = {}
     types = ",".join(TYPE_BY_HOSTS[h] for h in counts)

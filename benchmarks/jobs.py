@@ -190,7 +190,7 @@ def measure_jaxtrainer(cluster: Any, accelerator: str, fits: int) -> dict[str, A
     """``1 + fits`` ``JaxTrainer.fit()`` runs on ``cluster``; times and checks them."""
     import ray
 
-    from jaxpod.service.topology import slice_shape
+    from jaxpod.service.capacity.topology import slice_shape
 
     shape = slice_shape(accelerator)
     cluster.connect()
@@ -476,7 +476,7 @@ def main() -> None:
         except ImportError as e:
             sys.exit(f"The peer (Ray Train's JaxTrainer) needs ray[train]: {e}. Install it "
                      f"(pip install 'ray[train]'), or leave it out: --parts reacquire,jobs")
-    from jaxpod.service.local_cluster import LocalTPUCluster
+    from jaxpod.service.capacity.local_cluster import LocalTPUCluster
 
     figures: dict[str, Any] = {"accelerator_type": ACCELERATOR, "cores": os.cpu_count()}
     start = time.perf_counter()

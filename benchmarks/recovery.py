@@ -296,7 +296,7 @@ def main() -> None:
     interruptions = 1 if args.quick else 3
 
     import jaxpod
-    from jaxpod.service.local_cluster import LocalTPUCluster
+    from jaxpod.service.capacity.local_cluster import LocalTPUCluster
 
     figures: dict[str, Any] = {"accelerator_type": ACCELERATOR, "cores": os.cpu_count()}
     start = time.perf_counter()

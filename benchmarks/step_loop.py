@@ -220,7 +220,7 @@ def measure_loop(remote: Loop, child: Child, steps: int, rounds: int) -> dict[st
 def _roles() -> dict[int, str]:
     """This process and the embedded service's, by role: ``client``, ``coordinator``,
     ``hosts`` (the host workers), ``ray`` (Ray's own daemons)."""
-    from jaxpod.service.local_cluster import descendants
+    from jaxpod.service.capacity.local_cluster import descendants
 
     roles = {os.getpid(): "client"}
     for pid in descendants(os.getpid()):

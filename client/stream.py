@@ -33,8 +33,8 @@ from jaxpod.errors import (
     HandleError,
     ServiceUnavailableError,
 )
+from jaxpod.operations import op_of
 from jaxpod.proto import coordinator_pb2 as pb
-from jaxpod.proto.tensors import op_of
 from jaxpod.timeouts import Count
 
 if TYPE_CHECKING:

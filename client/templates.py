@@ -18,8 +18,8 @@ import threading
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+from jaxpod.operations import output_id, output_index
 from jaxpod.proto import coordinator_pb2 as pb
-from jaxpod.proto.tensors import output_id, output_index
 
 #: Templates kept per slice.
 MAX_TEMPLATES = 1024

@@ -45,7 +45,7 @@ from jaxpod.types import AutoShardPolicy, InputContext, InputOptions, ReduceOp, 
 
 if TYPE_CHECKING:
     from jaxpod.client import Client, Job, RemoteStrategy, connect
-    from jaxpod.service.resolvers import TPUClusterResolver
+    from jaxpod.service.capacity.resolvers import TPUClusterResolver
     from jaxpod.tf_compat import InputReplicationMode, MultiStepContext, StrategyExtended
     from jaxpod.values import DistributedDataset, DistributedIterator, PerReplica
     from jaxpod.worker.device_assignment import DeviceAssignment, Topology
@@ -118,7 +118,7 @@ __all__ = [
 _LAZY = {"InputReplicationMode": "jaxpod.tf_compat", "MultiStepContext": "jaxpod.tf_compat",
          "StrategyExtended": "jaxpod.tf_compat", "DistributedDataset": "jaxpod.values",
          "DistributedIterator": "jaxpod.values", "PerReplica": "jaxpod.values",
-         "TPUClusterResolver": "jaxpod.service.resolvers",
+         "TPUClusterResolver": "jaxpod.service.capacity.resolvers",
          "connect": "jaxpod.client", "Client": "jaxpod.client", "Job": "jaxpod.client",
          "RemoteStrategy": "jaxpod.client",
          "TPUStrategy": "jaxpod.worker.strategy",

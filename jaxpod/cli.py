@@ -39,7 +39,7 @@ def _build_parser() -> argparse.ArgumentParser:
     cluster.set_defaults(handler=_run_cluster)
 
     serve = sub.add_parser("serve", help="run the coordinator service (gRPC)")
-    from jaxpod.service.serve_cli import add_arguments
+    from jaxpod.service.cli.serve import add_arguments
 
     add_arguments(serve)
     serve.set_defaults(handler=_run_serve)
@@ -66,7 +66,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "render", help="write a kustomize overlay (KubeRay RayCluster TPU worker group) for "
                        "a slice type from the topology table")
     # Imported here only for its arguments; light (no Ray, no gRPC).
-    from jaxpod.service.deploy_render import add_arguments as add_render_arguments
+    from jaxpod.service.cli.deploy_render import add_arguments as add_render_arguments
 
     add_render_arguments(render)
     render.set_defaults(handler=_run_deploy_render)
@@ -89,19 +89,19 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_cluster(args: argparse.Namespace) -> int:
-    from jaxpod.service.cluster_cli import run_cluster
+    from jaxpod.service.cli.cluster import run_cluster
 
     return run_cluster(args)
 
 
 def _run_deploy_render(args: argparse.Namespace) -> int:
-    from jaxpod.service.deploy_render import run_render
+    from jaxpod.service.cli.deploy_render import run_render
 
     return run_render(args)
 
 
 def _run_token_new(args: argparse.Namespace) -> int:
-    from jaxpod.service.tokens import new_token
+    from jaxpod.service.auth.tokens import new_token
 
     token = new_token(args.tokens_file, args.name, args.role, args.max_slices)
     print(f"jaxpod: added {args.role} token {args.name!r} to {args.tokens_file}; give it to "
@@ -111,7 +111,7 @@ def _run_token_new(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from jaxpod.service.serve_cli import run_serve
+    from jaxpod.service.cli.serve import run_serve
 
     return run_serve(args)
 

@@ -740,3 +740,31 @@ class Envelope:
     #: The next message may arrive before the reply is read: the reply must lend
     #: no memory (a lent buffer lives only until the next message).
     ahead: bool = False
+
+
+# ------------------------------------------------------------------ value ids
+#: A stream operation's n-th output value has the id ``op << OUTPUT_BITS | n``.
+OUTPUT_BITS = 20
+_OUTPUT_MASK = (1 << OUTPUT_BITS) - 1
+
+
+def output_id(op: int, index: int) -> int:
+    """The id of stream operation ``op``'s ``index``-th output value (``SliceOp``).
+
+    Raises:
+      ValueError: an operation that makes more values than an id leaves room for.
+    """
+    if index > _OUTPUT_MASK:
+        raise ValueError(f"An operation may make at most {_OUTPUT_MASK + 1} values; "
+                         "return fewer leaves.")
+    return op << OUTPUT_BITS | index
+
+
+def op_of(value_id: int) -> int:
+    """The stream operation that made value ``value_id``."""
+    return value_id >> OUTPUT_BITS
+
+
+def output_index(value_id: int) -> int:
+    """Value ``value_id``'s place among its operation's outputs."""
+    return value_id & _OUTPUT_MASK

@@ -1,4 +1,5 @@
-"""Named, environment-overridable time-outs and counts, and deadline-bounded waits.
+"""Named, environment-overridable time-outs and counts, deadline-bounded waits, and the
+:class:`Cancel` that ends a wait early.
 
 Every wait in jaxpod (service and workers) has a name (an environment variable) and a default,
 so an operator can lengthen it without a code change and an error can say which knob
@@ -8,9 +9,11 @@ loops go through :func:`wait_for`, which always has a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -109,6 +112,45 @@ class Count:
                 f"{self.env_var} ({self.what}) must be a positive int. Got {raw!r}. Fix: "
                 f"set it to e.g. {self.env_var}={self.default} or unset it.")
         return value
+
+
+class Cancel:
+    """Tells a call waiting in a worker thread to give up; set from any thread. A wait
+    on a condition of its own registers how to wake it (:meth:`waking`)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._wakes: list[Callable[[], None]] = []
+
+    @property
+    def event(self) -> threading.Event:
+        """Set once cancelled (for waits that take an event)."""
+        return self._event
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def set(self) -> None:
+        with self._lock:
+            self._event.set()
+            wakes = list(self._wakes)
+        for wake in wakes:
+            wake()
+
+    @contextlib.contextmanager
+    def waking(self, wake: Callable[[], None]) -> Iterator[None]:
+        """Calls ``wake`` when cancelled while the block runs (at once if already)."""
+        with self._lock:
+            self._wakes.append(wake)
+            now = self._event.is_set()
+        if now:
+            wake()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._wakes.remove(wake)
 
 
 class Deadline:

@@ -26,9 +26,6 @@ from jaxpod.proto import coordinator_pb2 as pb
 
 #: Version of the protocol; a client and a service must agree on it.
 PROTOCOL_VERSION = 4
-#: A stream operation's n-th output value has the id ``op << OUTPUT_BITS | n``.
-OUTPUT_BITS = 20
-_OUTPUT_MASK = (1 << OUTPUT_BITS) - 1
 #: The largest message either side accepts; larger tensors go through ``Put`` or
 #: result streams in chunks of ``CHUNK_BYTES``.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -369,25 +366,3 @@ def read_result(chunks: Iterable[pb.ResultChunk | memoryview]) -> Any:
     if index != len(buffers):
         raise ValueError("The result stream ended before all its tensors arrived.")
     return value
-
-
-def output_id(op: int, index: int) -> int:
-    """The id of stream operation ``op``'s ``index``-th output value (``SliceOp``).
-
-    Raises:
-      ValueError: an operation that makes more values than an id leaves room for.
-    """
-    if index > _OUTPUT_MASK:
-        raise ValueError(f"An operation may make at most {_OUTPUT_MASK + 1} values; "
-                         "return fewer leaves.")
-    return op << OUTPUT_BITS | index
-
-
-def op_of(value_id: int) -> int:
-    """The stream operation that made value ``value_id``."""
-    return value_id >> OUTPUT_BITS
-
-
-def output_index(value_id: int) -> int:
-    """Value ``value_id``'s place among its operation's outputs."""
-    return value_id & _OUTPUT_MASK

@@ -1,14 +1,26 @@
-"""jaxpod.service: the coordinator side of jaxpod.
+"""jaxpod.service: the coordinator (``jaxpod serve``), in packages by responsibility.
 
-Cluster resolution and allocation (DESIGN §4):
+Read it bottom up; each package imports only those above it in this list:
 
-* :mod:`jaxpod.service.topology` -- the TPU topology table (``slice_shape("v4-16")``);
-* :mod:`jaxpod.service.resolvers` -- one resolver per environment (GKE env vars, GCE
-  metadata, Ray, local devices), ``auto()`` and ``TPUClusterResolver``;
-* :mod:`jaxpod.service.allocator` -- ``SliceAllocator``: whole slices on Ray, or nothing;
-* :mod:`jaxpod.service.local_cluster` -- ``LocalTPUCluster``: the simulated local TPU
-  cluster that is the embedded default;
-* :mod:`jaxpod.service.cluster_cli` -- ``jaxpod cluster``.
+* :mod:`~jaxpod.service.slices` -- driving one held slice: the handle on its host
+  workers (``ReplicaGroup``), the strategy methods over them (``GroupEngine``), the
+  held slice with the objects made on it, profiles of it;
+* :mod:`~jaxpod.service.capacity` -- where slices come from: the TPU topology table,
+  the resolvers (GKE, GCE, Ray, local), the Ray allocator, the pools that start a
+  slice's workers and keep released ones warm, the simulated local cluster (Ray or
+  plain processes), the orphan sweep;
+* :mod:`~jaxpod.service.auth` -- who may do what: tokens, roles, slice quotas;
+* :mod:`~jaxpod.service.sessions` -- interactive clients' sessions and what they hold;
+* :mod:`~jaxpod.service.jobs` -- jobs: the queue, the controller's state machine, the
+  runner of an attempt, the SQLite store, checkpoints, goodput;
+* :mod:`~jaxpod.service.api` -- the gRPC edge: the servicers, the send-ahead of the
+  operation stream, errors as statuses, the server; the one place (with the HTTP
+  dashboard's reads) that turns protobuf messages into the service's types;
+* :mod:`~jaxpod.service.http` -- the HTTP dashboard and API, Prometheus metrics;
+* :mod:`~jaxpod.service.cli` -- the commands: ``jaxpod serve`` (and the process it
+  runs), ``jaxpod cluster``, ``jaxpod deploy render``.
 
-Nothing is imported here, so ``import jaxpod.service`` stays cheap (no Ray, no JAX).
+``docs/architecture.md`` draws them and follows one ``strategy.run`` and one
+``client.submit`` through them. Nothing is imported here, so ``import jaxpod.service``
+stays cheap (no Ray, no JAX).
 """

@@ -40,10 +40,11 @@ import pytest
 from jaxpod.client import embedded
 from jaxpod.errors import AllocationTimeoutError, ServiceUnavailableError
 from jaxpod.proto import coordinator_pb2 as pb
-from jaxpod.service import server
-from jaxpod.service.local_cluster import _read_line, descendants, is_running
-from jaxpod.service.serve_cli import check_listen_address
-from jaxpod.service.tokens import Principal, Role, TokenBook
+from jaxpod.service.api import server
+from jaxpod.service.auth.tokens import Principal, Role, TokenBook
+from jaxpod.service.capacity import deferred
+from jaxpod.service.capacity.local_cluster import _read_line, descendants, is_running
+from jaxpod.service.cli.serve import check_listen_address
 from jaxpod.timeouts import wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -359,7 +360,7 @@ def _in_thread(fn: Any) -> tuple[threading.Event, list[Any]]:
 
 
 def test_calls_before_the_cluster_is_up_wait_for_it() -> None:
-    slices, provider = server._DeferredSlices(), _Provider()
+    slices, provider = deferred.DeferredSlices(), _Provider()
     request = pb.AcquireSliceRequest(accelerator_type="v4-8", timeout_s=60.0)
     acquired, acquire = _in_thread(lambda: slices.acquire(request, "slice-1"))
     listed, cluster = _in_thread(slices.cluster)
@@ -378,7 +379,7 @@ def test_calls_before_the_cluster_is_up_wait_for_it() -> None:
 
 
 def test_calls_fail_naming_why_the_cluster_did_not_come_up() -> None:
-    slices = server._DeferredSlices()
+    slices = deferred.DeferredSlices()
     request = pb.AcquireSliceRequest(accelerator_type="v4-8", timeout_s=60.0)
     acquired, acquire = _in_thread(lambda: slices.acquire(request, "slice-1"))
     slices.failed(ConnectionError("jaxpod serve: set RAY_ADDRESS"))
@@ -395,9 +396,9 @@ def test_calls_fail_naming_why_the_cluster_did_not_come_up() -> None:
 
 def test_waiting_for_the_cluster_is_bounded_by_named_time_outs(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    slices = server._DeferredSlices()
+    slices = deferred.DeferredSlices()
     with pytest.raises(AllocationTimeoutError, match="JAXPOD_ALLOCATION_TIMEOUT_S"):
         slices.acquire(pb.AcquireSliceRequest(accelerator_type="v4-8", timeout_s=0.2), "s")
-    monkeypatch.setenv(server.CLUSTER_READY_TIMEOUT.env_var, "0.2")
-    with pytest.raises(ServiceUnavailableError, match=server.CLUSTER_READY_TIMEOUT.env_var):
+    monkeypatch.setenv(deferred.CLUSTER_READY_TIMEOUT.env_var, "0.2")
+    with pytest.raises(ServiceUnavailableError, match=deferred.CLUSTER_READY_TIMEOUT.env_var):
         slices.cluster()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from jaxpod.client import embedded
-from jaxpod.service.local_cluster import descendants
+from jaxpod.service.capacity.local_cluster import descendants
 from jaxpod.timeouts import wait_for
 
 RUNS = 5

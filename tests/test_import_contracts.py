@@ -39,8 +39,15 @@ def test_the_contracts_hold() -> None:
      "workers never import the service"),
     ("jaxpod/errors.py", "from jaxpod.proto import tensors",
      "what every part shares (jaxpod/) imports no part"),
-    ("service/resolvers/ray.py", "from jaxpod.service import local_cluster",
+    ("service/capacity/resolvers/ray.py", "from jaxpod.service.capacity import local_cluster",
      "the simulated cluster depends on the Ray resolver"),
+    ("service/slices/group_engine.py", "from jaxpod.service import sessions",
+     "the service's packages import only those below them"),
+    ("service/jobs/runner.py", "from jaxpod.service.api import coordinator",
+     "the service's packages import only those below them"),
+    ("service/sessions.py", "from jaxpod.proto import tensors",
+     "protobuf stays at the edges"),
+    ("service/jobs/store.py", "import fastapi", "the core never loads the web stack"),
 ])
 def test_a_violating_import_breaks_its_contract(tmp_path: Path, module: str, planted: str,
                                                 contract: str) -> None:

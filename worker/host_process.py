@@ -4,7 +4,7 @@
 :class:`~jaxpod.worker.host_worker.HostWorker`. It answers the calls a Ray actor
 would (the constructor, ``node_address``, ``reserve_port``, ``initialize``,
 ``open_channel``, ``shutdown``), one at a time, over two pipes from the process that
-started it (:class:`jaxpod.service.host_processes.ProcessWorkers`). The pipes are
+started it (:class:`jaxpod.service.capacity.process_hosts.ProcessWorkers`). The pipes are
 not stdin and stdout: the worker captures its own output streams for the user's
 step functions. Operations then go over the operation channel, as they do for a Ray
 actor. When the starter goes away, however it goes, the read pipe ends and this

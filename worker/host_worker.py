@@ -3,7 +3,7 @@
 Every host of an allocated slice runs one ``HostWorker``. Host 0 picks the
 coordinator port, all hosts join one ``jax.distributed`` group, and each then runs the
 same :class:`~jaxpod.worker.engine.Engine` over the global mesh. The coordinator talks
-to the workers only through :class:`~jaxpod.service.replica_group.ReplicaGroup`, which
+to the workers only through :class:`~jaxpod.service.slices.replica_group.ReplicaGroup`, which
 numbers every operation so that a skipped or reordered call is detected here instead
 of deadlocking a collective.
 

@@ -4,5 +4,5 @@
 :class:`~jaxpod.service.http.backend.Backend` (the running service's sessions, jobs and
 cluster); :func:`~jaxpod.service.http.server.start_http` serves it with uvicorn on the
 service's own event loop, beside gRPC. The app reads through the same functions as the
-gRPC handlers (:mod:`jaxpod.service.jobs.handlers`), so both show a job alike.
+gRPC handlers (:mod:`jaxpod.service.api.jobs`), so both show a job alike.
 """

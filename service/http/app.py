@@ -18,14 +18,14 @@ from starlette.concurrency import run_in_threadpool
 
 import jaxpod
 from jaxpod.errors import JobNotFoundError, PermissionDeniedError
+from jaxpod.service.auth.roles import ROUTE_ROLES
+from jaxpod.service.auth.tokens import TokenBook, denial
 from jaxpod.service.http import auth, page, routes
 from jaxpod.service.http.auth import Auth
 from jaxpod.service.http.backend import Backend, NoJobsError
-from jaxpod.service.roles import ROUTE_ROLES
-from jaxpod.service.tokens import TokenBook, denial
 
 #: Where the committed OpenAPI document lives (a test fails when it drifts).
-OPENAPI_PATH = Path(__file__).resolve().parent.parent / "openapi.json"
+OPENAPI_PATH = Path(__file__).resolve().parent / "openapi.json"
 
 
 class Unauthorized(Exception):
@@ -39,7 +39,7 @@ class Forbidden(Exception):
 
 async def check_access(request: Request) -> None:
     """The dependency every route has: who the caller is (:mod:`.auth`) and whether its
-    role allows the route (:data:`~jaxpod.service.roles.ROUTE_ROLES`); the caller is
+    role allows the route (:data:`~jaxpod.service.auth.roles.ROUTE_ROLES`); the caller is
     left in ``request.state.principal``. A coroutine, as it never blocks: FastAPI runs a
     plain ``def`` dependency in its thread pool, a thread hand-off per request that cost
     more than the rest of a cached answer."""
@@ -155,7 +155,7 @@ def openapi_document() -> str:
 
 
 def main() -> None:
-    """``python -m jaxpod.service.http.app``: writes ``service/openapi.json``."""
+    """``python -m jaxpod.service.http.app``: writes ``service/http/openapi.json``."""
     OPENAPI_PATH.write_text(openapi_document())
     print(f"wrote {OPENAPI_PATH}")
 

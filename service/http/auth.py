@@ -1,9 +1,9 @@
 """Who may use the HTTP side: a bearer token of the service's token book, or a session
-cookie from ``/login``; what each route needs is :data:`jaxpod.service.roles.ROUTE_ROLES`.
+cookie from ``/login``; what each route needs is :data:`jaxpod.service.auth.roles.ROUTE_ROLES`.
 
 * With no tokens the service listens on loopback only
-  (:func:`jaxpod.service.serve_cli.check_listen_address`) and every caller is the admin
-  :data:`~jaxpod.service.tokens.LOCAL`.
+  (:func:`jaxpod.service.cli.serve.check_listen_address`) and every caller is the admin
+  :data:`~jaxpod.service.auth.tokens.LOCAL`.
 * Else a route that needs a role needs ``Authorization: Bearer <token>`` or the cookie
   the form sets. The cookie holds the token's name and an HMAC keyed by the token's
   SHA-256, not the token: it is HttpOnly (no script reads it) and SameSite=Strict (no
@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from fastapi import Request
 
-from jaxpod.service.tokens import LOCAL, Principal, TokenBook
+from jaxpod.service.auth.tokens import LOCAL, Principal, TokenBook
 
 COOKIE = "jaxpod_session"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})

@@ -1,6 +1,6 @@
 """What the HTTP app reads: the running service's sessions, jobs and cluster.
 
-The reads are the gRPC handlers' own (:mod:`jaxpod.service.jobs.handlers`,
+The reads are the gRPC handlers' own (:mod:`jaxpod.service.api.jobs`,
 :meth:`CoordinatorService.slice_holders`), turned into the API's models here. Blocking
 ones (SQLite, Ray's node table) are meant to run in a worker thread.
 """
@@ -17,7 +17,7 @@ import jaxpod
 from jaxpod.errors import JaxpodError
 from jaxpod.jobs import JobState, JobStatus
 from jaxpod.proto import tensors
-from jaxpod.service.coordinator import CoordinatorService
+from jaxpod.service.api.coordinator import CoordinatorService
 from jaxpod.service.http import models
 from jaxpod.service.jobs.manager import JobManager
 
@@ -37,7 +37,7 @@ class Backend:
       service: the gRPC servicer (sessions, jobs, slice holders).
       cluster_state: ``"connecting"``, ``"ready"`` or ``"failed"`` (the cluster).
       snapshot: the cluster's slices as the resolver reads them
-        (:func:`jaxpod.service.resolvers.ray.snapshot`'s first item); called only once
+        (:func:`jaxpod.service.capacity.resolvers.ray.snapshot`'s first item); called only once
         ready.
       grpc_serving: whether the gRPC server serves (health ``SERVING``).
     """

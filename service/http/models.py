@@ -1,4 +1,4 @@
-"""The HTTP API's response bodies (pydantic): what ``service/openapi.json`` describes."""
+"""The HTTP API's response bodies (pydantic): what ``service/http/openapi.json`` describes."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from jaxpod.jobs import (
     JobStatus,
     Transition,
 )
-from jaxpod.service.tokens import Principal
+from jaxpod.service.auth.tokens import Principal
 
 JobStateName: TypeAlias = JobState
 ClusterState = Literal["connecting", "ready", "failed"]

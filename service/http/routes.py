@@ -22,9 +22,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from jaxpod.jobs import MAX_PROFILE_SECONDS, HostInput, JobProfile
+from jaxpod.service.api import jobs as handlers
 from jaxpod.service.http import models
 from jaxpod.service.http.backend import Backend
-from jaxpod.service.jobs import handlers
 from jaxpod.timeouts import Timeout
 
 #: The most jobs one page of ``GET /api/v1/jobs`` holds.

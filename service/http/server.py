@@ -84,7 +84,7 @@ def bind(host: str, port: int) -> socket.socket:
 async def start_http(app: FastAPI, host: str, port: int, tls: Any = None) -> HttpServer:
     """Binds ``host:port`` and serves ``app`` there as a task of the running loop; returns
     once it accepts connections (its lifespan has started). ``tls``: serve HTTPS with
-    its ``cert`` and ``key`` files (a ``jaxpod.service.server.TlsFiles``).
+    its ``cert`` and ``key`` files (a ``jaxpod.service.api.server.TlsFiles``).
 
     Raises:
       OSError: the address cannot be bound, or the server failed to start (its lifespan

@@ -17,7 +17,7 @@ are :mod:`jaxpod.jobs`'s; these are the parts of the service that run jobs.
   and files for it;
 * :mod:`jaxpod.service.jobs.checkpoints`, :mod:`jaxpod.service.jobs.goodput` -- a job's
   checkpoints and where its wall time goes;
-* :mod:`jaxpod.service.jobs.handlers` -- the job RPCs (a mixin of the coordinator), the
+* :mod:`jaxpod.service.api.jobs` -- the job RPCs (a mixin of the coordinator), the
   only place job types become protobuf messages and back (:mod:`jaxpod.proto.job_messages`).
 
 Nothing is imported here, so importing one part does not load the others.

@@ -22,6 +22,7 @@ import numpy as np
 from jaxpod import trees
 from jaxpod.proto.tensors import NOT_HANDLED, RowParts, dtype_from_name, encode
 from jaxpod.service.jobs.state_reader import StateReader
+from jaxpod.storage import join
 from jaxpod.timeouts import Timeout
 from jaxpod.worker.checkpoints import META, STATE
 
@@ -29,11 +30,6 @@ logger = logging.getLogger(__name__)
 
 #: Committed checkpoints kept per job (the hosts remove older ones as they commit).
 KEEP = Timeout("JAXPOD_JOB_CHECKPOINTS_KEPT", 2)
-
-
-def join(root: str, *parts: str) -> str:
-    """``root`` and ``parts`` joined with ``/`` (a local path or a URL such as gs://)."""
-    return "/".join([root.rstrip("/"), *parts])
 
 
 class JobCheckpoints:

@@ -30,6 +30,8 @@ from typing import Any
 from jaxpod.errors import PermissionDeniedError
 from jaxpod.jobs import HostInput, JobDetails, JobProfile, JobSpec, JobState, JobStatus
 from jaxpod.proto import job_messages
+from jaxpod.service.auth.quotas import SliceQuotas
+from jaxpod.service.auth.tokens import Principal
 from jaxpod.service.jobs import goodput
 from jaxpod.service.jobs.checkpoints import JobCheckpoints
 from jaxpod.service.jobs.codec import skeleton_from
@@ -60,9 +62,7 @@ from jaxpod.service.jobs.states import (
     Succeeded,
 )
 from jaxpod.service.jobs.store import JobStore
-from jaxpod.service.profiles import ProfileRequest
-from jaxpod.service.quotas import SliceQuotas
-from jaxpod.service.tokens import Principal
+from jaxpod.service.slices.profiles import ProfileRequest
 from jaxpod.timeouts import Timeout
 
 logger = logging.getLogger(__name__)
@@ -390,7 +390,7 @@ class JobManager:
     def profile(self, job_id: str, seconds: float) -> JobProfile:
         """A ``jax.profiler`` trace of ``seconds`` on every host of the job's running
         attempt, started at its next loop boundary; answers once the hosts wrote it
-        (see :mod:`jaxpod.service.profiles`).
+        (see :mod:`jaxpod.service.slices.profiles`).
 
         Raises:
           ValueError: the job is not running on a slice, or its attempt ended first.

@@ -1,6 +1,6 @@
 """One attempt of a job on a held slice: the loop that drives the slice's replica group.
 
-The runner uses the same :class:`~jaxpod.service.group_engine.GroupEngine` handle as an
+The runner uses the same :class:`~jaxpod.service.slices.group_engine.GroupEngine` handle as an
 interactive session's strategy: it defines the job's step (and init and dataset
 functions) from the client's pickles, which only the workers unpickle, builds the
 state and the input, then runs ``steps_per_run`` steps per on-device loop and, after
@@ -47,13 +47,13 @@ from jaxpod.errors import (
 )
 from jaxpod.jobs import HostInput, JobSpec, NoInput, Resumed
 from jaxpod.operations import HostNews
-from jaxpod.service.group_engine import DefinedFunction, GroupEngine, GroupValue
 from jaxpod.service.jobs import goodput
 from jaxpod.service.jobs.checkpoints import JobCheckpoints
 from jaxpod.service.jobs.codec import JobStoreError, check_storable, skeleton_from, skeleton_of
 from jaxpod.service.jobs.goodput import GoodputClock
 from jaxpod.service.jobs.store import JobStore
-from jaxpod.service.profiles import Profiling
+from jaxpod.service.slices.group_engine import DefinedFunction, GroupEngine, GroupValue
+from jaxpod.service.slices.profiles import Profiling
 from jaxpod.shipping import ShippedFunction, ship_object
 from jaxpod.timeouts import Timeout
 

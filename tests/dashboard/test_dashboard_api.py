@@ -342,5 +342,5 @@ def test_the_page_shows_the_steps_per_wall_clock_second_the_client_sees(
 
 def test_the_committed_openapi_document_is_current() -> None:
     assert OPENAPI_PATH.read_text() == openapi_document(), (
-        "service/openapi.json is out of date with the HTTP API; regenerate it with "
+        "service/http/openapi.json is out of date with the HTTP API; regenerate it with "
         "`python -m jaxpod.service.http.app` and commit the result.")

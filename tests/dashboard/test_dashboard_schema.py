@@ -1,4 +1,4 @@
-"""schemathesis against the committed ``service/openapi.json``: requests generated from
+"""schemathesis against the committed ``service/http/openapi.json``: requests generated from
 the document, sent to a real ``jaxpod serve --local`` with a job in its store; no
 answer may be a 5xx or break the document's schema."""
 

@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import pytest
 from starlette.requests import Request
 
+from jaxpod.service.auth.tokens import LOCAL, Role, TokenBook
 from jaxpod.service.http import auth, routes
 from jaxpod.service.http.backend import Backend, store_writable
 from jaxpod.service.http.routes import CACHE, Recent
 from jaxpod.service.jobs.manager import JobManager
 from jaxpod.service.jobs.store import JobStore
-from jaxpod.service.tokens import LOCAL, Role, TokenBook
 
 
 class Model:

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from jaxpod.service import deploy_render
+from jaxpod.service.cli import deploy_render
 
 REPO = Path(__file__).resolve().parents[2]
 GKE = REPO / "deploy" / "gke"

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jaxpod.service.local_cluster import LOOPBACK, descendants, is_running
+from jaxpod.service.capacity.local_cluster import LOOPBACK, descendants, is_running
 
 Obj = dict[str, Any]
 
@@ -229,8 +229,8 @@ def gke_tpu_env(node_selector: Mapping[str, str]) -> dict[str, str]:
     overlay's name."""
     import math
 
-    from jaxpod.service.deploy_render import GKE_TPU_ACCELERATORS
-    from jaxpod.service.topology import GENERATIONS, parse_topology
+    from jaxpod.service.capacity.topology import GENERATIONS, parse_topology
+    from jaxpod.service.cli.deploy_render import GKE_TPU_ACCELERATORS
 
     topology = node_selector["cloud.google.com/gke-tpu-topology"]
     [name] = [g for g, label in GKE_TPU_ACCELERATORS.items()

@@ -35,10 +35,10 @@ from deploy_manifests import (
     worker_group,
 )
 
-from jaxpod.service import deploy_render as dr
-from jaxpod.service.resolvers.base import DEFAULT_COORDINATOR_PORT, DEFAULT_MEGASCALE_PORT
-from jaxpod.service.serve_cli import TOKEN_ENV
-from jaxpod.service.topology import parse_topology, slice_shape
+from jaxpod.service.capacity.resolvers.base import DEFAULT_COORDINATOR_PORT, DEFAULT_MEGASCALE_PORT
+from jaxpod.service.capacity.topology import parse_topology, slice_shape
+from jaxpod.service.cli import deploy_render as dr
+from jaxpod.service.cli.serve import TOKEN_ENV
 from jaxpod.worker.host_worker import COORDINATOR_PORT_ENV
 from jaxpod.worker.preemption import PREEMPTION_GRACE
 
@@ -154,8 +154,8 @@ def test_no_secret_value_is_inline() -> None:
 def _served_routes() -> tuple[int, int, set[str]]:
     """The gRPC port, the HTTP port and the probe routes `jaxpod serve` serves: its
     flag defaults and the dashboard's own health router."""
+    from jaxpod.service.cli.serve import DEFAULT_ADDRESS, DEFAULT_HTTP_PORT
     from jaxpod.service.http.routes import health
-    from jaxpod.service.serve_cli import DEFAULT_ADDRESS, DEFAULT_HTTP_PORT
 
     grpc_port = int(DEFAULT_ADDRESS.rsplit(":", 1)[1])
     return grpc_port, DEFAULT_HTTP_PORT, {r.path for r in health.routes}  # type: ignore[attr-defined]

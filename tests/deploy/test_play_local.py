@@ -53,8 +53,8 @@ from kuberay_play import (
 from serve_process import make_ca
 
 import jaxpod
-from jaxpod.service import deploy_render as dr
-from jaxpod.service.local_cluster import LOOPBACK
+from jaxpod.service.capacity.local_cluster import LOOPBACK
+from jaxpod.service.cli import deploy_render as dr
 from jaxpod.timeouts import wait_for
 from jaxpod.worker.host_worker import COORDINATOR_PORT_ENV
 

@@ -1,5 +1,5 @@
 """``deploy/gke`` is exactly what ``jaxpod deploy render`` writes from the topology
-table: edit the generator (``service/deploy_render.py``), then run
+table: edit the generator (``service/cli/deploy_render.py``), then run
 ``jaxpod deploy render --all --out deploy/gke``."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from deploy_manifests import GKE
 
-from jaxpod.service import deploy_render as dr
+from jaxpod.service.cli import deploy_render as dr
 
 FIX = "jaxpod deploy render --all --out deploy/gke"
 

@@ -17,15 +17,15 @@ from collections.abc import Iterator
 import pytest
 from process_hosts import start_process_group
 
-from jaxpod.service.allocator import SliceAllocator
-from jaxpod.service.group_engine import GroupEngine
-from jaxpod.service.local_cluster import (
+from jaxpod.service.capacity.allocator import SliceAllocator
+from jaxpod.service.capacity.local_cluster import (
     LocalTPUCluster,
     descendants,
     is_running,
 )
-from jaxpod.service.resolvers.base import LOOPBACK_ENV
-from jaxpod.service.workers import start_replica_group
+from jaxpod.service.capacity.pools import start_replica_group
+from jaxpod.service.capacity.resolvers.base import LOOPBACK_ENV
+from jaxpod.service.slices.group_engine import GroupEngine
 
 
 @pytest.fixture(scope="module")

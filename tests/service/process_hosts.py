@@ -4,9 +4,9 @@ the same whichever launcher started its workers."""
 
 from __future__ import annotations
 
-from jaxpod.service.host_processes import LocalHeld, ProcessWorkers
-from jaxpod.service.local_cluster import plan_slices
-from jaxpod.service.replica_group import ReplicaGroup
+from jaxpod.service.capacity.local_cluster import plan_slices
+from jaxpod.service.capacity.process_hosts import LocalHeld, ProcessWorkers
+from jaxpod.service.slices.replica_group import ReplicaGroup
 
 START_TIMEOUT_S = 120.0
 

@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import jaxpod
 from jaxpod.client.embedded import read_announcement
-from jaxpod.service.local_cluster import descendants, is_running
+from jaxpod.service.capacity.local_cluster import descendants, is_running
 from jaxpod.timeouts import Deadline, wait_for
 
 START_TIMEOUT_S = 240.0

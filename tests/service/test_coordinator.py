@@ -51,7 +51,7 @@ from jaxpod.client.remote import RemotePerReplica, RemoteStrategy
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
 from jaxpod.proto import tensors
-from jaxpod.service.local_cluster import descendants, is_running
+from jaxpod.service.capacity.local_cluster import descendants, is_running
 from jaxpod.timeouts import wait_for
 
 pytestmark = pytest.mark.multiprocess

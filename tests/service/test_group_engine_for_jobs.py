@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxpod import operations as ops
-from jaxpod.service.group_engine import GroupEngine
+from jaxpod.service.slices.group_engine import GroupEngine
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,12 @@ import pytest
 
 import jaxpod
 from jaxpod.pieces import PieceLayout
-from jaxpod.service.allocator import SliceAllocator
-from jaxpod.service.group_engine import GatherParts, GroupEngine
-from jaxpod.service.local_cluster import LocalTPUCluster
-from jaxpod.service.replica_group import ReplicaGroup
-from jaxpod.service.workers import placements
+from jaxpod.service.capacity.allocator import SliceAllocator
+from jaxpod.service.capacity.local_cluster import LocalTPUCluster
+from jaxpod.service.capacity.pools import placements
+from jaxpod.service.capacity.ray_workers import RayWorkers
+from jaxpod.service.slices.group_engine import GatherParts, GroupEngine
+from jaxpod.service.slices.replica_group import ReplicaGroup
 
 CLUSTER_SLICES = "v4-16,v4-16"  # one for the shared group, one for start-up faults
 
@@ -223,7 +224,8 @@ def test_host_that_never_joins_gives_worker_start_error(ray_cluster: LocalTPUClu
         assert ray.get(squatter.ready.remote(), timeout=60)
         start = time.monotonic()
         with pytest.raises(jaxpod.WorkerStartError, match=r"JAXPOD_WORKER_START_TIMEOUT_S"):
-            ReplicaGroup.start(hosts, devices_per_host=4, start_timeout_s=8)
+            ReplicaGroup.start(hosts, devices_per_host=4, launcher=RayWorkers(),
+                               start_timeout_s=8)
         elapsed = time.monotonic() - start
         assert 8 <= elapsed < 8 + 15, elapsed  # waited the time-out, then gave up cleanly
     finally:

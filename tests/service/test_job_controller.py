@@ -27,7 +27,7 @@ from jaxpod.service.jobs.policies import (
     RunningJob,
 )
 from jaxpod.service.jobs.store import JobStore
-from jaxpod.service.sessions import HeldSlice
+from jaxpod.service.slices.held import HeldSlice
 from jaxpod.timeouts import wait_for
 
 

@@ -32,7 +32,7 @@ from flax import nnx
 from serve_process import Service, crash_service, start_service, stop_service
 
 import jaxpod
-from jaxpod.service.local_cluster import LocalTPUCluster
+from jaxpod.service.capacity.local_cluster import LocalTPUCluster
 from jaxpod.timeouts import wait_for
 
 pytestmark = pytest.mark.multiprocess

@@ -15,17 +15,17 @@ import pytest
 import ray
 from ray.util.tpu import get_num_ready_tpu_slices, get_tpu_nodes_for_slice
 
-from jaxpod.service.allocator import SliceAllocator
-from jaxpod.service.cluster_cli import run_cluster
-from jaxpod.service.local_cluster import (
+from jaxpod.service.capacity.allocator import SliceAllocator
+from jaxpod.service.capacity.local_cluster import (
     LocalTPUCluster,
     NodeOptions,
     descendants,
     is_running,
     plan_slices,
 )
-from jaxpod.service.resolvers import TPUClusterResolver, auto
-from jaxpod.service.resolvers.ray import RayResolver
+from jaxpod.service.capacity.resolvers import TPUClusterResolver, auto
+from jaxpod.service.capacity.resolvers.ray import RayResolver
+from jaxpod.service.cli.cluster import run_cluster
 from jaxpod.timeouts import wait_for
 
 CLUSTER_SLICES = "v4-16"  # the embedded default: 2 hosts x 4 chips
@@ -91,8 +91,8 @@ def _inside_host() -> dict[str, Any]:
     """What a worker on a simulated host sees: GKE variables, Ray's view, JAX on CPU."""
     import jax
 
-    from jaxpod.service.resolvers.gke import GkeResolver
-    from jaxpod.service.resolvers.ray import RayResolver
+    from jaxpod.service.capacity.resolvers.gke import GkeResolver
+    from jaxpod.service.capacity.resolvers.ray import RayResolver
 
     gke = GkeResolver().resolve()
     on_ray = RayResolver().resolve()
@@ -143,7 +143,7 @@ def _python(code: str, **kwargs: object) -> subprocess.Popen[str]:
 def test_cli_with_its_own_simulated_slices() -> None:
     proc = _python("""
         import argparse, sys
-        from jaxpod.service.cluster_cli import run_cluster
+        from jaxpod.service.cli.cluster import run_cluster
         sys.exit(run_cluster(argparse.Namespace(slices="v4-8")))
     """, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = proc.communicate(timeout=240)
@@ -155,7 +155,7 @@ def test_parent_death_leaves_no_process() -> None:
     """A driver killed with SIGKILL takes its simulated cluster down with it."""
     proc = _python("""
         import sys
-        from jaxpod.service.local_cluster import LocalTPUCluster
+        from jaxpod.service.capacity.local_cluster import LocalTPUCluster
         cluster = LocalTPUCluster("v4-8").start()
         print(cluster.pid, flush=True)
         sys.stdin.read()

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jaxpod
-from jaxpod.service.group_engine import GroupEngine
+from jaxpod.service.slices.group_engine import GroupEngine
 from jaxpod.shipping import ship_object
 
 

@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from jaxpod.service.malloc import TUNE_ENV, tune_malloc
+from jaxpod.service.cli.malloc import TUNE_ENV, tune_malloc
 
 
 def _tune() -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != TUNE_ENV}
     return subprocess.run(
         [sys.executable, "-c",
-         "from jaxpod.service.malloc import tune_malloc; print(tune_malloc())"],
+         "from jaxpod.service.cli.malloc import tune_malloc; print(tune_malloc())"],
         env=env, capture_output=True, text=True, timeout=120, check=False)
 
 

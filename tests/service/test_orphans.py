@@ -22,9 +22,9 @@ from typing import IO, Any
 
 import pytest
 
-from jaxpod.service.allocator import SliceAllocator
-from jaxpod.service.local_cluster import LocalTPUCluster
-from jaxpod.service.orphans import (
+from jaxpod.service.capacity.allocator import SliceAllocator
+from jaxpod.service.capacity.local_cluster import LocalTPUCluster
+from jaxpod.service.capacity.orphans import (
     NAME_PREFIX,
     find_orphans,
     instance_id,
@@ -32,7 +32,7 @@ from jaxpod.service.orphans import (
     object_name,
     sweep_orphans,
 )
-from jaxpod.service.workers import start_replica_group
+from jaxpod.service.capacity.pools import start_replica_group
 from jaxpod.timeouts import Deadline, wait_for
 
 CLUSTER_SLICES = "v4-8,v4-8"  # one for the coordinator that dies, one for the live one
@@ -46,10 +46,10 @@ import json, sys
 import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from jaxpod.service import orphans
-from jaxpod.service.allocator import SliceAllocator
-from jaxpod.service.resolvers.ray import RAY_NAMESPACE, connect
-from jaxpod.service.workers import start_replica_group
+from jaxpod.service.capacity import orphans
+from jaxpod.service.capacity.allocator import SliceAllocator
+from jaxpod.service.capacity.resolvers.ray import RAY_NAMESPACE, connect
+from jaxpod.service.capacity.pools import start_replica_group
 
 connect(sys.argv[1])
 allocation = SliceAllocator().allocate("v4-8", timeout_s=60)

@@ -21,10 +21,10 @@ import pytest
 
 from jaxpod.errors import JaxpodError
 from jaxpod.proto import coordinator_pb2 as pb
-from jaxpod.service.group_engine import GroupEngine
-from jaxpod.service.local_cluster import LocalTPUCluster, is_running
-from jaxpod.service.sessions import HeldSlice
-from jaxpod.service.workers import RaySlices
+from jaxpod.service.capacity.local_cluster import LocalTPUCluster, is_running
+from jaxpod.service.capacity.pools import RaySlices
+from jaxpod.service.slices.group_engine import GroupEngine
+from jaxpod.service.slices.held import HeldSlice
 from jaxpod.timeouts import wait_for
 
 pytestmark = pytest.mark.multiprocess

@@ -34,15 +34,14 @@ from jaxpod.errors import (
 )
 from jaxpod.operations import HandleInfo
 from jaxpod.proto import coordinator_pb2 as pb
-from jaxpod.service.group_engine import GroupEngine, ResultCall
-from jaxpod.service.host_processes import ProcessWorkers, prewarm_type, start_ahead
-from jaxpod.service.local_cluster import descendants
-from jaxpod.service.process_workers import LocalProcessSlices
-from jaxpod.service.replica_group import ID_BLOCK, HostPlacement, ReplicaGroup
-from jaxpod.service.sessions import HeldSlice
-from jaxpod.service.stopping import Cancel
+from jaxpod.service.capacity.local_cluster import descendants
+from jaxpod.service.capacity.process_hosts import ProcessWorkers, prewarm_type, start_ahead
+from jaxpod.service.capacity.process_slices import LocalProcessSlices
+from jaxpod.service.slices.group_engine import GroupEngine, ResultCall
+from jaxpod.service.slices.held import HeldSlice
+from jaxpod.service.slices.replica_group import ID_BLOCK, HostPlacement, ReplicaGroup
 from jaxpod.shipping import ship
-from jaxpod.timeouts import wait_for
+from jaxpod.timeouts import Cancel, wait_for
 
 DEVICES_PER_HOST = 4
 
@@ -259,9 +258,9 @@ def _children() -> list[int]:
 def test_workers_exit_when_the_process_that_started_them_dies() -> None:
     starter = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import sys, threading
-        from jaxpod.service.local_cluster import descendants, plan_slices
-        from jaxpod.service.host_processes import ProcessWorkers
-        from jaxpod.service.replica_group import ID_BLOCK, HostPlacement, ReplicaGroup
+        from jaxpod.service.capacity.local_cluster import descendants, plan_slices
+        from jaxpod.service.capacity.process_hosts import ProcessWorkers
+        from jaxpod.service.slices.replica_group import ID_BLOCK, HostPlacement, ReplicaGroup
         (s,) = plan_slices("v4-16")
         group = ReplicaGroup.start([HostPlacement(None, i, {}, env=s.host_env(i))
                                     for i in range(2)], 4, launcher=ProcessWorkers(),
@@ -410,7 +409,7 @@ def test_an_acquire_waiting_for_a_prewarm_gives_up_when_cancelled(
             assert gate.wait(120), "the test never opened the gate"
             return super()._start_group(held)
 
-    caplog.set_level("INFO", logger="jaxpod.service.workers")
+    caplog.set_level("INFO", logger="jaxpod.service.capacity.pools")
     slices = Gated("v4-8", start_timeout_s=120)
     try:
         prewarming = slices.prewarm("v4-8")

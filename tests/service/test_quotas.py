@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 
 from jaxpod.errors import QuotaExceededError
-from jaxpod.service.quotas import SliceQuotas
-from jaxpod.service.sessions import HeldSlice, SessionManager
-from jaxpod.service.tokens import Principal, Role, TokenBook
+from jaxpod.service.auth.quotas import SliceQuotas
+from jaxpod.service.auth.tokens import Principal, Role, TokenBook
+from jaxpod.service.sessions import SessionManager
+from jaxpod.service.slices.held import HeldSlice
 from jaxpod.timeouts import wait_for
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import jax
 import pytest
 
-from jaxpod.service.resolvers import (
+from jaxpod.service.capacity.resolvers import (
     AUTO_ORDER,
     ClusterResolver,
     GceResolver,
@@ -66,7 +66,7 @@ def test_local_resolver_on_tpu_devices(kind: str, count: int, expected: str) -> 
 
 
 def test_ambiguous_slice_needs_a_name() -> None:
-    from jaxpod.service.resolvers.base import ClusterInfo, HostInfo, SliceInfo
+    from jaxpod.service.capacity.resolvers.base import ClusterInfo, HostInfo, SliceInfo
 
     def one(name: str) -> SliceInfo:
         return SliceInfo(name, "v4-8", "2x2x1", 4, 1, 1, (HostInfo(0, "h", 4),))

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from jaxpod.service.resolvers.base import MegascaleInfo
-from jaxpod.service.resolvers.gce import GceResolver, HttpMetadataGetter, parse_tpu_env
+from jaxpod.service.capacity.resolvers.base import MegascaleInfo
+from jaxpod.service.capacity.resolvers.gce import GceResolver, HttpMetadataGetter, parse_tpu_env
 
 PREFIX = "/computeMetadata/v1/instance/attributes/"
 TPU_ENV = """ACCELERATOR_TYPE: 'v4-16'

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpod.service.resolvers import TPUClusterResolver
-from jaxpod.service.resolvers.base import MegascaleInfo
-from jaxpod.service.resolvers.gke import GkeResolver
+from jaxpod.service.capacity.resolvers import TPUClusterResolver
+from jaxpod.service.capacity.resolvers.base import MegascaleInfo
+from jaxpod.service.capacity.resolvers.gke import GkeResolver
 
 V4_16 = {
     "TPU_ACCELERATOR_TYPE": "v4-16",

@@ -33,9 +33,9 @@ from serve_process import PROCESSES, Service, chromium_path, running_service
 
 import jaxpod
 from jaxpod.proto import coordinator_pb2 as pb
+from jaxpod.service.auth.roles import ROUTE_ROLES, RPC_ROLES
+from jaxpod.service.auth.tokens import Role, TokenBook
 from jaxpod.service.http.app import OPENAPI_PATH
-from jaxpod.service.roles import ROUTE_ROLES, RPC_ROLES
-from jaxpod.service.tokens import Role, TokenBook
 from jaxpod.timeouts import wait_for
 
 pytestmark = pytest.mark.multiprocess

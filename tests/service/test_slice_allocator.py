@@ -18,15 +18,15 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from jaxpod.errors import AllocationTimeoutError, JaxpodError
-from jaxpod.service.allocator import (
+from jaxpod.service.capacity.allocator import (
     Allocation,
     AllocationCancelledError,
     AllocationEvent,
     SliceAllocator,
 )
-from jaxpod.service.local_cluster import LocalTPUCluster
-from jaxpod.service.resolvers.base import MEGASCALE_VARS
-from jaxpod.service.resolvers.ray import RayResolver, discover_slices, snapshot
+from jaxpod.service.capacity.local_cluster import LocalTPUCluster
+from jaxpod.service.capacity.resolvers.base import MEGASCALE_VARS
+from jaxpod.service.capacity.resolvers.ray import RayResolver, discover_slices, snapshot
 from jaxpod.timeouts import wait_for
 
 CLUSTER_SLICES = "v4-16,v4-16,v4-8"

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from jaxpod.errors import AllocationCancelledError, ServiceUnavailableError
-from jaxpod.service.stopping import Cancel, Stopping
+from jaxpod.service.api.stopping import Stopping
+from jaxpod.timeouts import Cancel
 
 #: Generous: each wait below ends at once, or the behaviour is broken.
 DEADLINE_S = 30.0

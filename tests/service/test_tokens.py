@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxpod.service.tokens import LOCAL, Principal, Role, TokenBook, new_token
+from jaxpod.service.auth.tokens import LOCAL, Principal, Role, TokenBook, new_token
 
 SHA = hashlib.sha256(b"t0ken").hexdigest()
 

@@ -13,7 +13,7 @@ from ray._private.accelerators.tpu import (
     infer_tpu_pod_type_from_topology,
 )
 
-from jaxpod.service.topology import (
+from jaxpod.service.capacity.topology import (
     GENERATIONS,
     known_accelerator_types,
     parse_topology,

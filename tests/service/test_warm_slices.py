@@ -23,12 +23,13 @@ import pytest
 import jaxpod
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
-from jaxpod.service.coordinator import CoordinatorService
-from jaxpod.service.group_engine import GroupEngine
-from jaxpod.service.local_cluster import LocalTPUCluster, is_running
-from jaxpod.service.resolvers.ray import snapshot
-from jaxpod.service.sessions import HeldSlice, SessionManager
-from jaxpod.service.workers import RaySlices
+from jaxpod.service.api.coordinator import CoordinatorService
+from jaxpod.service.capacity.local_cluster import LocalTPUCluster, is_running
+from jaxpod.service.capacity.pools import RaySlices
+from jaxpod.service.capacity.resolvers.ray import snapshot
+from jaxpod.service.sessions import SessionManager
+from jaxpod.service.slices.group_engine import GroupEngine
+from jaxpod.service.slices.held import HeldSlice
 from jaxpod.shipping import ship
 from jaxpod.timeouts import wait_for
 

@@ -17,8 +17,8 @@ import pytest
 from jaxpod import operations as ops
 from jaxpod.errors import JaxpodError
 from jaxpod.operations import Envelope, RemoteError
-from jaxpod.service.group_engine import DropQueue
-from jaxpod.service.replica_group import ReplicaGroup
+from jaxpod.service.slices.group_engine import DropQueue
+from jaxpod.service.slices.replica_group import ReplicaGroup
 from jaxpod.worker import channel
 from jaxpod.worker.result_digest import result_digest
 
@@ -129,7 +129,7 @@ def _two_hosts(group_of: Any, replies: list[Any],
                host_one: Callable[[Any], Any] = lambda reply: reply) -> Any:
     """A ``GroupEngine`` over two in-process hosts of one 2-host group; each reply
     host 1 sends goes through ``host_one`` and every reply is kept in ``replies``."""
-    from jaxpod.service.group_engine import GroupEngine
+    from jaxpod.service.slices.group_engine import GroupEngine
     from jaxpod.worker.engine import Engine
     from jaxpod.worker.host_operations import HostOperations
 
@@ -189,7 +189,7 @@ def test_a_function_the_worker_evicted_is_defined_again(
         group_of: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real HostOperations whose function cache holds one step function: running two
     in turn evicts each before its next use, and the group engine defines it again."""
-    from jaxpod.service.group_engine import GroupEngine
+    from jaxpod.service.slices.group_engine import GroupEngine
     from jaxpod.shipping import ship
     from jaxpod.worker.engine import Engine
     from jaxpod.worker.host_operations import HostOperations
