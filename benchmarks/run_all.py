@@ -35,10 +35,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxpod import settings
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 #: Longest one script may run (a full checkpoint run takes ~20 min on 2 cores).
-SCRIPT_TIMEOUT_S = float(os.environ.get("JAXPOD_BENCH_SCRIPT_TIMEOUT_S", 3600))
+SCRIPT_TIMEOUT_S = settings.BENCH_SCRIPT_TIMEOUT.seconds()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,9 +10,9 @@ before they load.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
+from jaxpod import settings
 from jaxpod.client import embedded
 
 if TYPE_CHECKING:
@@ -52,7 +52,8 @@ def connect(address: str | None = None, token: str | None = None, *,
     Returns:
       The client; close it (or use it as a context manager) to release its slices.
     """
-    if not (address or os.environ.get(embedded.ADDRESS_ENV)):
+    settings.check_once()  # a typo'd JAXPOD_ADDRESS must not start a local service
+    if not (address or settings.ADDRESS.get()):
         embedded.shared(wait=False)  # it starts while the SDK and JAX load
     from jaxpod.client.client import connect as open_session
 

@@ -21,9 +21,8 @@ import grpc
 import grpc.experimental  # not loaded by ``import grpc``; ChannelOptions lives there
 
 import jaxpod
-from jaxpod import errors
+from jaxpod import errors, settings
 from jaxpod.client import embedded, rpc
-from jaxpod.client.embedded import ADDRESS_ENV
 from jaxpod.client.jobs import Job, build_spec, check_state, status_from, submit_spec
 from jaxpod.client.remote import RemoteStrategy
 from jaxpod.client.stream import OpStream
@@ -33,12 +32,12 @@ from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
 from jaxpod.proto.job_messages import from_message
 from jaxpod.proto.tensors import PROTOCOL_VERSION, channel_options, parse_chunk
-from jaxpod.timeouts import Timeout
+from jaxpod.settings import Setting
 
 logger = logging.getLogger(__name__)
 
-TOKEN_ENV = "JAXPOD_TOKEN"
-TLS_CA_ENV = "JAXPOD_TLS_CA"
+TOKEN_ENV = settings.TOKEN.name
+TLS_CA_ENV = settings.TLS_CA.name
 
 
 def connect(address: str | None = None, token: str | None = None, *,
@@ -46,16 +45,16 @@ def connect(address: str | None = None, token: str | None = None, *,
             ) -> Client:
     """Opens a session: :func:`jaxpod.client.connect` (the public entry point, which
     starts the embedded service early), once the SDK is loaded."""
-    address = address or os.environ.get(ADDRESS_ENV) or None
+    address = address or settings.ADDRESS.get()
     source = "jaxpod.connect(token=...)"
     service = None
     if address is None:
         service = embedded.shared()
         address, token, source = service.address, service.token, "the embedded service"
     elif token is None:
-        token, source = os.environ.get(TOKEN_ENV), f"${TOKEN_ENV}"
+        token, source = settings.TOKEN.get(), f"${TOKEN_ENV}"
     if tls_ca is None and service is None:
-        tls_ca = os.environ.get(TLS_CA_ENV) or None
+        tls_ca = settings.TLS_CA.get()
     return Client(address, token, lease_s=lease_s, token_source=source,
                   tls_ca=_read_ca(tls_ca))
 
@@ -140,7 +139,7 @@ class Client:
                                "jaxpod.connect() again.")
 
     def call(self, method: Any, request: Any, *, what: str, idempotent: bool = False,
-             timeout: Timeout = rpc.CALL_TIMEOUT) -> Any:
+             timeout: Setting = rpc.CALL_TIMEOUT) -> Any:
         return rpc.call(method, request, what=what, metadata=self._metadata,
                         timeout=timeout, idempotent=idempotent)
 

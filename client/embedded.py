@@ -22,18 +22,19 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxpod import settings
 from jaxpod.errors import ServiceUnavailableError
-from jaxpod.timeouts import Deadline, Timeout, wait_for
+from jaxpod.timeouts import Deadline, wait_for
 
-START_TIMEOUT = Timeout("JAXPOD_EMBEDDED_START_TIMEOUT_S", 300.0)
-STOP_TIMEOUT = Timeout("JAXPOD_EMBEDDED_STOP_TIMEOUT_S", 60.0)
+START_TIMEOUT = settings.EMBEDDED_START_TIMEOUT
+STOP_TIMEOUT = settings.EMBEDDED_STOP_TIMEOUT
 #: The simulated slices of the embedded service (``jaxpod serve --local --slices``).
-SLICES_ENV = "JAXPOD_LOCAL_SLICES"
+SLICES_ENV = settings.LOCAL_SLICES.name
 #: How its simulated hosts run (``jaxpod serve --local --provider``); unset: plain
 #: processes, which start in a second where a local Ray cluster takes five or more.
-PROVIDER_ENV = "JAXPOD_LOCAL_PROVIDER"
+PROVIDER_ENV = settings.LOCAL_PROVIDER.name
 #: The service ``jaxpod.connect()`` reaches when given no address; unset: the embedded one.
-ADDRESS_ENV = "JAXPOD_ADDRESS"
+ADDRESS_ENV = settings.ADDRESS.name
 _LISTENING = "JAXPOD_LISTENING"
 
 
@@ -128,7 +129,7 @@ def launch(slices: str | None = None, log_path: str | None = None,
     :meth:`EmbeddedService.wait_ready` waits for it."""
     deadline = Deadline(START_TIMEOUT.resolve(timeout_s))
     token = secrets.token_hex(16)
-    slices = slices or os.environ.get(SLICES_ENV)
+    slices = slices or settings.LOCAL_SLICES.get()
     import tempfile
 
     # A state dir of its own: another process's embedded service must not take this
@@ -139,7 +140,7 @@ def launch(slices: str | None = None, log_path: str | None = None,
     # strategy() (which takes the first idle slice).
     command = [sys.executable, "-m", "jaxpod.cli", "serve", "--local", "--port", "0",
                "--http-port", "0", "--stop-on-stdin-eof", "--state-dir", state_dir,
-               "--provider", os.environ.get(PROVIDER_ENV) or "processes", "--prewarm"]
+               "--provider", settings.LOCAL_PROVIDER.get() or "processes", "--prewarm"]
     if slices:
         command += ["--slices", slices]
     if log_path is None:
@@ -147,7 +148,7 @@ def launch(slices: str | None = None, log_path: str | None = None,
     if not quiet:
         print(f"jaxpod: starting the embedded local service (simulated "
               f"{slices or 'v4-16'}; log {log_path})...", file=sys.stderr, flush=True)
-    env = {**os.environ, "JAXPOD_TOKEN": token}
+    env = {**os.environ, settings.TOKEN.name: token}
     env.pop(ADDRESS_ENV, None)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

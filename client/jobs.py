@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from jaxpod import errors, trees
+from jaxpod import errors, settings, trees
 from jaxpod.client import rpc
 from jaxpod.jobs import (
     SUBMIT_DEFAULTS,
@@ -47,7 +47,6 @@ from jaxpod.jobs import (
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
 from jaxpod.proto.job_messages import from_message, to_message
-from jaxpod.timeouts import Timeout
 
 if TYPE_CHECKING:
     from jaxpod.client.client import Client
@@ -57,7 +56,7 @@ __all__ = ["SUBMIT_DEFAULTS", "SUBMIT_KEYWORDS", "Job", "build_spec", "check_sta
 
 #: How long a broken watch stream is re-opened for while the service is unreachable
 #: (a coordinator restart); the window starts again with every status received.
-WATCH_RECONNECT_TIMEOUT = Timeout("JAXPOD_WATCH_RECONNECT_S", 120.0)
+WATCH_RECONNECT_TIMEOUT = settings.WATCH_RECONNECT
 _RECONNECT_DELAYS_S = (0.1, 0.25, 0.5, 1.0, 2.0)
 #: Room left in a message for the spec's plain fields and gRPC's framing.
 _SPEC_SLACK_BYTES = 64 * 1024

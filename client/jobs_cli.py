@@ -21,12 +21,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jaxpod import settings
+
 if TYPE_CHECKING:
     from jaxpod.client.client import Client
     from jaxpod.jobs import JobDetails, JobStatus
 
-ADDRESS_ENV = "JAXPOD_ADDRESS"
-TOKEN_ENV = "JAXPOD_TOKEN"
+ADDRESS_ENV = settings.ADDRESS.name
+TOKEN_ENV = settings.TOKEN.name
 
 
 def _pipe_safe(handler: Callable[[argparse.Namespace], int]
@@ -115,7 +117,7 @@ def _add_address(parser: argparse.ArgumentParser) -> None:
 
 
 def _address(args: argparse.Namespace) -> str:
-    address = args.address or os.environ.get(ADDRESS_ENV)
+    address = args.address or settings.ADDRESS.get()
     if not address:
         raise ValueError(
             f"`jaxpod {args.command}` needs a running jaxpod service: pass --address "
@@ -131,7 +133,7 @@ def _connect(args: argparse.Namespace) -> Client:
     from jaxpod.errors import ServiceUnavailableError
 
     try:
-        return connect(address, os.environ.get(TOKEN_ENV) or None)
+        return connect(address, settings.TOKEN.get())
     except ServiceUnavailableError as e:
         # The generic advice (unset the address for the embedded service) is wrong here.
         raise ServiceUnavailableError(

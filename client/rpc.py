@@ -17,16 +17,16 @@ from typing import Any, TypeVar
 import cloudpickle
 import grpc
 
-from jaxpod import errors
+from jaxpod import errors, settings
 from jaxpod.proto.tensors import ERROR_TRAILER, MAX_MESSAGE_BYTES, TRACEBACK_TRAILER
-from jaxpod.timeouts import Timeout
+from jaxpod.settings import Setting
 
 #: Operations on a slice (a first call compiles; a step may be long).
-CALL_TIMEOUT = Timeout("JAXPOD_CALL_TIMEOUT_S", 900.0)
+CALL_TIMEOUT = settings.CALL_TIMEOUT
 #: Acquiring a slice: allocation plus starting its host workers.
-ACQUIRE_TIMEOUT = Timeout("JAXPOD_ACQUIRE_TIMEOUT_S", 600.0)
+ACQUIRE_TIMEOUT = settings.ACQUIRE_TIMEOUT
 #: Session bookkeeping (open, heartbeat, close, free, status).
-CONTROL_TIMEOUT = Timeout("JAXPOD_CONTROL_TIMEOUT_S", 30.0)
+CONTROL_TIMEOUT = settings.CONTROL_TIMEOUT
 _RETRY_DELAYS_S = (0.1, 0.5, 2.0)
 
 _T = TypeVar("_T")
@@ -43,7 +43,7 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.JaxpodError]] = {
 }
 
 
-def error_from(e: grpc.RpcError, what: str, timeout: Timeout = CALL_TIMEOUT
+def error_from(e: grpc.RpcError, what: str, timeout: Setting = CALL_TIMEOUT
                ) -> BaseException:
     """The exception a failed call stands for.
 
@@ -68,7 +68,7 @@ def status_code(number: int) -> grpc.StatusCode:
 
 
 def error_from_parts(code: grpc.StatusCode, details: str, payload: bytes | None,
-                     traceback: bytes | None, what: str, timeout: Timeout = CALL_TIMEOUT
+                     traceback: bytes | None, what: str, timeout: Setting = CALL_TIMEOUT
                      ) -> BaseException:
     """The exception a failure stands for: the pickled one the service sent
     (``payload``) with the workers' ``traceback`` as a note, or one made from the
@@ -89,7 +89,7 @@ def error_from_parts(code: grpc.StatusCode, details: str, payload: bytes | None,
 
 
 def _transport_message(code: grpc.StatusCode, details: str, what: str,
-                       timeout: Timeout) -> str:
+                       timeout: Setting) -> str:
     if code == grpc.StatusCode.CANCELLED:
         return (f"{what} was cancelled ({details}); the jaxpod service is probably "
                 "stopping. Connect again once it is back.")
@@ -111,7 +111,7 @@ def _transport_message(code: grpc.StatusCode, details: str, what: str,
 
 
 def call(method: Callable[..., _T], request: Any, *, what: str, metadata: Any,
-         timeout: Timeout, idempotent: bool = False) -> _T:
+         timeout: Setting, idempotent: bool = False) -> _T:
     """Makes a unary call; returns its response or raises the reported exception."""
     timeout_s = timeout.seconds()
     for attempt in range(len(_RETRY_DELAYS_S) + 1):
@@ -124,7 +124,7 @@ def call(method: Callable[..., _T], request: Any, *, what: str, metadata: Any,
 
 
 def stream(method: Callable[..., Any], request: Any, consume: Callable[[Iterator[Any]], _T],
-           *, what: str, metadata: Any, timeout: Timeout) -> _T:
+           *, what: str, metadata: Any, timeout: Setting) -> _T:
     """Makes a server-streaming call and hands the stream to ``consume``.
 
     Result streams (reduce, gather, fetch...) only read values, so they are retried

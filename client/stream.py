@@ -14,7 +14,6 @@ the user's code issued it; operations that used its outputs are not run.
 from __future__ import annotations
 
 import collections
-import os
 import queue
 import sys
 import threading
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from jaxpod import settings
 from jaxpod.client import rpc
 from jaxpod.client.templates import Templates
 from jaxpod.errors import (
@@ -35,13 +35,12 @@ from jaxpod.errors import (
 )
 from jaxpod.operations import op_of
 from jaxpod.proto import coordinator_pb2 as pb
-from jaxpod.timeouts import Count
 
 if TYPE_CHECKING:
     from jaxpod.client.client import Client
 
-ASYNC_DISPATCH_ENV = "JAXPOD_ASYNC_DISPATCH"
-WINDOW = Count("JAXPOD_ASYNC_WINDOW", 64, "operations in flight per slice")
+ASYNC_DISPATCH_ENV = settings.ASYNC_DISPATCH.name
+WINDOW = settings.ASYNC_WINDOW
 #: Failed operations remembered, to refuse their outputs' handles at once.
 _MAX_FAILED = 4096
 _END = object()
@@ -49,10 +48,7 @@ _END = object()
 
 def async_dispatch_enabled() -> bool:
     """``$JAXPOD_ASYNC_DISPATCH`` (default on); ``0`` waits for every operation."""
-    raw = os.environ.get(ASYNC_DISPATCH_ENV, "1").strip().lower()
-    if raw not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-        raise ValueError(f"${ASYNC_DISPATCH_ENV} must be 0 or 1. Got {raw!r}.")
-    return raw in ("1", "true", "yes", "on")
+    return bool(settings.ASYNC_DISPATCH.get())
 
 
 def call_site() -> str:

@@ -71,6 +71,11 @@ def _build_parser() -> argparse.ArgumentParser:
     add_render_arguments(render)
     render.set_defaults(handler=_run_deploy_render)
 
+    config = sub.add_parser("config", help="print every JAXPOD_* setting, its value and "
+                                           "where it came from (default or environment)")
+    config.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    config.set_defaults(handler=_run_config)
+
     # submit, jobs, job, cancel: clients of a running service (--address / $JAXPOD_ADDRESS)
     from jaxpod.client.jobs_cli import add_commands
 
@@ -110,6 +115,23 @@ def _run_token_new(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_config(args: argparse.Namespace) -> int:
+    import json
+
+    from jaxpod import settings
+
+    rows = settings.table()
+    if args.json:
+        print(json.dumps([dict(zip(("name", "value", "source", "part"), r, strict=True))
+                          for r in rows], indent=1))
+        return 0
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    print(f"{'SETTING':<{widths[0]}}  {'VALUE':<{widths[1]}}  {'SOURCE':<{widths[2]}}  PART")
+    for name, value, source, part in rows:
+        print(f"{name:<{widths[0]}}  {value:<{widths[1]}}  {source:<{widths[2]}}  {part}")
+    return 0
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from jaxpod.service.cli.serve import run_serve
 
@@ -120,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jaxpod`` console script."""
     args = _build_parser().parse_args(argv)
     try:
+        from jaxpod import settings
+
+        settings.check_environment()  # a typo'd or malformed JAXPOD_* variable: say so
         return int(args.handler(args))
     except (JaxpodError, ValueError, ConnectionError) as e:
         # Bad configuration (a malformed TPU_* variable, an unknown accelerator type):

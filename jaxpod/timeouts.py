@@ -1,117 +1,20 @@
-"""Named, environment-overridable time-outs and counts, deadline-bounded waits, and the
-:class:`Cancel` that ends a wait early.
+"""Deadline-bounded waits and the :class:`Cancel` that ends a wait early.
 
-Every wait in jaxpod (service and workers) has a name (an environment variable) and a default,
-so an operator can lengthen it without a code change and an error can say which knob
-to turn; so has every bound on how much is kept in flight (:class:`Count`). Polling
-loops go through :func:`wait_for`, which always has a deadline.
+Every wait in jaxpod (service and workers) has a named time-out, declared with every
+other setting in :mod:`jaxpod.settings`, so an operator can lengthen it without a code
+change and an error can say which knob to turn; so has every bound on how much is kept
+in flight. Polling loops go through :func:`wait_for`, which always has a deadline.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Timeout:
-    """A named time-out whose value can be overridden by an environment variable.
-
-    Attributes:
-      env_var: the variable that overrides the default, e.g. ``JAXPOD_ALLOCATION_TIMEOUT_S``.
-      default_s: seconds used when the variable is unset.
-    """
-
-    env_var: str
-    default_s: float
-
-    def seconds(self, environ: Mapping[str, str] | None = None) -> float:
-        """The effective time-out in seconds.
-
-        Args:
-          environ: where to look the override up (``os.environ`` when ``None``);
-            injectable so tests need not mutate the process environment.
-
-        Returns:
-          The override when set, else the default.
-
-        Raises:
-          ValueError: the override is not a positive number.
-        """
-        env = os.environ if environ is None else environ
-        raw = env.get(self.env_var)
-        if raw is None or raw.strip() == "":
-            return self.default_s
-        try:
-            value = float(raw)
-        except ValueError:
-            value = -1.0
-        if not value > 0:
-            raise ValueError(
-                f"{self.env_var}={raw!r} is not a valid time-out. Expected a positive "
-                f"number of seconds (default {self.default_s:g}). Fix: set it to e.g. "
-                f"{self.env_var}={self.default_s:g} or unset it."
-            )
-        return value
-
-    def resolve(self, explicit_s: float | None) -> float:
-        """``explicit_s`` when given (validated), else :meth:`seconds`.
-
-        Args:
-          explicit_s: a per-call override, which beats the environment.
-
-        Returns:
-          The time-out in seconds.
-        """
-        if explicit_s is None:
-            return self.seconds()
-        if not explicit_s > 0:
-            raise ValueError(
-                f"timeout_s must be a positive number of seconds. Got {explicit_s!r}."
-            )
-        return float(explicit_s)
-
-
-@dataclass(frozen=True)
-class Count:
-    """A named positive count (a depth, a window) that an environment variable can
-    override.
-
-    Attributes:
-      env_var: the variable that overrides the default.
-      default: used when the variable is unset.
-      what: what it counts, for the error a bad value gets.
-    """
-
-    env_var: str
-    default: int
-    what: str
-
-    def value(self, explicit: int | None = None) -> int:
-        """``explicit`` when given, else the override when set, else the default.
-
-        Raises:
-          ValueError: the value is not a positive int, naming the variable.
-        """
-        raw = explicit if explicit is not None else os.environ.get(self.env_var, "").strip()
-        if raw == "":
-            return self.default
-        try:
-            value = int(raw)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise ValueError(
-                f"{self.env_var} ({self.what}) must be a positive int. Got {raw!r}. Fix: "
-                f"set it to e.g. {self.env_var}={self.default} or unset it.")
-        return value
 
 
 class Cancel:

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from jaxpod import settings
 from jaxpod.errors import (
     HandleError,
     PermissionDeniedError,
@@ -22,10 +23,9 @@ from jaxpod.errors import (
 )
 from jaxpod.service.auth.tokens import LOCAL, Principal
 from jaxpod.service.slices.held import HeldSlice
-from jaxpod.timeouts import Timeout
 
 #: How long a session survives without hearing from its client.
-SESSION_LEASE = Timeout("JAXPOD_SESSION_LEASE_S", 30.0)
+SESSION_LEASE = settings.SESSION_LEASE
 class Session:
     """One client's slices and uploads; every access renews its lease."""
 

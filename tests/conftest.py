@@ -11,6 +11,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 
 
+#: The state dir this run made for the services its tests start (``None``: the user's
+#: own ``JAXPOD_STATE_DIR`` stays).
+_OWN_STATE_DIR: list[str] = []
+
+
 def pytest_configure(config: object) -> None:
     # Every `jaxpod serve` a test starts keeps its jobs here unless it names its own
     # --state-dir: never in the user's ~/.local/state.
@@ -19,12 +24,13 @@ def pytest_configure(config: object) -> None:
 
     if "JAXPOD_STATE_DIR" not in os.environ:
         os.environ["JAXPOD_STATE_DIR"] = tempfile.mkdtemp(prefix="jaxpod-test-state-")
-        os.environ["JAXPOD_TEST_OWNS_STATE_DIR"] = "1"
+        _OWN_STATE_DIR.append(os.environ["JAXPOD_STATE_DIR"])
 
 
 def pytest_unconfigure(config: object) -> None:
     import os
     import shutil
 
-    if os.environ.pop("JAXPOD_TEST_OWNS_STATE_DIR", None):
-        shutil.rmtree(os.environ.pop("JAXPOD_STATE_DIR"), ignore_errors=True)
+    for folder in _OWN_STATE_DIR:
+        os.environ.pop("JAXPOD_STATE_DIR", None)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -61,13 +61,13 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
+from jaxpod import settings
 from jaxpod.errors import JaxpodError
 from jaxpod.pieces import PieceLayout, Pieces, Streamed
-from jaxpod.timeouts import Timeout
 from jaxpod.worker import process_memory
 
 #: How long a connecting peer has to answer the key challenge.
-HANDSHAKE_TIMEOUT = Timeout("JAXPOD_CHANNEL_HANDSHAKE_TIMEOUT_S", 10.0)
+HANDSHAKE_TIMEOUT = settings.CHANNEL_HANDSHAKE_TIMEOUT
 #: Buffers at least this large travel out of band (no copy into the pickle).
 OUT_OF_BAND_BYTES = 64 * 1024
 _CHALLENGE_BYTES = 32

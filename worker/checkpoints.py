@@ -55,8 +55,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpod import trees
-from jaxpod.timeouts import Timeout
+from jaxpod import settings, trees
 from jaxpod.values import PerReplica, is_per_replica
 from jaxpod.worker.global_view import GlobalValue, is_global
 from jaxpod.worker.program_cache import ProgramCache
@@ -69,7 +68,7 @@ STATE, META = "state", "meta"
 META_VERSION = 1
 #: How long a host's checkpoint thread waits for the other hosts' input positions (a
 #: lost host resets the slice well before).
-PEER_TIMEOUT = Timeout("JAXPOD_CHECKPOINT_PEER_TIMEOUT_S", 300.0)
+PEER_TIMEOUT = settings.CHECKPOINT_PEER_TIMEOUT
 #: The most bytes of one stored chunk (orbax splits larger shards): whoever reads the
 #: checkpoint back in blocks, as the coordinator streams a job's result, holds no more.
 CHUNK_BYTES = 4 * 1024 * 1024

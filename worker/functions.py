@@ -7,17 +7,17 @@ first: a caller that gets an :class:`UnknownFunctionError` defines the function 
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from jaxpod import settings
 from jaxpod.errors import UnknownFunctionError
 from jaxpod.shipping import ShippedFunction, load
 
-CACHE_BYTES_ENV = "JAXPOD_FUNCTION_CACHE_BYTES"
-DEFAULT_CACHE_BYTES = 256 * 2**20
+CACHE_BYTES_ENV = settings.FUNCTION_CACHE_BYTES.name
+DEFAULT_CACHE_BYTES: int = settings.FUNCTION_CACHE_BYTES.default
 
 #: Evicted ids remembered, so that an error can say a function was evicted (bounded
 #: too: ids older than these read as never defined).
@@ -115,17 +115,4 @@ class FunctionRegistry:
 
 
 def _cache_bytes(explicit: int | None) -> int:
-    raw = os.environ.get(CACHE_BYTES_ENV, "").strip() if explicit is None else explicit
-    if raw == "":
-        return DEFAULT_CACHE_BYTES
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = 0
-    if limit < 1:
-        raise ValueError(
-            f"The function cache size must be a positive number of bytes ({CACHE_BYTES_ENV}"
-            f"). Got {raw!r}. Fix: set e.g. {CACHE_BYTES_ENV}={DEFAULT_CACHE_BYTES} or "
-            "unset it."
-        )
-    return limit
+    return int(settings.FUNCTION_CACHE_BYTES.value(explicit))

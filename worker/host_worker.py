@@ -22,6 +22,7 @@ import socket
 import traceback
 from typing import TYPE_CHECKING
 
+from jaxpod import settings
 from jaxpod.operations import RemoteError
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 SIMULATED_PLATFORM = "cpu"
 #: Pins host 0's ``jax.distributed`` coordinator port (``deploy/`` sets it on every TPU
 #: pod and declares the port), so firewall rules and manifests name the port in use.
-COORDINATOR_PORT_ENV = "JAXPOD_COORDINATOR_PORT"
+COORDINATOR_PORT_ENV = settings.COORDINATOR_PORT.name
 
 
 class HostWorker:
@@ -53,6 +54,7 @@ class HostWorker:
         for name in unset_env:
             os.environ.pop(name, None)
         os.environ.update(env or {})
+        settings.check_once()
         from jaxpod.worker import preemption
 
         # SIGTERM (a Kubernetes eviction, a GCE maintenance event) becomes a notice the
@@ -88,11 +90,8 @@ class HostWorker:
     def reserve_port(self) -> int:
         """The TCP port on this host for the jax.distributed coordinator:
         ``$JAXPOD_COORDINATOR_PORT`` when set, else a free one."""
-        pinned = os.environ.get(COORDINATOR_PORT_ENV)
-        if pinned:
-            if not pinned.isdecimal() or not 0 < int(pinned) < 65536:
-                raise ValueError(f"{COORDINATOR_PORT_ENV}={pinned!r} is not a TCP port "
-                                 "(expected 1-65535, e.g. 8482).")
+        pinned = settings.COORDINATOR_PORT.get()
+        if pinned is not None:
             return int(pinned)
         with socket.socket() as s:
             s.bind((self.node_address(), 0))

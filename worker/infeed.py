@@ -35,14 +35,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpod.timeouts import Count, Timeout
+from jaxpod import settings
 from jaxpod.worker import input as input_lib
 
-PREFETCH_DEPTH = Count("JAXPOD_INFEED_PREFETCH_DEPTH", 2, "the infeed's prefetch depth, in chunks")
-LOOKAHEAD_STEPS = Count("JAXPOD_INFEED_LOOKAHEAD_STEPS", 8,
-                        "steps the infeed reads ahead into host memory, beyond those placed")
+PREFETCH_DEPTH = settings.INFEED_PREFETCH_DEPTH
+LOOKAHEAD_STEPS = settings.INFEED_LOOKAHEAD_STEPS
 # How long closing an infeed at exit waits for its thread (which may be in user code).
-CLOSE_TIMEOUT = Timeout("JAXPOD_INFEED_CLOSE_TIMEOUT_S", 5.0)
+CLOSE_TIMEOUT = settings.INFEED_CLOSE_TIMEOUT
 _THREAD_NAME = "jaxpod-infeed"
 
 

@@ -26,13 +26,13 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from jaxpod import settings
 from jaxpod.operations import Notice
-from jaxpod.timeouts import Timeout
 
 logger = logging.getLogger(__name__)
 
 #: How long a worker keeps running after SIGTERM before it exits as it would have.
-PREEMPTION_GRACE = Timeout("JAXPOD_PREEMPTION_GRACE_S", 30.0)
+PREEMPTION_GRACE = settings.PREEMPTION_GRACE
 #: After the grace, how long the previous handler gets to end the process before it is
 #: ended with ``os._exit`` (its main thread may never run Python signal handlers again).
 EXIT_BACKSTOP_S = 10.0

@@ -27,8 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from jaxpod import settings
+
 #: Set to ``0`` to send every reply through the channel's socket.
-LEND_ENV = "JAXPOD_CHANNEL_LEND"
+LEND_ENV = settings.CHANNEL_LEND.name
 _PR_SET_PTRACER = 0x59616D61  # prctl option of the Yama security module
 _IOV_MAX = 1024
 #: Whether the Yama security module limits reading to ancestors and granted readers.
@@ -64,12 +66,7 @@ _bytes_address.argtypes = [ctypes.py_object]
 
 def enabled() -> bool:
     """Whether this process should try the same-host path (``JAXPOD_CHANNEL_LEND``)."""
-    wanted = os.environ.get(LEND_ENV, "1")
-    if wanted not in ("0", "1"):
-        raise ValueError(f"{LEND_ENV} must be 0 (replies always travel through the "
-                         f"channel's socket) or 1 (a worker on the same machine lends "
-                         f"large buffers, read in place). Got {wanted!r}.")
-    return wanted == "1" and _LIBC is not None
+    return bool(settings.CHANNEL_LEND.get()) and _LIBC is not None
 
 
 def address_of(buffer: Any) -> int:

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+from jaxpod import settings
 from jaxpod.jobs import JobProfile, JobSpec, JobStatus, check_outputs, check_profile_seconds
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto.job_messages import from_message, to_message
@@ -20,16 +21,16 @@ from jaxpod.service.api.stopping import Stopping
 from jaxpod.service.auth.tokens import Principal
 from jaxpod.service.jobs.manager import JobManager
 from jaxpod.shipping import runtime_versions
-from jaxpod.timeouts import Deadline, Timeout
+from jaxpod.timeouts import Deadline
 
 _T = TypeVar("_T")
 
 #: A watch re-reads its job at least this often (a change recorded by another process
 #: on the same state dir has no event here).
-WATCH_RECHECK = Timeout("JAXPOD_JOB_WATCH_RECHECK_S", 5.0)
+WATCH_RECHECK = settings.JOB_WATCH_RECHECK
 #: How long CancelJob waits for a running job to stop at its next loop boundary before
 #: answering with the state it is in (it stops all the same, later).
-CANCEL_WAIT = Timeout("JAXPOD_JOB_CANCEL_WAIT_S", 10.0)
+CANCEL_WAIT = settings.JOB_CANCEL_WAIT
 #: The most audit records one ListAudit answer holds.
 MAX_AUDIT_PAGE = 10_000
 

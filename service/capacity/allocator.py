@@ -45,6 +45,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from jaxpod import settings
 from jaxpod.errors import AllocationCancelledError, AllocationTimeoutError
 from jaxpod.service.capacity.orphans import object_name
 from jaxpod.service.capacity.resolvers.base import (
@@ -62,15 +63,15 @@ from jaxpod.service.capacity.resolvers.ray import (
     snapshot,
 )
 from jaxpod.service.capacity.topology import parse_accelerator_type
-from jaxpod.timeouts import Deadline, Timeout, wait_for
+from jaxpod.timeouts import Deadline, wait_for
 
 logger = logging.getLogger(__name__)
 
 #: How long a head reservation on a slice that looked idle may stay pending before
 #: the claim counts as lost to a concurrent request (and is retried elsewhere).
-HEAD_CLAIM_TIMEOUT = Timeout("JAXPOD_HEAD_CLAIM_TIMEOUT_S", 2.0)
+HEAD_CLAIM_TIMEOUT = settings.HEAD_CLAIM_TIMEOUT
 #: How long ``release()`` waits for the hosts to show the released TPUs free again.
-RELEASE_TIMEOUT = Timeout("JAXPOD_RELEASE_TIMEOUT_S", 10.0)
+RELEASE_TIMEOUT = settings.RELEASE_TIMEOUT
 #: Longest pause between looks at the cluster while waiting for idle slices.
 POLL_S = 0.25
 

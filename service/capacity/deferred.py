@@ -6,16 +6,17 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from jaxpod import settings
 from jaxpod.errors import AllocationTimeoutError, JaxpodError, ServiceUnavailableError
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.capacity.resolvers.base import ALLOCATION_TIMEOUT
-from jaxpod.timeouts import Cancel, Deadline, Timeout
+from jaxpod.timeouts import Cancel, Deadline
 
 #: How long a cluster status call that arrives while the service is still connecting to
 #: its cluster waits for it (under the client's ``JAXPOD_CONTROL_TIMEOUT_S``, 30 s, so
 #: the client sees this error, which names the knob, rather than its own deadline).
 #: Acquiring a slice waits within the allocation's own time-out instead.
-CLUSTER_READY_TIMEOUT = Timeout("JAXPOD_CLUSTER_READY_TIMEOUT_S", 20.0)
+CLUSTER_READY_TIMEOUT = settings.CLUSTER_READY_TIMEOUT
 
 
 class _Provider(Protocol):

@@ -51,14 +51,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from jaxpod import settings
 from jaxpod.service.capacity.resolvers.base import LOOPBACK_ENV
 from jaxpod.service.capacity.topology import SliceShape, slice_shape
-from jaxpod.timeouts import Deadline, Timeout, wait_for
+from jaxpod.timeouts import Deadline, wait_for
 
 logger = logging.getLogger(__name__)
 
-START_TIMEOUT = Timeout("JAXPOD_LOCAL_CLUSTER_START_TIMEOUT_S", 180.0)
-STOP_TIMEOUT = Timeout("JAXPOD_LOCAL_CLUSTER_STOP_TIMEOUT_S", 60.0)
+START_TIMEOUT = settings.LOCAL_CLUSTER_START_TIMEOUT
+STOP_TIMEOUT = settings.LOCAL_CLUSTER_STOP_TIMEOUT
 #: The embedded default: one v4-16 slice, 2 hosts x 4 chips.
 DEFAULT_SLICES = "v4-16"
 LOOPBACK = "127.0.0.1"

@@ -44,15 +44,16 @@ from typing import Any
 
 import ray
 
+from jaxpod import settings
 from jaxpod.service.capacity.resolvers.ray import RAY_NAMESPACE
-from jaxpod.timeouts import Timeout, wait_for
+from jaxpod.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
 
 #: Every jaxpod placement group and actor name starts with this.
 NAME_PREFIX = "jaxpod:"
 #: How long the sweep waits for Ray to show what it released as gone.
-SWEEP_TIMEOUT = Timeout("JAXPOD_ORPHAN_SWEEP_TIMEOUT_S", 10.0)
+SWEEP_TIMEOUT = settings.ORPHAN_SWEEP_TIMEOUT
 
 PLACEMENT_GROUP = "placement group"
 ACTOR = "actor"

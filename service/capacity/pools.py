@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from jaxpod import settings
 from jaxpod.errors import AllocationCancelledError, SliceResetError
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.capacity.ray_workers import RayWorkers
@@ -32,7 +33,7 @@ from jaxpod.service.capacity.resolvers.base import ALLOCATION_TIMEOUT
 from jaxpod.service.slices.group_engine import GroupEngine
 from jaxpod.service.slices.held import HeldSlice
 from jaxpod.service.slices.replica_group import HostPlacement, ReplicaGroup
-from jaxpod.timeouts import Cancel, Timeout
+from jaxpod.timeouts import Cancel
 from jaxpod.worker.host_worker import SIMULATED_PLATFORM
 
 if TYPE_CHECKING:  # the allocator imports Ray: a provider without it never does
@@ -41,7 +42,7 @@ if TYPE_CHECKING:  # the allocator imports Ray: a provider without it never does
 logger = logging.getLogger(__name__)
 
 #: How long a released slice's workers may take to free what its holder left there.
-WARM_RESET_TIMEOUT = Timeout("JAXPOD_WARM_RESET_TIMEOUT_S", 30.0)
+WARM_RESET_TIMEOUT = settings.WARM_RESET_TIMEOUT
 
 #: What a warm slice can serve: (accelerator type, number of slices). The device
 #: assignment and steps per run are configured again on every acquire.

@@ -16,10 +16,11 @@ Turn it off with ``JAXPOD_TUNE_MALLOC=0``. A C library other than glibc is left 
 from __future__ import annotations
 
 import ctypes
-import os
+
+from jaxpod import settings
 
 #: Set to ``0`` to keep the C library's own malloc settings.
-TUNE_ENV = "JAXPOD_TUNE_MALLOC"
+TUNE_ENV = settings.TUNE_MALLOC.name
 #: Arenas for all threads together (glibc's default is eight per core).
 ARENA_MAX = 2
 #: Blocks smaller than this come from a heap (and are reused), not from their own mmap.
@@ -39,16 +40,12 @@ def tune_malloc() -> bool:
       Whether the C library took all of them (``False`` where it is not glibc, or
       where ``JAXPOD_TUNE_MALLOC=0``).
     """
-    wanted = os.environ.get(TUNE_ENV, "1")
-    if wanted not in ("0", "1"):
-        raise ValueError(f"{TUNE_ENV} must be 0 (keep the C library's malloc settings) "
-                         f"or 1 (tune them for large buffers). Got {wanted!r}.")
-    if wanted == "0":
+    if not settings.TUNE_MALLOC.get():
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
     except (AttributeError, OSError):
         return False
-    settings = ((_M_ARENA_MAX, ARENA_MAX), (_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
-                (_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
-    return all([mallopt(param, value) == 1 for param, value in settings])
+    wanted = ((_M_ARENA_MAX, ARENA_MAX), (_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
+              (_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    return all([mallopt(param, value) == 1 for param, value in wanted])

@@ -12,27 +12,29 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from jaxpod import settings
+
 if TYPE_CHECKING:
     from jaxpod.service.auth.tokens import TokenBook
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_HTTP_PORT = 8080
-TOKEN_ENV = "JAXPOD_TOKEN"
-TOKENS_FILE_ENV = "JAXPOD_TOKENS_FILE"
-STATE_DIR_ENV = "JAXPOD_STATE_DIR"
+TOKEN_ENV = settings.TOKEN.name
+TOKENS_FILE_ENV = settings.TOKENS_FILE.name
+STATE_DIR_ENV = settings.STATE_DIR.name
 
 
 #: Where job checkpoints go when --checkpoint-dir is not given.
-CHECKPOINT_DIR_ENV = "JAXPOD_CHECKPOINT_DIR"
-TLS_CERT_ENV, TLS_KEY_ENV = "JAXPOD_TLS_CERT", "JAXPOD_TLS_KEY"
+CHECKPOINT_DIR_ENV = settings.CHECKPOINT_DIR.name
+TLS_CERT_ENV, TLS_KEY_ENV = settings.TLS_CERT.name, settings.TLS_KEY.name
 #: How ``--local`` runs the simulated hosts (``--provider``).
-PROVIDER_ENV = "JAXPOD_LOCAL_PROVIDER"
+PROVIDER_ENV = settings.LOCAL_PROVIDER.name
 PROVIDERS = ("ray", "processes")
 
 
 def default_state_dir() -> str:
     """``$JAXPOD_STATE_DIR``, else ``~/.local/state/jaxpod`` (``$XDG_STATE_HOME`` if set)."""
-    explicit = os.environ.get(STATE_DIR_ENV)
+    explicit = settings.STATE_DIR.get()
     if explicit:
         return explicit
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"),
@@ -165,16 +167,16 @@ def run_serve(args: argparse.Namespace) -> int:
         from jaxpod.service.capacity.local_cluster import DEFAULT_SLICES
 
         args.slices = args.slices or DEFAULT_SLICES
-    args.provider = args.provider or os.environ.get(PROVIDER_ENV) or "ray"
+    args.provider = args.provider or settings.LOCAL_PROVIDER.get() or "ray"
     if args.provider not in PROVIDERS:
         raise ValueError(f"${PROVIDER_ENV}={args.provider!r} is not a provider; expected "
                          f"one of {', '.join(PROVIDERS)}.")
     logging.getLogger(__name__).debug("malloc tuned for large buffers: %s", tuned)
-    tokens_file = args.tokens_file or os.environ.get(TOKENS_FILE_ENV) or None
-    tokens = token_book(tokens_file, os.environ.get(TOKEN_ENV) or None)
-    check_listen_address(address, tokens_file or os.environ.get(TOKEN_ENV) or None)
-    tls = tls_files(args.tls_cert or os.environ.get(TLS_CERT_ENV),
-                    args.tls_key or os.environ.get(TLS_KEY_ENV))
+    tokens_file = args.tokens_file or settings.TOKENS_FILE.get()
+    tokens = token_book(tokens_file, settings.TOKEN.get())
+    check_listen_address(address, tokens_file or settings.TOKEN.get())
+    tls = tls_files(args.tls_cert or settings.TLS_CERT.get(),
+                    args.tls_key or settings.TLS_KEY.get())
     if tls is None and network_host(address) is not None:
         logging.getLogger(__name__).warning(
             "jaxpod serve: listening on %s without TLS: the bearer token and every step "
@@ -278,7 +280,7 @@ def _serve(args: argparse.Namespace, address: str, tokens: TokenBook | None, clu
     from pathlib import Path
 
     state_dir = Path(args.state_dir or default_state_dir()).expanduser()
-    checkpoint_dir = args.checkpoint_dir or os.environ.get(CHECKPOINT_DIR_ENV) or None
+    checkpoint_dir = args.checkpoint_dir or settings.CHECKPOINT_DIR.get()
     if args.platform == "tpu" and (checkpoint_dir is None or "://" not in checkpoint_dir):
         logging.getLogger(__name__).warning(
             "jobs' checkpoints go to %s: every TPU host must reach that path (a shared "

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import grpc.aio
 
+from jaxpod import settings
 from jaxpod.errors import ServiceUnavailableError
 from jaxpod.service.api.coordinator import CoordinatorService, SliceProvider
 from jaxpod.service.api.server import TlsFiles, create_server, set_serving
@@ -38,11 +39,10 @@ from jaxpod.service.capacity.deferred import DeferredSlices
 from jaxpod.service.jobs.manager import JobManager
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.sessions import SessionManager
-from jaxpod.timeouts import Timeout
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE = Timeout("JAXPOD_SHUTDOWN_GRACE_S", 10.0)
+SHUTDOWN_GRACE = settings.SHUTDOWN_GRACE
 
 
 async def serve(address: str, make_slices: Callable[[], SliceProvider],

@@ -21,18 +21,18 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
+from jaxpod import settings
 from jaxpod.jobs import MAX_PROFILE_SECONDS, HostInput, JobProfile
 from jaxpod.service.api import jobs as handlers
 from jaxpod.service.http import models
 from jaxpod.service.http.backend import Backend
-from jaxpod.timeouts import Timeout
 
 #: The most jobs one page of ``GET /api/v1/jobs`` holds.
 MAX_PAGE = 1000
 #: Offsets past this are refused (SQLite takes 64-bit offsets; nobody has this many).
 MAX_OFFSET = 1 << 40
 #: How old a job list or cluster answer may be (see :class:`Recent`).
-CACHE = Timeout("JAXPOD_HTTP_CACHE_S", 0.25)
+CACHE = settings.HTTP_CACHE
 #: An answer older than this is never given, even while the next one is being read.
 MAX_STALE_S = 5.0
 #: The most points per series a chart gets: the page's first render and an event
@@ -40,7 +40,7 @@ MAX_STALE_S = 5.0
 CHART_POINTS = 2000
 #: An event stream sends at most one status (the latest) per this many seconds: a job
 #: of fast loops changes hundreds of times a second, and each event is a read.
-EVENTS_INTERVAL = Timeout("JAXPOD_HTTP_EVENTS_INTERVAL_S", 0.2)
+EVENTS_INTERVAL = settings.HTTP_EVENTS_INTERVAL
 
 UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
     401: {"model": models.ErrorBody, "description": "no valid token or session cookie"},

@@ -20,12 +20,13 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from jaxpod.timeouts import Deadline, Timeout
+from jaxpod import settings
+from jaxpod.timeouts import Deadline
 
 #: How long open connections (event streams) get to finish when the service stops.
 GRACEFUL_S = 2
 #: How long the server may take to start listening (its app's lifespan startup).
-START = Timeout("JAXPOD_HTTP_START_TIMEOUT_S", 30.0)
+START = settings.HTTP_START_TIMEOUT
 #: How often the start is checked (a task that ends wakes the check at once).
 START_POLL_S = 0.01
 

@@ -19,17 +19,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpod import trees
+from jaxpod import settings, trees
 from jaxpod.proto.tensors import NOT_HANDLED, RowParts, dtype_from_name, encode
 from jaxpod.service.jobs.state_reader import StateReader
 from jaxpod.storage import join
-from jaxpod.timeouts import Timeout
 from jaxpod.worker.checkpoints import META, STATE
 
 logger = logging.getLogger(__name__)
 
 #: Committed checkpoints kept per job (the hosts remove older ones as they commit).
-KEEP = Timeout("JAXPOD_JOB_CHECKPOINTS_KEPT", 2)
+KEEP = settings.JOB_CHECKPOINTS_KEPT
 
 
 class JobCheckpoints:
@@ -45,7 +44,7 @@ class JobCheckpoints:
 
     @property
     def keep(self) -> int:
-        return int(KEEP.seconds())
+        return int(KEEP.value())
 
     def state_path(self, step: int) -> str:
         """Where step ``step``'s state is: a plain orbax checkpoint

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from jaxpod import settings
 from jaxpod.errors import AllocationTimeoutError
 from jaxpod.jobs import JobSpec
 from jaxpod.proto import coordinator_pb2 as pb
@@ -49,15 +50,15 @@ from jaxpod.service.jobs.states import (
     Succeeded,
 )
 from jaxpod.service.jobs.store import JobStore
-from jaxpod.timeouts import Deadline, Timeout
+from jaxpod.timeouts import Deadline
 
 logger = logging.getLogger(__name__)
 
 #: How long one try to acquire a slice waits before the job looks whether it was
 #: cancelled (another holder may have taken the slice that looked free).
-JOB_ACQUIRE_TRY = Timeout("JAXPOD_JOB_ACQUIRE_TRY_S", 10.0)
+JOB_ACQUIRE_TRY = settings.JOB_ACQUIRE_TRY
 #: How long a job tries to acquire a slice before it goes to RETRYING saying so.
-JOB_ALLOCATION_TIMEOUT = Timeout("JAXPOD_JOB_ALLOCATION_TIMEOUT_S", 600.0)
+JOB_ALLOCATION_TIMEOUT = settings.JOB_ALLOCATION_TIMEOUT
 #: What ends an attempt as a preemption: a notice, a lost host or a broken slice.
 PREEMPTIONS: tuple[type[BaseException], ...] = (Preempted, *SLICE_FAILURES)
 #: The reason recorded for a job stopped by the service's shutdown.

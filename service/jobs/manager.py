@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from jaxpod import settings
 from jaxpod.errors import PermissionDeniedError
 from jaxpod.jobs import HostInput, JobDetails, JobProfile, JobSpec, JobState, JobStatus
 from jaxpod.proto import job_messages
@@ -63,15 +64,14 @@ from jaxpod.service.jobs.states import (
 )
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.slices.profiles import ProfileRequest
-from jaxpod.timeouts import Timeout
 
 logger = logging.getLogger(__name__)
 
 #: The dispatcher looks for free slices on every release and submission, and at least
 #: this often (capacity can also appear outside this service: a node joining).
-DISPATCH_RECHECK = Timeout("JAXPOD_JOB_DISPATCH_RECHECK_S", 1.0)
+DISPATCH_RECHECK = settings.JOB_DISPATCH_RECHECK
 #: How long stopping the service waits for running jobs to reach a loop boundary.
-JOB_STOP_TIMEOUT = Timeout("JAXPOD_JOB_STOP_TIMEOUT_S", 30.0)
+JOB_STOP_TIMEOUT = settings.JOB_STOP_TIMEOUT
 #: How often, at most, a running job's goodput totals are written to the store.
 GOODPUT_SAVE_EVERY_S = 1.0
 

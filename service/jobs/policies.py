@@ -25,12 +25,12 @@ from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from typing import Protocol
 
-from jaxpod.timeouts import Timeout
+from jaxpod import settings
 
 #: The first wait before a preempted job's next attempt; it doubles with every
 #: preemption, up to JOB_RETRY_BACKOFF_MAX.
-JOB_RETRY_BACKOFF = Timeout("JAXPOD_JOB_RETRY_BACKOFF_S", 0.5)
-JOB_RETRY_BACKOFF_MAX = Timeout("JAXPOD_JOB_RETRY_BACKOFF_MAX_S", 60.0)
+JOB_RETRY_BACKOFF = settings.JOB_RETRY_BACKOFF
+JOB_RETRY_BACKOFF_MAX = settings.JOB_RETRY_BACKOFF_MAX
 
 
 class FailureKind(enum.Enum):

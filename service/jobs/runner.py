@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxpod import settings
 from jaxpod.errors import (
     JaxpodError,
     OperationTimeoutError,
@@ -55,7 +56,6 @@ from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.slices.group_engine import DefinedFunction, GroupEngine, GroupValue
 from jaxpod.service.slices.profiles import Profiling
 from jaxpod.shipping import ShippedFunction, ship_object
-from jaxpod.timeouts import Timeout
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +66,12 @@ SLICE_FAILURES: tuple[type[BaseException], ...] = (
 
 
 #: The span of recent loops a running attempt's step rate is measured over.
-RATE_WINDOW = Timeout("JAXPOD_JOB_RATE_WINDOW_S", 10.0)
+RATE_WINDOW = settings.JOB_RATE_WINDOW
 
 #: How often, at most, the runner asks the hosts for what the job printed, for
 #: preemption notices and for their input figures (between loops; a notice leaves 30 s
 #: of grace): short loops do not pay three extra round trips each.
-HOST_POLL = Timeout("JAXPOD_JOB_HOST_POLL_S", 0.5)
+HOST_POLL = settings.JOB_HOST_POLL
 
 
 class JobStateError(JaxpodError, TypeError):

@@ -25,19 +25,18 @@ import jax
 import numpy as np
 
 from jaxpod import operations as ops
+from jaxpod import settings
 from jaxpod.errors import EndOfDataError, SliceResetError, UnknownFunctionError
 from jaxpod.operations import Dropped, Handle, HandleInfo, StepItems
 from jaxpod.pieces import PieceLayout, Pieces
 from jaxpod.service.slices.replica_group import Pipeline, ReplicaGroup
 from jaxpod.shipping import ShippedFunction, ship
-from jaxpod.timeouts import Count
 from jaxpod.types import InputOptions, ReduceOp
 
 _R = TypeVar("_R")
 #: The most bytes of a large result fetched from the workers in one operation: a
 #: caller that streams it holds the block it sends and the one fetched ahead.
-RESULT_BLOCK = Count("JAXPOD_RESULT_BLOCK_BYTES", 4 * 1024 * 1024,
-                     "bytes of a large result fetched from the hosts in one operation")
+RESULT_BLOCK = settings.RESULT_BLOCK_BYTES
 
 
 @dataclass(frozen=True, eq=False)

@@ -16,14 +16,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxpod import settings
 from jaxpod.errors import DeadlineExceededError, DependencyFailedError, HandleError
 from jaxpod.operations import Dropped, op_of
 from jaxpod.service.slices.group_engine import GroupDataset, GroupEngine, GroupIterator, GroupValue
 from jaxpod.service.slices.profiles import SliceProfiler
-from jaxpod.timeouts import Timeout
 
 #: How long a call that follows a stream operation waits for a stream to bring it.
-STREAM_JOIN_GRACE = Timeout("JAXPOD_STREAM_JOIN_GRACE_S", 5.0)
+STREAM_JOIN_GRACE = settings.STREAM_JOIN_GRACE
 #: Failed operations a slice remembers, to say why a later one using their outputs
 #: was not run.
 MAX_FAILED_OPS = 4096

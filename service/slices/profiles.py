@@ -23,13 +23,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from jaxpod import settings
 from jaxpod.jobs import JobProfile, check_profile_seconds
 from jaxpod.storage import join
-from jaxpod.timeouts import Timeout
 
 #: How long a profile request waits beyond its seconds: for the job's next loop
 #: boundary (to start) and the one after the capture (to collect the files).
-PROFILE_WAIT = Timeout("JAXPOD_JOB_PROFILE_WAIT_S", 120.0)
+PROFILE_WAIT = settings.JOB_PROFILE_WAIT
 def profile_folder(parent: str, now: float) -> str:
     """Where a capture started at ``now`` goes under ``parent`` (a job's checkpoint
     folder, or a session's): ``profiles/<UTC time to the millisecond>``."""

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from jaxpod import settings
 from jaxpod.errors import (
     JaxpodError,
     OperationTimeoutError,
@@ -40,15 +41,14 @@ from jaxpod.operations import (
     RemoteError,
 )
 from jaxpod.pieces import PieceLayout
-from jaxpod.timeouts import Count, Timeout
 from jaxpod.worker import channel
 from jaxpod.worker.host_worker import SIMULATED_PLATFORM
 
-START_TIMEOUT = Timeout("JAXPOD_WORKER_START_TIMEOUT_S", 120.0)
-OPERATION_TIMEOUT = Timeout("JAXPOD_OPERATION_TIMEOUT_S", 600.0)
-STOP_TIMEOUT = Timeout("JAXPOD_WORKER_STOP_TIMEOUT_S", 20.0)
+START_TIMEOUT = settings.WORKER_START_TIMEOUT
+OPERATION_TIMEOUT = settings.OPERATION_TIMEOUT
+STOP_TIMEOUT = settings.WORKER_STOP_TIMEOUT
 #: Operations a pipeline sends ahead of their replies; 1: none ahead of another.
-PIPELINE_DEPTH = Count("JAXPOD_PIPELINE_DEPTH", 8, "operations sent ahead of their replies")
+PIPELINE_DEPTH = settings.PIPELINE_DEPTH
 #: Ids reserved per operation sent ahead: its objects' ids must be known before its
 #: replies are (the hosts refuse to make more).
 ID_BLOCK = 1 << 20

@@ -21,5 +21,6 @@ def test_the_pinned_port_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("value", ["http", "0", "65536", "-1"])
 def test_a_malformed_pin_is_refused(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv(COORDINATOR_PORT_ENV, value)
-    with pytest.raises(ValueError, match=f"{COORDINATOR_PORT_ENV}='{value}' is not a TCP port"):
+    with pytest.raises(ValueError, match=(f"{COORDINATOR_PORT_ENV}='{value}' is not valid: "
+                                          r"expected a TCP port \(1-65535\)")):
         _worker().reserve_port()

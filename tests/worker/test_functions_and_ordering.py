@@ -181,7 +181,7 @@ def test_function_cache_size_comes_from_the_environment(
     monkeypatch.setenv(CACHE_BYTES_ENV, "1000")
     assert FunctionRegistry().max_bytes == 1000
     monkeypatch.setenv(CACHE_BYTES_ENV, "lots")
-    with pytest.raises(ValueError, match=rf"{CACHE_BYTES_ENV}.*Got 'lots'"):
+    with pytest.raises(ValueError, match=rf"{CACHE_BYTES_ENV}='lots' is not valid"):
         FunctionRegistry()
 
 

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from jaxpod import settings
 from jaxpod.service.capacity.topology import SliceShape
-from jaxpod.timeouts import Timeout
 
 #: Port of the ``jax.distributed`` coordinator on host 0, as JAX's own Cloud TPU
 #: cluster detection uses (``jax._src.clusters.cloud_tpu_cluster.coordinator_port``).
@@ -49,7 +49,7 @@ def megascale_env(num_slices: int, slice_index: int, coordinator: str,
 
 #: How long an acquire waits for whole slices of its type to be free (every provider's;
 #: here so that a provider without Ray names it without importing Ray).
-ALLOCATION_TIMEOUT = Timeout("JAXPOD_ALLOCATION_TIMEOUT_S", 60.0)
+ALLOCATION_TIMEOUT = settings.ALLOCATION_TIMEOUT
 
 _HOSTNAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
 

@@ -21,9 +21,9 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from jaxpod import settings
 from jaxpod.service.capacity.resolvers._tpu_vm import Setting, TpuVmSettings, resolve_tpu_vm
 from jaxpod.service.capacity.resolvers.base import ClusterInfo
-from jaxpod.timeouts import Timeout
 
 #: Returns the text of one metadata attribute, or ``None`` when it does not exist.
 MetadataGetter = Callable[[str], "str | None"]
@@ -31,7 +31,7 @@ MetadataGetter = Callable[[str], "str | None"]
 METADATA_HOST_VAR = "GCE_METADATA_IP"
 DEFAULT_METADATA_HOST = "metadata.google.internal"
 ATTRIBUTES_PATH = "/computeMetadata/v1/instance/attributes/"
-METADATA_TIMEOUT = Timeout("JAXPOD_GCE_METADATA_TIMEOUT_S", 5.0)
+METADATA_TIMEOUT = settings.GCE_METADATA_TIMEOUT
 
 _TPU_ENV_LINE = re.compile(r"^\s*([A-Za-z0-9_]+)\s*:\s*(.*?)\s*$")
 _DMI_PRODUCT = Path("/sys/class/dmi/id/product_name")
