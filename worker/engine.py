@@ -113,8 +113,13 @@ class Engine:
         return self.device_assignment.num_replicas
 
     @property
-    def num_local_replicas(self) -> int:
+    def _num_local_replicas(self) -> int:
         return len(self.local_replicas)
+
+    @property
+    def extended(self) -> EngineExtended:
+        """What the hosts' operations read beyond TF's surface (:class:`EngineExtended`)."""
+        return EngineExtended(self)
 
     # ------------------------------------------------------------------------ run
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (),
@@ -207,7 +212,7 @@ class Engine:
             compile_here()
         except Exception as e:
             error = e
-        ok = self.allgather_host(np.array([error is None], np.int32))
+        ok = self._allgather_host(np.array([error is None], np.int32))
         if error is not None:
             raise error
         if not ok.all():
@@ -306,7 +311,7 @@ class Engine:
             return self._to_global(valid_rows[self._local_slice()].astype(np.int32))
         n = rows or 0
         if n not in self._full_counts:
-            full = np.full(self.num_local_replicas, n, np.int32)
+            full = np.full(self._num_local_replicas, n, np.int32)
             self._full_counts[n] = self._to_global(full)
         return self._full_counts[n]
 
@@ -342,7 +347,7 @@ class Engine:
         k = self.steps_per_run if steps is None else steps
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"run_steps: steps must be a positive int. Got {steps!r}.")
-        batch = self.next_steps(iterator, k)
+        batch = self._next_steps(iterator, k)
         has_state = initial_state is not None
         state = self._split_inputs("run_steps", (initial_state,) if has_state else (), None)
         state_leaves = tuple(
@@ -420,7 +425,7 @@ class Engine:
             lambda a: jnp.broadcast_to(a, (n, *a.shape)), out_shardings=self._replica_sharding))
         return broadcast(self._mirrored(leaf))
 
-    def next_steps(self, iterator: Iterator[Any], k: int) -> _StepBatch:
+    def _next_steps(self, iterator: Iterator[Any], k: int) -> _StepBatch:
         if isinstance(iterator, LocalIterator):
             return iterator.next_steps(k)
         items = list(itertools.islice(iterator, k))
@@ -527,7 +532,7 @@ class Engine:
         return jax.tree.map(lambda v: self._gather_leaf(self._as_per_replica("gather", v), axis),
                             value, is_leaf=is_per_replica)
 
-    def gather_parts(self, value: PerReplica, axis: int, replicas: Sequence[int] | None = None,
+    def _gather_parts(self, value: PerReplica, axis: int, replicas: Sequence[int] | None = None,
                      views: bool = False, padded: bool = False
                      ) -> tuple[int, list[np.ndarray]]:
         """This host's share of ``gather``: the normalized axis and its replicas' parts.
@@ -574,9 +579,9 @@ class Engine:
         per_leaf = [self._local_leaf(self._as_per_replica("experimental_local_results", v))
                     for v in leaves]
         return tuple(jax.tree.unflatten(treedef, [p[i] for p in per_leaf])
-                     for i in range(self.num_local_replicas))
+                     for i in range(self._num_local_replicas))
 
-    def replica_value(self, value: Any, replica: int) -> Any | None:
+    def _replica_value(self, value: Any, replica: int) -> Any | None:
         """Replica ``replica``'s component of every ``PerReplica`` leaf of ``value``
         (numpy, padding dropped; other leaves as they are), or ``None`` when this host
         does not hold that replica: one copy of mirrored state, not one per replica."""
@@ -610,7 +615,7 @@ class Engine:
         valid = None if padded else value.padding
         return [readable(local[r] if valid is None else local[r][:valid[r]]) for r in wanted]
 
-    def padded_parts(self, value: PerReplica) -> list[np.ndarray]:
+    def _padded_parts(self, value: PerReplica) -> list[np.ndarray]:
         """This host's replicas' components with their padding rows (``value.array``'s
         share of this host), for a caller that stacks every host's parts."""
         return self._local_leaf(self._as_per_replica("fetch", value), padded=True)
@@ -643,11 +648,11 @@ class Engine:
             treedef, columns = _value_columns(per_replica, self.local_replicas)
         except Exception:
             if self.num_hosts > 1:
-                self.allgather_json(None)  # the others must not wait for this host
+                self._allgather_json(None)  # the others must not wait for this host
             raise
         described = _describe_values(treedef, columns, self.local_replicas)
         if self.num_hosts > 1:
-            per_host = self.allgather_json(described)
+            per_host = self._allgather_json(described)
             failed = [h for h, d in enumerate(per_host) if d is None]
             if failed:
                 raise PeerHostError(
@@ -694,7 +699,7 @@ class Engine:
                 f"per-replica batches. It returned a {type(dataset).__name__}."
             )
         return LocalDataset(self, lambda: input_lib.FunctionFeed(
-            dataset, self.num_local_replicas))
+            dataset, self._num_local_replicas))
 
     # ------------------------------------------------------------ logical devices
     def experimental_split_to_logical_devices(self, tensor: Any,
@@ -752,12 +757,12 @@ class Engine:
     def _fetch_replicated(self, array: jax.Array) -> np.ndarray:
         return np.asarray(array.addressable_data(0))
 
-    def allgather_json(self, value: Any) -> list[Any]:
+    def _allgather_json(self, value: Any) -> list[Any]:
         """Every host's ``value`` (small, JSON-serializable), in host order."""
         if self.num_hosts == 1:
             return [value]
         data = np.frombuffer(json.dumps(value).encode(), np.uint8)
-        sizes = self.allgather_host(np.array([data.size], np.int32))
+        sizes = self._allgather_host(np.array([data.size], np.int32))
         # Hosts' texts differ in length; padded to a power of two, so the gather's
         # program is compiled again only when the longest text doubles.
         padded = np.zeros(1 << max(6, int(sizes.max() - 1).bit_length()), np.uint8)
@@ -765,11 +770,57 @@ class Engine:
         texts = np.asarray(multihost_utils.process_allgather(padded, tiled=False))
         return [json.loads(texts[h, :n].tobytes()) for h, n in enumerate(sizes)]
 
-    def allgather_host(self, local: np.ndarray) -> np.ndarray:
+    def _allgather_host(self, local: np.ndarray) -> np.ndarray:
         """Concatenates a small host-local array over hosts, in replica order."""
         if self.num_hosts == 1:
             return local
         return np.asarray(multihost_utils.process_allgather(local, tiled=True))
+
+
+class EngineExtended:
+    """What the hosts' operations and the coordinator read of an engine beyond TF's
+    strategy surface (``strategy.extended`` in-process, as TF keeps such machinery
+    behind ``extended``): a gather's parts, padded components, one replica's value, a
+    loop's stacked steps, and small all-host gathers.
+
+    Args:
+      engine: the engine it reads.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    @property
+    def num_local_replicas(self) -> int:
+        """The replicas on this host's devices."""
+        return self._engine._num_local_replicas
+
+    def gather_parts(self, value: PerReplica, axis: int, replicas: Sequence[int] | None = None,
+                     views: bool = False, padded: bool = False
+                     ) -> tuple[int, list[np.ndarray]]:
+        """This host's share of ``gather`` (see :meth:`Engine._gather_parts`)."""
+        return self._engine._gather_parts(value, axis, replicas, views=views, padded=padded)
+
+    def padded_parts(self, value: PerReplica) -> list[np.ndarray]:
+        """This host's replicas' components with their padding rows."""
+        return self._engine._padded_parts(value)
+
+    def replica_value(self, value: Any, replica: int) -> Any | None:
+        """Replica ``replica``'s component of ``value``'s leaves, or ``None`` when this
+        host does not hold that replica."""
+        return self._engine._replica_value(value, replica)
+
+    def next_steps(self, iterator: Iterator[Any], k: int) -> _StepBatch:
+        """The next ``k`` steps of ``iterator`` stacked on the devices (a loop's input)."""
+        return self._engine._next_steps(iterator, k)
+
+    def allgather_json(self, value: Any) -> list[Any]:
+        """Every host's ``value`` (small, JSON-serializable), in host order."""
+        return self._engine._allgather_json(value)
+
+    def allgather_host(self, local: np.ndarray) -> np.ndarray:
+        """Concatenates a small host-local array over hosts, in replica order."""
+        return self._engine._allgather_host(local)
 
 
 def _host_readable(array: jax.Array) -> tuple[jax.Array, Callable[[Any], Any]]:
@@ -827,7 +878,7 @@ class LocalIterator(DistributedIterator):
     def __init__(self, engine: Engine, feed: input_lib.HostFeed,
                  steps_per_run: int | None = None) -> None:
         self._engine = engine
-        self._infeed = Infeed(feed, engine._to_global, engine.num_local_replicas,
+        self._infeed = Infeed(feed, engine._to_global, engine._num_local_replicas,
                               steps_per_run or engine.steps_per_run,
                               waits=engine.input_wait)
         weakref.finalize(self, self._infeed.close)
@@ -896,14 +947,14 @@ class LocalIterator(DistributedIterator):
         except Exception as e:
             self._failure = e
             if eng.num_hosts > 1:  # the others must not wait for this host's counts
-                eng.allgather_host(np.full((eng.num_local_replicas, k), -1, np.int32))
+                eng._allgather_host(np.full((eng._num_local_replicas, k), -1, np.int32))
             raise
         if chunk is None and eng.num_hosts == 1:
             raise EndOfDataError("The distributed dataset has no more input.")
         # A host whose input ended still takes part: it may be the only one.
         local = (chunk.counts if chunk is not None
-                 else np.zeros((eng.num_local_replicas, k), np.int32))
-        counts = eng.allgather_host(local)
+                 else np.zeros((eng._num_local_replicas, k), np.int32))
+        counts = eng._allgather_host(local)
         if (counts < 0).any():
             self._failure = PeerHostError(
                 "The distributed dataset raised on another host of the slice (see that "

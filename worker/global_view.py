@@ -160,7 +160,7 @@ class GlobalView:
         """``steps`` steps of ``fn(state, batch) -> (state, outputs)`` in one on-device
         loop; the state (:class:`GlobalValue` leaves) is donated and comes back with the
         same shardings, the outputs stacked over the steps (scalars: ``(steps,)``)."""
-        batch = self.engine.next_steps(iterator, steps)
+        batch = self.engine.extended.next_steps(iterator, steps)
         if batch.valid_rows is not None and batch.rows is not None and (
                 batch.valid_rows != batch.rows).any():
             raise ValueError(

@@ -307,15 +307,15 @@ class HostOperations(ops.Host):
 
     def gather_parts(self, op: ops.GatherParts) -> tuple[int, list[Any]]:
         # Streamed parts are views of device memory: the receiver copies them once.
-        axis, parts = self.engine.gather_parts(self.store.per_replica(op.value.id), op.axis,
-                                               op.replicas, views=op.streamed,
-                                               padded=op.padded)
+        axis, parts = self.engine.extended.gather_parts(
+            self.store.per_replica(op.value.id), op.axis, op.replicas, views=op.streamed,
+            padded=op.padded)
         if op.rows is not None:
             parts = [p[op.rows[0]:op.rows[1]] for p in parts]
         return axis, [Streamed(p) for p in parts] if op.streamed else parts
 
     def fetch_parts(self, op: ops.FetchParts) -> list[np.ndarray]:
-        return list(self.engine.padded_parts(self.store.per_replica(op.value.id)))
+        return list(self.engine.extended.padded_parts(self.store.per_replica(op.value.id)))
 
     def fetch_shards(self, op: ops.FetchShards) -> list[tuple[ops.ShardIndex, np.ndarray]]:
         value = self.store.get(op.value.id)
@@ -341,7 +341,7 @@ class HostOperations(ops.Host):
                      self.engine.experimental_local_results(self._resolve(op.value)))
 
     def replica_value(self, op: ops.ReplicaValue) -> Any:
-        return trees.freeze(self.engine.replica_value(self._resolve(op.value), op.replica),
+        return trees.freeze(self.engine.extended.replica_value(self._resolve(op.value), op.replica),
                             "state")
 
     def stats(self, op: ops.Stats) -> ops.HostStats:

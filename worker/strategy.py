@@ -8,10 +8,10 @@ from typing import Any
 import jax
 
 from jaxpod.jobs import check_spmd
-from jaxpod.tf_compat import TFCompatMixin
+from jaxpod.tf_compat import StrategyExtended, TFCompatMixin
 from jaxpod.values import PerReplica, is_per_replica
 from jaxpod.worker.device_assignment import DeviceAssignment
-from jaxpod.worker.engine import Engine
+from jaxpod.worker.engine import Engine, EngineExtended
 from jaxpod.worker.global_view import GlobalView, is_global
 
 
@@ -56,6 +56,12 @@ class TPUStrategy(TFCompatMixin, Engine):
             device_assignment = _first_cores(num_cores, device_assignment)
         super().__init__(device_assignment, steps_per_run)
         self.cluster_resolver = resolver
+
+    @property
+    def extended(self) -> TPUStrategyExtended:
+        """TF2's ``tf.distribute.StrategyExtended`` members, and the engine's machinery
+        that TF's surface does not show (:class:`~jaxpod.worker.engine.EngineExtended`)."""
+        return TPUStrategyExtended(self)
 
     def spmd(self, fn: Any, *, mesh: dict[str, int] | None = None,
              batch_sharding: Any = None) -> Any:
@@ -107,6 +113,15 @@ class TPUStrategy(TFCompatMixin, Engine):
         return (f"TPUStrategy(num_replicas_in_sync={self.num_replicas_in_sync}, "
                 f"logical_devices_per_replica={da.num_cores_per_replica}, "
                 f"hosts={self.num_hosts}, steps_per_run={self.steps_per_run})")
+
+
+class TPUStrategyExtended(StrategyExtended, EngineExtended):
+    """``strategy.extended`` of the in-process strategy: TF's members over the strategy,
+    and the engine's machinery (gather parts, padded parts, all-host gathers...)."""
+
+    def __init__(self, strategy: TPUStrategy) -> None:
+        StrategyExtended.__init__(self, strategy)
+        EngineExtended.__init__(self, strategy)
 
 
 def _first_cores(num_cores: object, device_assignment: DeviceAssignment | None

@@ -204,7 +204,7 @@ def test_gather_parts_as_views_and_streamed(model_parallel_strategy: jaxpod.TPUS
         lambda v: strategy.experimental_split_to_logical_devices(v * 2.0, [2, 1]),
         args=(value,))
     for source, want, whole in ((value, xs, True), (split, xs * 2.0, False)):
-        ax, parts = strategy.gather_parts(source, 0, replicas=(1, 3), views=True)
+        ax, parts = strategy.extended.gather_parts(source, 0, replicas=(1, 3), views=True)
         assert ax == 0 and len(parts) == 2
         for got, expected in zip(parts, want[[1, 3]], strict=True):
             np.testing.assert_array_equal(got, expected)

@@ -115,6 +115,26 @@ def test_every_reference_member_exists(strategy_of: Callable[..., Any]) -> None:
     assert not missing_ext
 
 
+#: jaxpod's own documented additions to TF's surface (README, DESIGN §3).
+ADDITIONS = {"run_steps", "spmd"}
+#: What TF keeps behind ``strategy.extended`` and jaxpod's engine keeps there too.
+MACHINERY = ("gather_parts", "padded_parts", "replica_value", "next_steps",
+             "allgather_json", "allgather_host", "num_local_replicas")
+
+
+def test_the_strategy_shows_tf_s_surface_and_keeps_its_machinery_behind_extended() -> None:
+    public = {n for n in dir(jaxpod.TPUStrategy) if not n.startswith("_")}
+    tf_members = {m for m in EXPECTED_MEMBERS if not m.startswith("_")}
+    assert public - tf_members - ADDITIONS == set(), "not TF's, nor a documented addition"
+    # TF's members missing from the class are the instance attributes it sets
+    assert tf_members - public == {"cluster_resolver", "num_hosts", "steps_per_run"}
+    strategy = jaxpod.TPUStrategy()
+    for name in MACHINERY:
+        assert not hasattr(strategy, name), name
+        assert hasattr(strategy.extended, name), name
+    assert strategy.extended.num_local_replicas == strategy.num_replicas_in_sync
+
+
 def unwrap_np(strategy: Any, value: Any) -> list[Any]:
     return [np.asarray(v) for v in strategy.unwrap(value)]
 
