@@ -28,7 +28,12 @@ PAIRS: dict[str, dict[str, tuple[str, str]]] = {
                   "trivial_run_reduce_p50_ms": ("trivial_run_reduce_p50_ms",
                                                 "inprocess_trivial_run_reduce_p50_ms")},
     "results": {"result_over_bound_largest": ("result_s_largest", "orbax_s_largest")},
-    "sharded": {"job_vs_plain": ("job_steps_per_s", "plain_steps_per_s")},
+    "sharded": {"job_vs_plain": ("job_steps_per_s", "plain_steps_per_s"),
+                "job_productive_vs_plain": ("job_productive_steps_per_s", "plain_steps_per_s"),
+                "transformer_job_vs_plain": ("transformer_job_steps_per_s",
+                                             "transformer_plain_steps_per_s"),
+                "transformer_job_productive_vs_plain": ("transformer_job_productive_steps_per_s",
+                                                        "transformer_plain_steps_per_s")},
     "dashboard": {"polled_vs_quiet": ("steps_per_s_polled", "steps_per_s_quiet")},
     "job_history": {"last_longest_vs_shortest": ("last_ms_longest", "last_ms_shortest"),
                     "chart_vs_whole_longest": ("chart_ms_longest", "whole_ms_longest")},
@@ -215,6 +220,8 @@ def render(results: dict[str, Any], areas: Sequence[Any]) -> str:
             continue
         when = f", run {entry['ran_at']}" if "ran_at" in entry else ""
         lines += [f"## {area.title}", "", area.question, "",
+                  *([getattr(area, "explains", ""), ""] if getattr(area, "explains", "")
+                    else []),
                   f"`{entry['command']}` ({fmt(entry['seconds'])} s{when})", ""]
         if "error" in entry:
             lines += ["**The script failed** (exit "
