@@ -9,6 +9,8 @@ are :mod:`jaxpod.jobs`'s; these are the parts of the service that run jobs.
   budgets) and the queue policy (FIFO per accelerator type), each behind a Protocol;
 * :mod:`jaxpod.service.jobs.manager` -- ``JobManager``: the queue, the dispatcher, one
   controller thread per started job, and the reads that show jobs as they are now;
+* :mod:`jaxpod.service.jobs.bookkeeping`, :mod:`jaxpod.service.jobs.events` -- what every
+  state change updates: the store and the goodput clock; the watchers;
 * :mod:`jaxpod.service.jobs.runner` -- one attempt of a job on a held slice: the loop of
   ``steps_per_run`` steps, outputs reduced into metrics, the hosts' reports read;
 * :mod:`jaxpod.service.jobs.store` -- ``JobStore``: jobs, their history, attempts,

@@ -10,21 +10,17 @@ thread of its own. Only one job per accelerator type allocates at a time, so job
 in queue order.
 
 State changes reach the store, the goodput clock and the watchers through the
-controller's callbacks (:class:`StoreWriter`, :class:`GoodputKeeper`,
-:class:`JobEvents`), which this module defines: nothing else writes a job's state.
+controller's callbacks (:mod:`~jaxpod.service.jobs.bookkeeping`,
+:mod:`~jaxpod.service.jobs.events`): nothing else writes a job's state.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from jaxpod import settings
@@ -33,7 +29,7 @@ from jaxpod.jobs import HostInput, JobDetails, JobProfile, JobSpec, JobState, Jo
 from jaxpod.proto import job_messages
 from jaxpod.service.auth.quotas import SliceQuotas
 from jaxpod.service.auth.tokens import Principal
-from jaxpod.service.jobs import goodput
+from jaxpod.service.jobs.bookkeeping import GoodputKeeper, StoreWriter
 from jaxpod.service.jobs.checkpoints import JobCheckpoints
 from jaxpod.service.jobs.codec import skeleton_from
 from jaxpod.service.jobs.controller import (
@@ -44,7 +40,8 @@ from jaxpod.service.jobs.controller import (
     StateChange,
     StopSignal,
 )
-from jaxpod.service.jobs.goodput import GoodputClock, summary
+from jaxpod.service.jobs.events import JobEvents
+from jaxpod.service.jobs.goodput import summary
 from jaxpod.service.jobs.policies import (
     FailureKind,
     LowerPriorityYields,
@@ -60,7 +57,6 @@ from jaxpod.service.jobs.states import (
     Pending,
     Retrying,
     Running,
-    Succeeded,
 )
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.slices.profiles import ProfileRequest
@@ -72,145 +68,6 @@ logger = logging.getLogger(__name__)
 DISPATCH_RECHECK = settings.JOB_DISPATCH_RECHECK
 #: How long stopping the service waits for running jobs to reach a loop boundary.
 JOB_STOP_TIMEOUT = settings.JOB_STOP_TIMEOUT
-#: How often, at most, a running job's goodput totals are written to the store.
-GOODPUT_SAVE_EVERY_S = 1.0
-
-
-class JobEvents:
-    """Tells watchers (asyncio tasks on the RPC loop) that a job changed.
-
-    Each job has a version that every change bumps; a watcher reads the job, then
-    waits for a version newer than the one it read, so no change is missed between
-    reading and waiting. A controller callback: every state change is a change.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._versions: collections.Counter[str] = collections.Counter()
-        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]] = {}
-
-    def version(self, job_id: str) -> int:
-        with self._lock:
-            return self._versions[job_id]
-
-    def changed(self, job_id: str) -> None:
-        with self._lock:
-            self._versions[job_id] += 1
-            waiters = self._waiters.pop(job_id, [])
-        for loop, future in waiters:
-            loop.call_soon_threadsafe(_settle, future)
-
-    def after_state_change(self, change: StateChange) -> None:
-        self.changed(change.job_id)
-
-    async def wait(self, job_id: str, version: int, timeout: float) -> None:
-        """Returns once the job's version is past ``version``, or after ``timeout``."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-        with self._lock:
-            if self._versions[job_id] != version:
-                return
-            self._waiters.setdefault(job_id, []).append((loop, future))
-        try:
-            await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            with self._lock:
-                waiters = self._waiters.get(job_id, [])
-                if (loop, future) in waiters:
-                    waiters.remove((loop, future))
-
-
-def _settle(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-@dataclass(frozen=True)
-class StoreWriter:
-    """Writes every state change to the store: a finished job's outputs first, then
-    the attempt that ended, then the state (so a SUCCEEDED job always has a result)."""
-
-    store: JobStore
-
-    def after_state_change(self, change: StateChange) -> None:
-        new, store = change.new, self.store
-        if isinstance(new, Succeeded):  # its state is its last checkpoint
-            store.save_result(change.job_id, new.result.outputs)
-        if change.ended is not None:
-            ended = change.ended
-            store.end_attempt(change.job_id, ended.number, cause=ended.cause,
-                              step_reached=ended.step_reached)
-        if new is not None:
-            store.transition(change.job_id, new, change.reason)
-            if new.state.is_terminal:
-                logger.info("job %s %s", change.job_id, new.state.value)
-
-
-#: The goodput category each state starts (``RUNNING``'s runner switches within it).
-_STATE_CATEGORIES: Mapping[JobState, str] = {
-    JobState.ALLOCATING: goodput.ALLOCATING, JobState.RUNNING: goodput.SETUP,
-    JobState.RETRYING: goodput.RECOVERING, JobState.PENDING: goodput.QUEUED}
-
-
-class GoodputKeeper:
-    """Each unfinished job's goodput clock, on the store's clock (``time.time``), so its
-    categories add up to ``finished_at - created_at``; switched by state changes and
-    written to the store with each (and every second while a job runs)."""
-
-
-    def __init__(self, store: JobStore) -> None:
-        self._store = store
-        self._clocks: dict[str, GoodputClock] = {}
-        self._saved: dict[str, float] = {}  # job -> when last written (monotonic)
-
-    def start(self, job_id: str, totals: dict[str, float] | None = None,
-              created_at: float = 0.0) -> GoodputClock:
-        """A new job's clock (queued), or a recovered job's from its stored totals: the
-        time the last coordinator did not record (its downtime) goes to recovering."""
-        clock = (GoodputClock(goodput.QUEUED, clock=time.time) if totals is None else
-                 GoodputClock.from_totals(totals, wall_s=time.time() - created_at,
-                                          category=goodput.QUEUED, clock=time.time))
-        self._clocks[job_id] = clock
-        return clock
-
-    def clock(self, job_id: str) -> GoodputClock:
-        clock = self._clocks.get(job_id)
-        if clock is None:  # not expected: a job gets one when queued
-            clock = self._clocks[job_id] = GoodputClock(goodput.OTHER, clock=time.time)
-        return clock
-
-    def totals(self, job_id: str) -> dict[str, float] | None:
-        """The live totals of an unfinished job (``None``: it has no clock here)."""
-        clock = self._clocks.get(job_id)
-        return clock.totals() if clock is not None else None
-
-    def after_state_change(self, change: StateChange) -> None:
-        new = change.new
-        if new is not None and new.state.is_terminal:
-            self.stop(change.job_id)
-            return
-        category = _STATE_CATEGORIES.get(new.state) if new is not None else None
-        if category is not None:
-            self.clock(change.job_id).switch(category)
-        self.save(change.job_id)
-
-    def progressed(self, job_id: str) -> None:
-        """A loop was recorded: the totals are written at most every second."""
-        now = time.monotonic()
-        if now - self._saved.get(job_id, 0.0) >= GOODPUT_SAVE_EVERY_S:
-            self.save(job_id)
-            self._saved[job_id] = now
-
-    def save(self, job_id: str) -> None:
-        with contextlib.suppress(Exception):  # accounting must never fail a job
-            self._store.set_goodput(job_id, self.clock(job_id).totals())
-
-    def stop(self, job_id: str) -> None:
-        self._saved.pop(job_id, None)
-        clock = self._clocks.pop(job_id, None)
-        if clock is not None:
-            with contextlib.suppress(Exception):
-                self._store.set_goodput(job_id, clock.stop())
 
 
 class JobManager:
