@@ -39,11 +39,11 @@ import pytest
 
 from jaxpod.client import embedded
 from jaxpod.errors import AllocationTimeoutError, ServiceUnavailableError
-from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.api import server
 from jaxpod.service.auth.tokens import Principal, Role, TokenBook
 from jaxpod.service.capacity import deferred
 from jaxpod.service.capacity.local_cluster import _read_line, descendants, is_running
+from jaxpod.service.capacity.requests import ClusterSlice, SliceRequest
 from jaxpod.service.cli.serve import check_listen_address
 from jaxpod.timeouts import wait_for
 
@@ -329,15 +329,15 @@ class _Provider:
     """A slice provider that records what it was asked."""
 
     def __init__(self) -> None:
-        self.requests: list[pb.AcquireSliceRequest] = []
+        self.requests: list[SliceRequest] = []
 
-    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str,
+    def acquire(self, request: SliceRequest, slice_id: str,
                 cancel: Any = None) -> Any:
         self.requests.append(request)
         return f"held {slice_id}"
 
-    def cluster(self) -> list[pb.ClusterSlice]:
-        return [pb.ClusterSlice(name="sim-0-v4-8", accelerator_type="v4-8", num_hosts=1)]
+    def cluster(self) -> list[ClusterSlice]:
+        return [ClusterSlice(name="sim-0-v4-8", accelerator_type="v4-8", num_hosts=1)]
 
     def close(self) -> None:
         pass
@@ -361,7 +361,7 @@ def _in_thread(fn: Any) -> tuple[threading.Event, list[Any]]:
 
 def test_calls_before_the_cluster_is_up_wait_for_it() -> None:
     slices, provider = deferred.DeferredSlices(), _Provider()
-    request = pb.AcquireSliceRequest(accelerator_type="v4-8", timeout_s=60.0)
+    request = SliceRequest(accelerator_type="v4-8", timeout_s=60.0)
     acquired, acquire = _in_thread(lambda: slices.acquire(request, "slice-1"))
     listed, cluster = _in_thread(slices.cluster)
     assert not acquired.wait(0.3) and not listed.wait(0.01)  # waiting, not failing
@@ -380,7 +380,7 @@ def test_calls_before_the_cluster_is_up_wait_for_it() -> None:
 
 def test_calls_fail_naming_why_the_cluster_did_not_come_up() -> None:
     slices = deferred.DeferredSlices()
-    request = pb.AcquireSliceRequest(accelerator_type="v4-8", timeout_s=60.0)
+    request = SliceRequest(accelerator_type="v4-8", timeout_s=60.0)
     acquired, acquire = _in_thread(lambda: slices.acquire(request, "slice-1"))
     slices.failed(ConnectionError("jaxpod serve: set RAY_ADDRESS"))
     assert acquired.wait(30)
@@ -398,7 +398,7 @@ def test_waiting_for_the_cluster_is_bounded_by_named_time_outs(
         monkeypatch: pytest.MonkeyPatch) -> None:
     slices = deferred.DeferredSlices()
     with pytest.raises(AllocationTimeoutError, match="JAXPOD_ALLOCATION_TIMEOUT_S"):
-        slices.acquire(pb.AcquireSliceRequest(accelerator_type="v4-8", timeout_s=0.2), "s")
+        slices.acquire(SliceRequest(accelerator_type="v4-8", timeout_s=0.2), "s")
     monkeypatch.setenv(deferred.CLUSTER_READY_TIMEOUT.env_var, "0.2")
     with pytest.raises(ServiceUnavailableError, match=deferred.CLUSTER_READY_TIMEOUT.env_var):
         slices.cluster()

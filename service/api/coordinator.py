@@ -47,6 +47,7 @@ from jaxpod.service.api.status import status_of
 from jaxpod.service.api.stopping import Stopping
 from jaxpod.service.auth.quotas import SliceQuotas
 from jaxpod.service.auth.tokens import LOCAL, Principal, TokenBook
+from jaxpod.service.capacity.requests import ClusterSlice, SliceRequest
 from jaxpod.service.jobs.manager import JobManager
 from jaxpod.service.sessions import Session, SessionManager
 from jaxpod.service.slices.group_engine import (
@@ -74,13 +75,13 @@ MAX_UPLOAD_BYTES = 4 * 1024 * 1024 * 1024
 class SliceProvider(Protocol):
     """Acquires slices with their replica groups started and configured."""
 
-    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str,
+    def acquire(self, request: SliceRequest, slice_id: str,
                 cancel: Cancel | None = None) -> HeldSlice:
         """Slices as ``request`` asks; a wait for free ones gives up once ``cancel`` is
         set (``AllocationCancelledError``)."""
         ...
 
-    def cluster(self) -> list[pb.ClusterSlice]: ...
+    def cluster(self) -> list[ClusterSlice]: ...
 
     def snapshot(self) -> Sequence[Any]:
         """Every slice with its hosts and health, as the resolvers read them (objects
@@ -221,8 +222,8 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
         slice_id = f"slice-{secrets.token_hex(4)}"
         with self.quotas.reserve(session.owner, max(1, request.num_slices), "AcquireSlice"):
             held = await self.stopping.during(  # a wait for a busy slice ends at a stop
-                lambda cancel: self._blocking(self.slices.acquire, request, slice_id,
-                                              cancel), "AcquireSlice")
+                lambda cancel: self._blocking(self.slices.acquire, slice_request(request),
+                                              slice_id, cancel), "AcquireSlice")
             try:
                 session.add_slice(held)
             except SessionError:
@@ -608,10 +609,11 @@ class CoordinatorService(JobsServicer, pb_grpc.CoordinatorServicer):
     async def ClusterStatus(self, request: pb.Empty, context: Any) -> pb.ClusterStatusResponse:
         slices = await self._blocking(self.slices.cluster)
         holders = self.slice_holders()
-        for s in slices:
-            s.holder = holders.get(s.name, "")
-        return pb.ClusterStatusResponse(slices=slices, num_sessions=len(self.sessions),
-                                        server_version=jaxpod.__version__)
+        return pb.ClusterStatusResponse(
+            slices=[pb.ClusterSlice(name=s.name, accelerator_type=s.accelerator_type,
+                                    num_hosts=s.num_hosts, holder=holders.get(s.name, ""))
+                    for s in slices],
+            num_sessions=len(self.sessions), server_version=jaxpod.__version__)
 
     def slice_holders(self) -> dict[str, str]:
         """Slice name -> who holds it: a session's :func:`~jaxpod.proto.tensors.holder_label`
@@ -633,6 +635,13 @@ class _Stopped(Exception):
     def __init__(self, error: StopIteration) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+def slice_request(message: pb.AcquireSliceRequest) -> SliceRequest:
+    """An ``AcquireSlice`` request as a provider takes it."""
+    return SliceRequest(message.accelerator_type, message.num_slices or 1,
+                        message.steps_per_run or 1, tuple(message.computation_shape),
+                        message.num_replicas, message.timeout_s)
 
 
 def _dropped(message: pb.Dropped) -> ops.Dropped:

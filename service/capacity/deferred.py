@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from jaxpod import settings
 from jaxpod.errors import AllocationTimeoutError, JaxpodError, ServiceUnavailableError
-from jaxpod.proto import coordinator_pb2 as pb
+from jaxpod.service.capacity.requests import ClusterSlice, SliceRequest
 from jaxpod.service.capacity.resolvers.base import ALLOCATION_TIMEOUT
 from jaxpod.timeouts import Cancel, Deadline
 
@@ -20,10 +20,10 @@ CLUSTER_READY_TIMEOUT = settings.CLUSTER_READY_TIMEOUT
 
 
 class _Provider(Protocol):
-    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str,
+    def acquire(self, request: SliceRequest, slice_id: str,
                 cancel: Cancel | None = None) -> Any: ...
 
-    def cluster(self) -> list[pb.ClusterSlice]: ...
+    def cluster(self) -> list[ClusterSlice]: ...
 
     def snapshot(self) -> Sequence[Any]: ...
 
@@ -89,7 +89,7 @@ class DeferredSlices:
                 f"again.")
         return self._target
 
-    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str,
+    def acquire(self, request: SliceRequest, slice_id: str,
                 cancel: Cancel | None = None) -> Any:
         if self._target is not None:
             return self._target.acquire(request, slice_id, cancel)
@@ -100,9 +100,7 @@ class DeferredSlices:
             f"default {ALLOCATION_TIMEOUT.default_s:g}s",
             f"{ALLOCATION_TIMEOUT.env_var} or pass timeout_s", AllocationTimeoutError)
         # The allocation gets what is left of the acquire's time-out.
-        waited = pb.AcquireSliceRequest()
-        waited.CopyFrom(request)
-        waited.timeout_s = max(deadline.remaining(), 1e-3)
+        waited = request.waiting_at_most(max(deadline.remaining(), 1e-3))
         return target.acquire(waited, slice_id, cancel)
 
     def has_free(self, accelerator_type: str, num_slices: int) -> bool:
@@ -110,7 +108,7 @@ class DeferredSlices:
         return self._target is not None and self._target.has_free(accelerator_type,
                                                                    num_slices)
 
-    def cluster(self) -> list[pb.ClusterSlice]:
+    def cluster(self) -> list[ClusterSlice]:
         if self._target is not None:
             return self._target.cluster()
         timeout = CLUSTER_READY_TIMEOUT

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from jaxpod import settings
 from jaxpod.errors import AllocationCancelledError, SliceResetError
-from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.capacity.ray_workers import RayWorkers
+from jaxpod.service.capacity.requests import ClusterSlice, SliceRequest
 from jaxpod.service.capacity.resolvers.base import ALLOCATION_TIMEOUT
 from jaxpod.service.slices.group_engine import GroupEngine
 from jaxpod.service.slices.held import HeldSlice
@@ -135,7 +135,7 @@ class PooledSlices(abc.ABC):
         self._closed = False
 
     @abc.abstractmethod
-    def _allocate(self, request: pb.AcquireSliceRequest, key: WarmKey,
+    def _allocate(self, request: SliceRequest, key: WarmKey,
                   cancel: Cancel | None) -> Held:
         """Holds ``key[1]`` whole slices of ``key[0]`` (waiting as the request allows;
         ``AllocationCancelledError`` once ``cancel`` is set)."""
@@ -149,7 +149,7 @@ class PooledSlices(abc.ABC):
         """Slices of the type that nothing holds, warm ones excluded."""
 
     @abc.abstractmethod
-    def cluster(self) -> list[pb.ClusterSlice]:
+    def cluster(self) -> list[ClusterSlice]:
         """Every slice of the cluster."""
 
     @abc.abstractmethod
@@ -170,8 +170,7 @@ class PooledSlices(abc.ABC):
         Returns:
           The thread (joined by tests; the service does not wait for it).
         """
-        request = pb.AcquireSliceRequest(accelerator_type=accelerator_type,
-                                         num_slices=num_slices)
+        request = SliceRequest(accelerator_type=accelerator_type, num_slices=num_slices)
         key = _key(request)
         token = object()
         with self._lock:
@@ -181,7 +180,7 @@ class PooledSlices(abc.ABC):
         thread.start()
         return thread
 
-    def _prewarm(self, request: pb.AcquireSliceRequest, key: WarmKey,
+    def _prewarm(self, request: SliceRequest, key: WarmKey,
                  token: object) -> None:
         try:
             allocation, group = self._start_workers(request, key)
@@ -196,7 +195,7 @@ class PooledSlices(abc.ABC):
                     del self._prewarming[key]
                 self._prewarm_ended.notify_all()
 
-    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str,
+    def acquire(self, request: SliceRequest, slice_id: str,
                 cancel: Cancel | None = None) -> HeldSlice:
         """A warm slice of the request's shape if one still works (after waiting for
         one being prewarmed), else allocates, starts and configures; on any failure
@@ -219,7 +218,7 @@ class PooledSlices(abc.ABC):
             with self._lock:
                 self._waiting[key[0]] -= 1
 
-    def _await_prewarm(self, request: pb.AcquireSliceRequest, key: WarmKey,
+    def _await_prewarm(self, request: SliceRequest, key: WarmKey,
                        cancel: Cancel | None) -> None:
         """Waits for a prewarm of ``key`` under way, if any: its capacity is held
         meanwhile, and its slice is the acquire's to take. Gives up at the request's
@@ -262,7 +261,7 @@ class PooledSlices(abc.ABC):
             warm = sum(w.key[1] for w in self._warm if w.key[0] == key[0])
         return warm + self._idle_slices(key[0]) >= num_slices
 
-    def _start(self, request: pb.AcquireSliceRequest, slice_id: str, key: WarmKey,
+    def _start(self, request: SliceRequest, slice_id: str, key: WarmKey,
                cancel: Cancel | None = None) -> HeldSlice:
         allocation, group = self._start_workers(request, key, cancel)
         try:
@@ -274,7 +273,7 @@ class PooledSlices(abc.ABC):
             raise
         return self._held(slice_id, engine, allocation, key)
 
-    def _start_workers(self, request: pb.AcquireSliceRequest, key: WarmKey,
+    def _start_workers(self, request: SliceRequest, key: WarmKey,
                        cancel: Cancel | None = None) -> tuple[Held, ReplicaGroup]:
         """Allocates and starts the workers; on a failure nothing stays held."""
         allocation = self._allocate(request, key, cancel)
@@ -284,7 +283,7 @@ class PooledSlices(abc.ABC):
             allocation.release()
             raise
 
-    def _reuse(self, warm: WarmSlice, request: pb.AcquireSliceRequest, slice_id: str
+    def _reuse(self, warm: WarmSlice, request: SliceRequest, slice_id: str
                ) -> HeldSlice | None:
         """``warm`` configured for ``request``; ``None`` when its workers are lost
         (they are stopped and released: the caller tries the next or starts fresh)."""
@@ -416,7 +415,7 @@ class RaySlices(PooledSlices):
         self.platform = platform
         self.start_timeout_s = start_timeout_s
 
-    def _allocate(self, request: pb.AcquireSliceRequest, key: WarmKey,
+    def _allocate(self, request: SliceRequest, key: WarmKey,
                   cancel: Cancel | None) -> Held:
         return self.allocator.allocate(request.accelerator_type, key[1],
                                        timeout_s=request.timeout_s or None,
@@ -437,16 +436,16 @@ class RaySlices(PooledSlices):
 
         return snapshot()[0]
 
-    def cluster(self) -> list[pb.ClusterSlice]:
-        return [pb.ClusterSlice(name=s.info.name, accelerator_type=s.info.accelerator_type,
-                                num_hosts=len(s.hosts)) for s in self.snapshot()]
+    def cluster(self) -> list[ClusterSlice]:
+        return [ClusterSlice(name=s.info.name, accelerator_type=s.info.accelerator_type,
+                             num_hosts=len(s.hosts)) for s in self.snapshot()]
 
 
-def _key(request: pb.AcquireSliceRequest) -> WarmKey:
+def _key(request: SliceRequest) -> WarmKey:
     return request.accelerator_type.strip().lower(), request.num_slices or 1
 
 
-def _configure(engine: GroupEngine, request: pb.AcquireSliceRequest) -> None:
+def _configure(engine: GroupEngine, request: SliceRequest) -> None:
     engine.configure(request.steps_per_run or 1, list(request.computation_shape) or None,
                      request.num_replicas or None)
 

@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jaxpod.errors import AllocationCancelledError, AllocationTimeoutError
-from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.capacity.local_cluster import SimulatedSlice, plan_slices
 from jaxpod.service.capacity.pools import Held, PooledSlices, WarmKey
 from jaxpod.service.capacity.process_hosts import HostsStartedAhead, LocalHeld, ProcessWorkers
+from jaxpod.service.capacity.requests import ClusterSlice, SliceRequest
 from jaxpod.service.capacity.resolvers.base import ALLOCATION_TIMEOUT, HostInfo, SliceInfo
 from jaxpod.service.capacity.topology import slice_shape
 from jaxpod.service.slices.replica_group import ReplicaGroup
@@ -59,7 +59,7 @@ class LocalProcessSlices(PooledSlices):
         self._free = {s.name for s in self.slices}
         self._changed = threading.Condition()
 
-    def _allocate(self, request: pb.AcquireSliceRequest, key: WarmKey,
+    def _allocate(self, request: SliceRequest, key: WarmKey,
                   cancel: Cancel | None) -> Held:
         wanted, count = slice_shape(request.accelerator_type).accelerator_type, key[1]
         of_type = [s for s in self.slices if s.shape.accelerator_type == wanted]
@@ -137,8 +137,8 @@ class LocalProcessSlices(PooledSlices):
             return sum(1 for s in self.slices if s.name in self._free
                        and s.shape.accelerator_type == accelerator_type)
 
-    def cluster(self) -> list[pb.ClusterSlice]:
-        return [pb.ClusterSlice(name=s.name, accelerator_type=s.shape.accelerator_type,
+    def cluster(self) -> list[ClusterSlice]:
+        return [ClusterSlice(name=s.name, accelerator_type=s.shape.accelerator_type,
                                 num_hosts=s.shape.num_hosts) for s in self.slices]
 
     def snapshot(self) -> list[LocalSlice]:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from jaxpod import settings
 from jaxpod.errors import AllocationTimeoutError
 from jaxpod.jobs import JobSpec
-from jaxpod.proto import coordinator_pb2 as pb
+from jaxpod.service.capacity.requests import ClusterSlice, SliceRequest
 from jaxpod.service.jobs import goodput
 from jaxpod.service.jobs.checkpoints import JobCheckpoints
 from jaxpod.service.jobs.goodput import GoodputClock
@@ -126,11 +126,11 @@ class StateCallback(Protocol):
 class JobSlices(Protocol):
     """Where jobs get slices: the coordinator's slice provider."""
 
-    def acquire(self, request: pb.AcquireSliceRequest, slice_id: str) -> Any: ...
+    def acquire(self, request: SliceRequest, slice_id: str) -> Any: ...
 
     def has_free(self, accelerator_type: str, num_slices: int) -> bool: ...
 
-    def cluster(self) -> list[pb.ClusterSlice]: ...
+    def cluster(self) -> list[ClusterSlice]: ...
 
 
 @dataclass(frozen=True)
@@ -221,10 +221,10 @@ class JobController:
         checkpoint; each try waits ``JOB_ACQUIRE_TRY`` (a session may take the slice
         that looked free), and a stop is seen between tries."""
         spec = self.spec
-        request = pb.AcquireSliceRequest(
+        request = SliceRequest(
             accelerator_type=spec.accelerator_type or "", num_slices=spec.num_slices,
             steps_per_run=spec.steps_per_run,
-            computation_shape=list(spec.computation_shape or ()),
+            computation_shape=tuple(spec.computation_shape or ()),
             timeout_s=JOB_ACQUIRE_TRY.seconds())
         deadline = Deadline(JOB_ALLOCATION_TIMEOUT.seconds())
         step = self._parts.store.get(self.job_id).step

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from jaxpod.errors import JaxpodError
-from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.capacity.local_cluster import LocalTPUCluster, is_running
 from jaxpod.service.capacity.pools import RaySlices
+from jaxpod.service.capacity.requests import SliceRequest
 from jaxpod.service.slices.group_engine import GroupEngine
 from jaxpod.service.slices.held import HeldSlice
 from jaxpod.timeouts import wait_for
@@ -55,7 +55,7 @@ def slices(ray_cluster: LocalTPUCluster, short_grace: None) -> Iterator[RaySlice
 
 
 def _acquire(slices: RaySlices) -> HeldSlice:
-    request = pb.AcquireSliceRequest(accelerator_type="v4-16", steps_per_run=1,
+    request = SliceRequest(accelerator_type="v4-16", steps_per_run=1,
                                      timeout_s=60)
     return slices.acquire(request, "slice-v4-16")
 

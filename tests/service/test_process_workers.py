@@ -33,10 +33,10 @@ from jaxpod.errors import (
     WorkerStartError,
 )
 from jaxpod.operations import HandleInfo
-from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.service.capacity.local_cluster import descendants
 from jaxpod.service.capacity.process_hosts import ProcessWorkers, prewarm_type, start_ahead
 from jaxpod.service.capacity.process_slices import LocalProcessSlices
+from jaxpod.service.capacity.requests import SliceRequest
 from jaxpod.service.slices.group_engine import GroupEngine, ResultCall
 from jaxpod.service.slices.held import HeldSlice
 from jaxpod.service.slices.replica_group import ID_BLOCK, HostPlacement, ReplicaGroup
@@ -281,7 +281,7 @@ def test_workers_exit_when_the_process_that_started_them_dies() -> None:
 # ------------------------------------------------------------------------ provider
 def _acquire(slices: LocalProcessSlices, accelerator_type: str, timeout_s: float = 60,
              num_slices: int = 1) -> HeldSlice:
-    request = pb.AcquireSliceRequest(accelerator_type=accelerator_type, timeout_s=timeout_s,
+    request = SliceRequest(accelerator_type=accelerator_type, timeout_s=timeout_s,
                                      num_slices=num_slices)
     return slices.acquire(request, f"slice-{accelerator_type}")
 
@@ -368,7 +368,7 @@ def _cancelled_acquire(slices: LocalProcessSlices, waits: Callable[[], bool]
     ended: list[BaseException] = []
 
     def wait() -> None:
-        request = pb.AcquireSliceRequest(accelerator_type="v4-8", timeout_s=3600)
+        request = SliceRequest(accelerator_type="v4-8", timeout_s=3600)
         try:
             slices.acquire(request, "slice-waiting", cancel)
         except BaseException as e:

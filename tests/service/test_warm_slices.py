@@ -26,6 +26,7 @@ from jaxpod.proto import tensors
 from jaxpod.service.api.coordinator import CoordinatorService
 from jaxpod.service.capacity.local_cluster import LocalTPUCluster, is_running
 from jaxpod.service.capacity.pools import RaySlices
+from jaxpod.service.capacity.requests import SliceRequest
 from jaxpod.service.capacity.resolvers.ray import snapshot
 from jaxpod.service.sessions import SessionManager
 from jaxpod.service.slices.group_engine import GroupEngine
@@ -60,7 +61,7 @@ def slices(ray_cluster: LocalTPUCluster) -> Iterator[RaySlices]:
 
 def _acquire(slices: RaySlices, accelerator_type: str = "v4-16", num_slices: int = 1,
              steps_per_run: int = 1) -> HeldSlice:
-    request = pb.AcquireSliceRequest(accelerator_type=accelerator_type,
+    request = SliceRequest(accelerator_type=accelerator_type,
                                      num_slices=num_slices, steps_per_run=steps_per_run,
                                      timeout_s=60)
     return slices.acquire(request, f"slice-{accelerator_type}")
