@@ -534,7 +534,14 @@ class RemoteStrategy(TFCompatMixin):
             self._release_blobs(blobs)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """Every replica's value (numpy), padding rows dropped, in replica order."""
+        """Every replica's value (numpy), padding rows dropped, in replica order; a
+        value with no per-replica leaf (global arrays, host values) is one value:
+        ``(value,)``, as TF gives for a value that is not distributed."""
+        import jax  # the user's pytrees: jax is loaded where they were made
+
+        leaves = jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, RemotePerReplica))
+        if not any(isinstance(v, RemotePerReplica) for v in leaves):
+            return (value,)
         handles: list[Hashable] = []
         encoded, blobs = self._encode(value, "value", handles)
         try:

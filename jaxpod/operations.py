@@ -430,7 +430,15 @@ class NextInput(Operation[tuple[ValueInfos, int]]):
 
 @dataclass(frozen=True)
 class Reduce(Operation[Any]):
-    """``strategy.reduce``: the result as numpy from host 0, ``None`` from the others."""
+    """``strategy.reduce``: the result as numpy from host 0, ``None`` from the others.
+
+    The rule for every backend: a per-replica leaf is reduced across its replicas
+    (and along ``axis``); a global array (from ``strategy.spmd`` or a global-view
+    job) is one value with no replicas, so ``axis=None`` gives it whole and an
+    ``axis`` reduces along that axis of it; any other array is mirrored, the same
+    on every replica (``SUM`` counts each replica's copy). ``gather`` refuses a
+    global array; ``experimental_local_results`` of a value without per-replica
+    leaves is ``(value,)``."""
 
     reduce_op: ReduceOp | str
     value: ValueArgs

@@ -45,6 +45,18 @@ from jaxpod.worker.replica_context import (
     replica_context,
 )
 
+_NP_REDUCERS: dict[ReduceOp, Callable[..., Any]] = {
+    ReduceOp.SUM: np.sum, ReduceOp.MEAN: np.mean, ReduceOp.MIN: np.min, ReduceOp.MAX: np.max}
+
+
+def fetch_global(array: jax.Array) -> np.ndarray:
+    """A global array as numpy on this host (small values: outputs). Every host of a
+    multi-host array takes part."""
+    if array.is_fully_replicated:
+        return np.asarray(array.addressable_data(0))
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 _COMPILE_CACHE_SIZE = 256
 _T = TypeVar("_T")
@@ -470,9 +482,22 @@ class Engine:
         op = ReduceOp.from_value(reduce_op)
         if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
             raise ValueError(f"reduce: axis must be an int or None. Got {axis!r}.")
-        return jax.tree.map(lambda v: self._reduce_leaf(op, self._as_per_replica("reduce", v),
-                                                        axis),
-                            value, is_leaf=is_per_replica)
+
+        def leaf(v: Any) -> np.ndarray:
+            if self._is_global_array(v):  # one value, no replicas: see ops.Reduce
+                data = fetch_global(v)
+                return data if axis is None else np.asarray(_NP_REDUCERS[op](data, axis=axis))
+            return self._reduce_leaf(op, self._as_per_replica("reduce", v), axis)
+
+        return jax.tree.map(leaf, value, is_leaf=is_per_replica)
+
+    def _is_global_array(self, value: Any) -> bool:
+        """Whether ``value`` is a global ``jax.Array`` (what ``strategy.spmd`` and a
+        global-view job give): laid over a mesh of its own, not this strategy's
+        replicas' (whose arrays are per-replica or mirrored values)."""
+        return (isinstance(value, jax.Array)
+                and isinstance(value.sharding, NamedSharding)
+                and value.sharding.mesh != self.mesh)
 
     def _reduce_leaf(self, op: ReduceOp, value: PerReplica, axis: int | None) -> np.ndarray:
         array, valid = value.array, value.padding
@@ -529,8 +554,15 @@ class Engine:
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenates the replicas' values along ``axis``; padding rows are dropped."""
-        return jax.tree.map(lambda v: self._gather_leaf(self._as_per_replica("gather", v), axis),
-                            value, is_leaf=is_per_replica)
+        def leaf(v: Any) -> np.ndarray:
+            if self._is_global_array(v):
+                raise TypeError(
+                    f"gather: got a global array of shape {tuple(v.shape)} (a result of "
+                    "strategy.spmd or a global-view job): it has no replicas to gather. "
+                    "np.asarray(value) gives it whole.")
+            return self._gather_leaf(self._as_per_replica("gather", v), axis)
+
+        return jax.tree.map(leaf, value, is_leaf=is_per_replica)
 
     def _gather_parts(self, value: PerReplica, axis: int, replicas: Sequence[int] | None = None,
                      views: bool = False, padded: bool = False

@@ -27,7 +27,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpod.scope import mesh_scope
-from jaxpod.types import ReduceOp
 from jaxpod.values import PerReplica, component_dtype
 from jaxpod.worker.engine import Engine
 from jaxpod.worker.meshes import slice_major_mesh
@@ -256,17 +255,6 @@ class GlobalView:
 
 
 
-def reduce_global(op: ReduceOp | str, value: Any, axis: int | None) -> Any:
-    """Each global value of ``value`` as numpy, reduced along ``axis`` (a loop's
-    outputs: its steps) unless ``axis`` is ``None``. Every host takes part."""
-    reducer = _REDUCERS[ReduceOp.from_value(op)]
-
-    def leaf(v: GlobalValue) -> np.ndarray:
-        data = fetch(v.array)
-        return data if axis is None else np.asarray(reducer(data, axis=axis))
-    return jax.tree.map(leaf, value, is_leaf=is_global)
-
-
 def _is_argument(x: Any) -> bool:
     return isinstance(x, GlobalValue | PerReplica)
 
@@ -275,16 +263,3 @@ def _rows_first(x: jax.Array) -> jax.Array:
     """``(replicas, steps, rows, ...)`` -> ``(steps, replicas * rows, ...)``."""
     r, k, rows, *rest = x.shape
     return jnp.swapaxes(x, 0, 1).reshape(k, r * rows, *rest)
-
-
-_REDUCERS: dict[ReduceOp, Callable[..., Any]] = {
-    ReduceOp.SUM: np.sum, ReduceOp.MEAN: np.mean, ReduceOp.MIN: np.min, ReduceOp.MAX: np.max}
-
-
-def fetch(array: jax.Array) -> np.ndarray:
-    """A global array as numpy on this host (small values: outputs)."""
-    if array.is_fully_replicated:
-        return np.asarray(array.addressable_data(0))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(array, tiled=True))

@@ -39,12 +39,7 @@ from jaxpod.worker.checkpoints import HostCheckpoints
 from jaxpod.worker.device_assignment import DeviceAssignment
 from jaxpod.worker.engine import Engine
 from jaxpod.worker.functions import FunctionRegistry
-from jaxpod.worker.global_view import (
-    GlobalValue,
-    GlobalView,
-    is_global,
-    reduce_global,
-)
+from jaxpod.worker.global_view import GlobalValue, GlobalView, is_global
 from jaxpod.worker.output_capture import OutputCapture
 from jaxpod.worker.profiles import HostProfiler
 from jaxpod.worker.result_digest import result_digest
@@ -298,11 +293,9 @@ class HostOperations(ops.Host):
         return self._keep_values(next(iterator)), iterator.full_steps_ahead()
 
     def reduce(self, op: ops.Reduce) -> Any:
-        value = self._resolve(op.value)
-        if any(is_global(v) for v in jax.tree.leaves(value, is_leaf=is_global)):
-            result = reduce_global(op.reduce_op, value, op.axis)
-        else:
-            result = self.engine.reduce(op.reduce_op, value, op.axis)
+        value = jax.tree.map(lambda v: v.array if is_global(v) else v,
+                             self._resolve(op.value), is_leaf=is_global)
+        result = self.engine.reduce(op.reduce_op, value, op.axis)
         return trees.freeze(result, "result") if self.process_id == 0 else None
 
     def gather_parts(self, op: ops.GatherParts) -> tuple[int, list[Any]]:

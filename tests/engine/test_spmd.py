@@ -110,3 +110,24 @@ def test_spmd_refuses_per_replica_values_and_bad_arguments(
     # The strategy still computes afterwards.
     doubled = strategy.spmd(lambda s: s["b"] + 1, mesh=MESH)(state)
     np.testing.assert_allclose(np.asarray(doubled), np.ones(OUT))
+
+
+def test_cross_replica_methods_take_a_global_value_as_one_value(
+        strategy_of: Callable[..., Any]) -> None:
+    """A global value has no replicas: ``reduce`` with ``axis=None`` gives it whole and
+    with an axis reduces along it; ``gather`` refuses it, naming the fix; its local
+    results are the value itself, on every backend alike."""
+    strategy = strategy_of(8)
+    x = np.arange(ROWS * OUT, dtype=np.float32).reshape(ROWS, OUT)
+    rows, total = strategy.spmd(lambda v: (v * 2, jnp.sum(v)), batch_sharding=P("data"))(x)
+    for op in ("SUM", "MEAN", "MAX"):
+        np.testing.assert_allclose(strategy.reduce(op, total, axis=None), x.sum(), rtol=RTOL)
+        np.testing.assert_allclose(strategy.reduce(op, rows, axis=None), x * 2, rtol=RTOL)
+    np.testing.assert_allclose(strategy.reduce("SUM", rows, axis=0), (x * 2).sum(0), rtol=RTOL)
+    np.testing.assert_allclose(strategy.reduce("MEAN", rows, axis=1), (x * 2).mean(1),
+                               rtol=RTOL)
+    with pytest.raises(TypeError, match="global"):
+        strategy.gather(rows, axis=0)
+    local = strategy.experimental_local_results(rows)
+    assert len(local) == 1
+    np.testing.assert_allclose(np.asarray(local[0]), x * 2, rtol=RTOL)
