@@ -11,11 +11,14 @@ one module, and the rows are copied once, from the worker's memory into those ob
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+#: A result stream's data chunk (the last of a tensor may be shorter).
+CHUNK_BYTES = 4 * 1024 * 1024
 
 
 def little_endian(array: np.ndarray) -> np.ndarray:
@@ -73,3 +76,17 @@ class Pieces:
 
     pieces: list[bytes]
     nbytes: int
+
+
+@dataclass(frozen=True)
+class RowParts:
+    """A result of ``shape`` and ``dtype`` sent as the concatenation of ``parts`` along
+    axis 0, never joined on the sending side: C-order rows concatenate as bytes do, so
+    each part streams as it is (a gather's per-replica parts). ``parts`` is read once,
+    as the stream goes (it may still be arriving). A part may come already cut into
+    data chunks (``Pieces`` received under the wire's ``DATA_PIECES`` layout), which
+    stream as they are."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    parts: Iterable[np.ndarray | Pieces]

@@ -34,6 +34,7 @@ from typing import Any
 
 import cloudpickle
 import jax
+import ml_dtypes
 import numpy as np
 
 #: Recipes kept by each cache (structures are few; each is a few KB).
@@ -75,6 +76,10 @@ jax.tree_util.register_pytree_node(
     KeyData, lambda k: ((k.data,), k.impl), lambda impl, data: KeyData(impl, data[0]))
 
 
+_EXTRA_DTYPES = {name: np.dtype(getattr(ml_dtypes, name)) for name in (
+    "bfloat16", "float8_e4m3fn", "float8_e5m2", "int4", "uint4")}
+
+
 def is_frozen(x: object) -> bool:
     return isinstance(x, Structure | KeyData)
 
@@ -93,6 +98,19 @@ def is_key_dtype(dtype: Any) -> bool:
 
 
 @functools.cache
+def dtype_from_name(name: str) -> np.dtype[Any]:
+    """The numpy dtype for a wire dtype name (``"float32"``, ``"bfloat16"``...)."""
+    if name in _EXTRA_DTYPES:
+        return _EXTRA_DTYPES[name]
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        raise ValueError(f"Unknown tensor dtype {name!r} on the wire or in a store.") from None
+    if dtype.hasobject:
+        raise ValueError(f"Tensor dtype {name!r} cannot travel as raw bytes.")
+    return dtype
+
+
 def dtype_name(dtype: Any) -> str:
     """``str(dtype)``: the name a value's dtype travels by."""
     return str(dtype)

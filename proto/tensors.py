@@ -14,22 +14,22 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from jaxpod import trees
+from jaxpod.pieces import CHUNK_BYTES as CHUNK_BYTES
 from jaxpod.pieces import PieceLayout, Pieces, little_endian
+from jaxpod.pieces import RowParts as RowParts
 from jaxpod.proto import coordinator_pb2 as pb
+from jaxpod.trees import dtype_from_name as dtype_from_name
 
 #: Version of the protocol; a client and a service must agree on it.
 PROTOCOL_VERSION = 4
 #: The largest message either side accepts; larger tensors go through ``Put`` or
 #: result streams in chunks of ``CHUNK_BYTES``.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHUNK_BYTES = 4 * 1024 * 1024
 #: Tensors up to this size travel inline in a result skeleton.
 INLINE_BYTES = 256 * 1024
 #: Metadata carries pickled exceptions and remote tracebacks back to clients.
@@ -51,8 +51,6 @@ def channel_options() -> list[tuple[str, int]]:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_metadata_size", MAX_METADATA_BYTES)]
 
-_EXTRA_DTYPES = {name: np.dtype(getattr(ml_dtypes, name)) for name in (
-    "bfloat16", "float8_e4m3fn", "float8_e5m2", "int4", "uint4")}
 _INT64 = (-(2**63), 2**63 - 1)
 
 #: What a leaf callback returns when it does not handle the leaf.
@@ -61,19 +59,6 @@ NOT_HANDLED = object()
 
 class UnsupportedValueError(TypeError):
     """A value of a type that cannot travel to the workers."""
-
-
-def dtype_from_name(name: str) -> np.dtype[Any]:
-    """The numpy dtype for a wire dtype name (``"float32"``, ``"bfloat16"``...)."""
-    if name in _EXTRA_DTYPES:
-        return _EXTRA_DTYPES[name]
-    try:
-        dtype = np.dtype(name)
-    except TypeError:
-        raise ValueError(f"Unknown tensor dtype {name!r} on the wire.") from None
-    if dtype.hasobject:
-        raise ValueError(f"Tensor dtype {name!r} cannot travel as raw bytes.")
-    return dtype
 
 
 def wire_array(value: Any, path: str = "value") -> np.ndarray:
@@ -219,23 +204,6 @@ def decode(tree: pb.Tree, leaf: LeafDecoder | None = None) -> Any:
 
 
 # ----------------------------------------------------------------- result streams
-@dataclass(frozen=True)
-class RowParts:
-    """A result of ``shape`` and ``dtype`` sent as the concatenation of ``parts`` along
-    axis 0, never joined on the sending side: C-order rows concatenate as bytes do, so
-    each part streams as it is (a gather's per-replica parts). ``parts`` is read once,
-    as the stream goes (it may still be arriving). A part may come already cut into
-    data chunks (``Pieces`` received under :data:`DATA_PIECES`), which stream as they
-    are."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype[Any]
-    parts: Iterable[np.ndarray | Pieces]
-
-    def meta(self) -> pb.Tensor:
-        return pb.Tensor(dtype=self.dtype.name, shape=self.shape)
-
-
 def split_result(value: Any, chunk_bytes: int = CHUNK_BYTES
                  ) -> tuple[pb.ResultChunk, Iterator[list[bytes]] | None]:
     """A numpy nest as a result stream: the skeleton message, then the bytes of large
@@ -254,7 +222,7 @@ def split_result(value: Any, chunk_bytes: int = CHUNK_BYTES
     def leaf(x: Any, path: str) -> Any:
         if isinstance(x, RowParts):
             big.append(x.parts)
-            return pb.Tree(streamed=x.meta())
+            return pb.Tree(streamed=pb.Tensor(dtype=x.dtype.name, shape=x.shape))
         if isinstance(x, np.ndarray | np.generic):
             array = np.asarray(x)
             if array.nbytes > INLINE_BYTES:  # cut into data chunks as it streams

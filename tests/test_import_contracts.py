@@ -48,6 +48,8 @@ def test_the_contracts_hold() -> None:
     ("service/sessions.py", "from jaxpod.proto import tensors",
      "protobuf stays at the edges"),
     ("service/jobs/store.py", "import fastapi", "the core never loads the web stack"),
+    ("service/jobs/manager.py", "from jaxpod.proto import coordinator_pb2",
+     "jobs see bytes, not messages"),
 ])
 def test_a_violating_import_breaks_its_contract(tmp_path: Path, module: str, planted: str,
                                                 contract: str) -> None:

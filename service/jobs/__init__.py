@@ -14,13 +14,19 @@ are :mod:`jaxpod.jobs`'s; these are the parts of the service that run jobs.
 * :mod:`jaxpod.service.jobs.runner` -- one attempt of a job on a held slice: the loop of
   ``steps_per_run`` steps, outputs reduced into metrics, the hosts' reports read;
 * :mod:`jaxpod.service.jobs.store` -- ``JobStore``: jobs, their history, attempts,
-  metrics, logs and results in SQLite (WAL) under the state dir, with schema migrations;
+  metrics, logs and results in SQLite (WAL) under the state dir, built on
+  :mod:`~jaxpod.service.jobs.store_reports` (what running jobs report),
+  :mod:`~jaxpod.service.jobs.store_database` (the file, schema migrations,
+  transactions) and :mod:`~jaxpod.service.jobs.store_rows` (rows as jaxpod's types);
   :mod:`~jaxpod.service.jobs.codec` and :mod:`~jaxpod.service.jobs.files` keep trees
   and files for it;
 * :mod:`jaxpod.service.jobs.checkpoints`, :mod:`jaxpod.service.jobs.goodput` -- a job's
   checkpoints and where its wall time goes;
-* :mod:`jaxpod.service.api.jobs` -- the job RPCs (a mixin of the coordinator), the
-  only place job types become protobuf messages and back (:mod:`jaxpod.proto.job_messages`).
+* :mod:`jaxpod.service.api.jobs` -- the job RPCs (a mixin of the coordinator), where
+  job types become protobuf messages and back (:mod:`jaxpod.proto.job_messages`).
+
+The job code never sees a protobuf message: what the store keeps in the wire's format
+(a spec, a tree's skeleton) it gets as bytes from :mod:`jaxpod.proto.stored`.
 
 Nothing is imported here, so importing one part does not load the others.
 """

@@ -14,15 +14,17 @@ in bounded blocks (:mod:`~jaxpod.service.jobs.state_reader`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from jaxpod import settings, trees
-from jaxpod.proto.tensors import NOT_HANDLED, RowParts, dtype_from_name, encode
+from jaxpod.pieces import RowParts
 from jaxpod.service.jobs.state_reader import StateReader
 from jaxpod.storage import join
+from jaxpod.trees import dtype_from_name
 from jaxpod.worker.checkpoints import META, STATE
 
 logger = logging.getLogger(__name__)
@@ -75,13 +77,14 @@ class JobCheckpoints:
         with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
             return dict(reader.restore(join(self.directory, str(step), META)))
 
-    def state(self, step: int, skeleton: Any) -> Any:
+    def state(self, step: int, skeleton: Any, order: Sequence[int]) -> Any:
         """Step ``step``'s state as a result to stream: ``skeleton`` (the state's frozen
         structure, each leaf its index) with every leaf a :class:`RowParts` whose rows
-        are read from storage as the stream reaches them, in one pass over the
-        checkpoint (:class:`StateReader`), so no more than a few blocks are held."""
+        are read from storage as the stream reaches them (``order``: the leaves'
+        indices in the order it does), in one pass over the checkpoint
+        (:class:`StateReader`), so no more than a few blocks are held."""
         specs = self.meta(step)["leaves"]
-        paths, order = _leaf_paths(skeleton), _stream_order(skeleton)
+        paths = _leaf_paths(skeleton)
         place = {leaf: k for k, leaf in enumerate(order)}
         reader = StateReader(self.state_path(step), [paths[i] for i in order])
 
@@ -93,20 +96,6 @@ class JobCheckpoints:
             return data if spec["key_impl"] is None else trees.KeyData(spec["key_impl"], data)
 
         return jax.tree.map(leaf, skeleton)  # frozen nodes are pytrees: their leaves
-
-
-def _stream_order(skeleton: Any) -> list[int]:
-    """The skeleton's leaf indices in the order a result stream sends their bytes
-    (:func:`~jaxpod.proto.tensors.split_result` encodes the tree front to back)."""
-    order: list[int] = []
-
-    def visit(node: Any, path: str) -> Any:
-        if isinstance(node, int) and not isinstance(node, bool):
-            order.append(node)
-        return NOT_HANDLED
-
-    encode(skeleton, visit)
-    return order
 
 
 def _leaf_paths(skeleton: Any) -> list[tuple[str, ...]]:

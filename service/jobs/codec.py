@@ -1,25 +1,20 @@
-"""Trees on disk for the job store: the wire's tree codec, with the arrays beside it.
-
-A tree (a job's state and outputs) is kept as the ``Tree`` message
-:mod:`jaxpod.proto.tensors` would send, each array leaf replaced by a ``streamed`` node
-naming its dtype and shape, plus the arrays in order. So whatever a strategy or job can
-send can be stored, frozen pytrees (:mod:`jaxpod.trees`) included, with no second idea
-of what a storable tree is; and no pickle is unpickled to read a file: plain numpy opens
-every array (a ``bfloat16`` one as raw two-byte values, which the skeleton names).
+"""Trees on disk for the job store: one ``.npz`` per tree, its skeleton beside its
+arrays (:mod:`jaxpod.proto.stored` makes and reads the skeleton). No pickle is
+unpickled to read a file: plain numpy opens every array (a ``bfloat16`` one as raw
+two-byte values, which the skeleton names).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from jaxpod.errors import JaxpodError
-from jaxpod.proto import coordinator_pb2 as pb
-from jaxpod.proto import tensors
+from jaxpod.proto import stored
 from jaxpod.service.jobs.files import write_file_atomically
 
 #: The npz entry (or file) holding the skeleton.
@@ -32,52 +27,21 @@ class JobStoreError(JaxpodError, ValueError):
 
 def split_tree(tree: Any, where: str, is_leaf: Callable[[Any], bool] | None = None
                ) -> tuple[bytes, list[Any]]:
-    """``tree``'s skeleton (serialized) and its array leaves (numpy; with ``is_leaf``,
-    also the leaves it accepts, e.g. values still on a slice), in skeleton order.
+    """``tree``'s skeleton and its leaves (:func:`jaxpod.proto.stored.split_tree`).
 
     Raises:
       JobStoreError: a leaf or node that cannot be stored, naming where it is.
     """
-    leaves: list[Any] = []
-
-    def leaf(x: Any, path: str) -> Any:
-        if is_leaf is not None and is_leaf(x):  # its bytes are not here: only a place
-            leaves.append(x)
-            return pb.Tree(streamed=pb.Tensor())
-        if isinstance(x, np.ndarray | np.generic):
-            if x.dtype.hasobject:
-                raise tensors.UnsupportedValueError(
-                    f"{path} is an array of Python objects; only numeric arrays are kept.")
-            leaves.append(x)
-            return pb.Tree(streamed=pb.Tensor(dtype=x.dtype.name, shape=x.shape))
-        return tensors.NOT_HANDLED
-
     try:
-        skeleton = tensors.encode(tree, leaf, where)
+        return stored.split_tree(tree, where, is_leaf)
     except TypeError as e:  # UnsupportedValueError included
         raise JobStoreError(f"Cannot store {where}: {e}") from None
-    return skeleton.SerializeToString(), leaves
 
 
 def check_storable(tree: Any, where: str, is_leaf: Callable[[Any], bool]) -> None:
     """Raises :class:`JobStoreError` unless ``tree``, whose leaves ``is_leaf`` accepts
     (values still on a slice), could be stored once its leaves are numpy."""
     split_tree(tree, where, is_leaf)
-
-
-def join_tree(skeleton: bytes, arrays: Sequence[np.ndarray]) -> Any:
-    """The tree :func:`split_tree` split (the arrays read back, in order)."""
-    it: Iterator[np.ndarray] = iter(arrays)
-
-    def leaf(node: pb.Tree) -> Any:
-        meta = node.streamed
-        array = np.asarray(next(it))
-        dtype = tensors.dtype_from_name(meta.dtype)
-        if array.dtype != dtype:  # an ml_dtypes array comes back from .npy as raw bytes
-            array = array.view(dtype)
-        return array.reshape(tuple(meta.shape))
-
-    return tensors.decode(pb.Tree.FromString(skeleton), leaf)
 
 
 def save_trees(path: Path, trees: Mapping[str, Any]) -> None:
@@ -95,7 +59,7 @@ def load_trees(path: Path) -> dict[str, Any]:
     if SKELETON not in entries:
         return _legacy(entries)
     skeleton = entries.pop(SKELETON).tobytes()
-    trees: dict[str, Any] = join_tree(skeleton, [entries[f"leaf_{i}"]
+    trees: dict[str, Any] = stored.join_tree(skeleton, [entries[f"leaf_{i}"]
                                                  for i in range(len(entries))])
     return trees
 
@@ -118,18 +82,3 @@ def _legacy(entries: dict[str, np.ndarray]) -> dict[str, Any]:
         return items if kind == "list" else tuple(items)
 
     return {name: node(n) for name, n in structure.items()}
-
-
-def skeleton_of(tree: Any, is_leaf: Callable[[Any], bool]) -> bytes:
-    """``tree``'s structure, each leaf that ``is_leaf`` accepts (a value still on a
-    slice) replaced by its index in flatten order: what a restore fills in."""
-    import jax
-
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_leaf)
-    numbered = jax.tree.unflatten(treedef, list(range(len(leaves))))
-    return tensors.encode(numbered, path="the job's state").SerializeToString()
-
-
-def skeleton_from(raw: bytes) -> Any:
-    """The numbered structure :func:`skeleton_of` kept (frozen nodes stay frozen)."""
-    return tensors.decode(pb.Tree.FromString(raw))

@@ -26,12 +26,11 @@ from typing import Any
 from jaxpod import settings
 from jaxpod.errors import PermissionDeniedError
 from jaxpod.jobs import HostInput, JobDetails, JobProfile, JobSpec, JobState, JobStatus
-from jaxpod.proto import job_messages
+from jaxpod.proto import stored
 from jaxpod.service.auth.quotas import SliceQuotas
 from jaxpod.service.auth.tokens import Principal
 from jaxpod.service.jobs.bookkeeping import GoodputKeeper, StoreWriter
 from jaxpod.service.jobs.checkpoints import JobCheckpoints
-from jaxpod.service.jobs.codec import skeleton_from
 from jaxpod.service.jobs.controller import (
     SHUTDOWN,
     ControllerParts,
@@ -129,9 +128,8 @@ class JobManager:
         with self._lock:
             for status in recovery.requeue:
                 self.goodput.start(status.id, self.store.goodput(status.id), status.created_at)
-                self._enqueue(status, job_messages.from_message(
-                    JobSpec, job_messages.MESSAGES[JobSpec].FromString(
-                        self.store.load_payload(status.id))))
+                self._enqueue(status, stored.spec_from_payload(
+                    self.store.load_payload(status.id)))
         if recovery.requeue:
             logger.info("queued %d unfinished job(s) again", len(recovery.requeue))
         self._dispatcher.start()
@@ -171,7 +169,7 @@ class JobManager:
         """Records and queues a job whose spec the caller checked (its accelerator type
         resolved, lower case); ``owner`` names the token that submitted it."""
         status = self.store.create_job(
-            steps=spec.steps, payload=job_messages.to_message(spec).SerializeToString(),
+            steps=spec.steps, payload=stored.spec_payload(spec),
             name=spec.name, accelerator_type=spec.accelerator_type, owner=owner,
             priority=spec.priority)
         with self._lock:
@@ -282,17 +280,19 @@ class JobManager:
           ValueError: the job did not succeed (it has no result).
         """
         status = self.store.get(job_id)
-        stored = self.store.load_result(job_id)
-        if status.state is not JobState.SUCCEEDED or stored is None:
+        kept = self.store.load_result(job_id)
+        if status.state is not JobState.SUCCEEDED or kept is None:
             raise ValueError(
                 f"Job {status.id} is {status.state.value}: only a SUCCEEDED job has a "
                 "result. Wait for it (job.wait()), or read job.status().error.")
-        state = stored.legacy_state if with_state else None
+        state = kept.legacy_state if with_state else None
         skeleton = self.store.state_skeleton(job_id)
         saved = self.store.checkpoints(job_id)
         if with_state and skeleton is not None and saved:
-            state = self.checkpoints(job_id).state(saved[-1].step, skeleton_from(skeleton))
-        return {"state": state, "outputs": stored.outputs}
+            numbered = stored.skeleton_from(skeleton)
+            state = self.checkpoints(job_id).state(saved[-1].step, numbered,
+                                                   stored.stream_order(numbered))
+        return {"state": state, "outputs": kept.outputs}
 
     def holders(self) -> dict[str, str]:
         """Slice name -> the job holding it."""

@@ -48,9 +48,10 @@ from jaxpod.errors import (
 )
 from jaxpod.jobs import HostInput, JobSpec, NoInput, Resumed
 from jaxpod.operations import HostNews
+from jaxpod.proto.stored import skeleton_from, skeleton_of
 from jaxpod.service.jobs import goodput
 from jaxpod.service.jobs.checkpoints import JobCheckpoints
-from jaxpod.service.jobs.codec import JobStoreError, check_storable, skeleton_from, skeleton_of
+from jaxpod.service.jobs.codec import JobStoreError, check_storable
 from jaxpod.service.jobs.goodput import GoodputClock
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.slices.group_engine import DefinedFunction, GroupEngine, GroupValue

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxpod.proto.tensors import CHUNK_BYTES
+from jaxpod.pieces import CHUNK_BYTES
 
 #: Bytes read ahead of the stream at most (besides the block it is sending).
 READ_AHEAD_BYTES = 2 * CHUNK_BYTES
