@@ -7,8 +7,10 @@ are :mod:`jaxpod.jobs`'s; these are the parts of the service that run jobs.
   state machine (``_step(state) -> next state``), every change told to callbacks;
 * :mod:`jaxpod.service.jobs.policies` -- what decides: the failure policy (retry
   budgets) and the queue policy (FIFO per accelerator type), each behind a Protocol;
-* :mod:`jaxpod.service.jobs.manager` -- ``JobManager``: the queue, the dispatcher, one
-  controller thread per started job, and the reads that show jobs as they are now;
+* :mod:`jaxpod.service.jobs.manager` -- ``JobManager``: what the job RPCs call: submit,
+  cancel, and the reads that show jobs as they are now;
+* :mod:`jaxpod.service.jobs.dispatcher` -- ``Dispatcher``: the queue, quotas and
+  preemption, and one controller thread per started job;
 * :mod:`jaxpod.service.jobs.bookkeeping`, :mod:`jaxpod.service.jobs.events` -- what every
   state change updates: the store and the goodput clock; the watchers;
 * :mod:`jaxpod.service.jobs.runner` -- one attempt of a job on a held slice: the loop of

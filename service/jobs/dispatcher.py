@@ -1,0 +1,314 @@
+"""The dispatcher: which queued job starts when, and the threads that run started ones.
+
+Jobs wait in the :class:`~jaxpod.service.jobs.policies.QueuePolicy` (``PENDING``, with a
+visible position). The dispatcher wakes on every submission, release, cancel and end of
+an allocation (and every ``JAXPOD_JOB_DISPATCH_RECHECK_S``, for capacity that appears
+outside this service: a node joining) and hands a queued job a free slice's type: a
+:class:`~jaxpod.service.jobs.controller.JobController` then runs it to its end in a
+thread of its own. Only one job per accelerator type allocates at a time, so jobs start
+in queue order; owners' quotas hold jobs back; a queued job of higher priority has a
+running one of lower priority give its slice up (the preemption policy's choice).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from jaxpod import settings
+from jaxpod.jobs import JobSpec, JobState, JobStatus
+from jaxpod.service.auth.quotas import SliceQuotas
+from jaxpod.service.jobs.controller import SHUTDOWN, JobController, JobSlices, StateChange
+from jaxpod.service.jobs.events import JobEvents
+from jaxpod.service.jobs.policies import (
+    FailureKind,
+    PreemptionPolicy,
+    QueuePolicy,
+    RunningJob,
+)
+from jaxpod.service.jobs.states import Allocating, Pending, Retrying, Running
+
+logger = logging.getLogger(__name__)
+
+#: The dispatcher looks for free slices on every release and submission, and at least
+#: this often (capacity can also appear outside this service: a node joining).
+DISPATCH_RECHECK = settings.JOB_DISPATCH_RECHECK
+
+
+class Dispatcher:
+    """The queue of jobs waiting for a slice and the controllers of started ones.
+
+    Args:
+      slices: the slice provider (asked whether a type has free slices).
+      queue: the queue policy.
+      preemption: which running job yields its slice to a queued one.
+      quotas: the owners' slice quotas (``None``: none); jobs over theirs wait.
+      events: told when a job's visible status changes (its queue position, its reason
+        to wait).
+      make_controller: a started job's controller (this dispatcher among its
+        callbacks).
+    """
+
+    def __init__(self, slices: JobSlices, queue: QueuePolicy, preemption: PreemptionPolicy,
+                 quotas: SliceQuotas | None, events: JobEvents,
+                 make_controller: Callable[[str, JobSpec], JobController]) -> None:
+        self._slices = slices
+        self._queue = queue
+        self._preemption = preemption
+        self._quotas = quotas
+        self._events = events
+        self._make_controller = make_controller
+        #: Attempts preempted so far, by why: ``priority`` (a job of higher priority
+        #: took the slice) or ``slice`` (a notice, a lost host, a broken slice).
+        self.preemptions: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Condition()
+        self._specs: dict[str, JobSpec] = {}  # queued jobs' specs
+        self._owners: dict[str, str] = {}  # queued and started jobs' owners
+        self._wait_reasons: dict[str, str] = {}  # queued jobs held back by their quota
+        self._yielding: dict[str, str] = {}  # a job giving its slice up -> to which job
+        self._started: dict[str, float] = {}  # started jobs -> when (monotonic)
+        self._active: dict[str, JobController] = {}
+        self._threads: dict[str, threading.Thread] = {}
+        self._allocating: set[str] = set()  # accelerator types with a job acquiring
+        self._kicked = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._dispatch, name="jaxpod-jobs",
+                                        daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, limit: float) -> None:
+        """Stops dispatching; running jobs stop at their next loop boundary (waits up to
+        ``limit`` seconds for each)."""
+        with self._lock:
+            self._closed = True
+            for controller in self._active.values():
+                controller.stop.request(SHUTDOWN)
+            threads = list(self._threads.items())
+            self._kick()
+        for job_id, thread in threads:
+            thread.join(limit)
+            if thread.is_alive():
+                logger.warning("job %s did not stop within %.0fs", job_id, limit)
+        if self._thread.is_alive():
+            self._thread.join(limit)
+
+    def wake(self) -> None:
+        """Something the dispatcher looks at changed (a release): it looks again."""
+        with self._lock:
+            self._kick()
+
+    def _kick(self) -> None:
+        """Under the lock. The flag keeps a change made while the dispatcher is not
+        waiting (it is checking for free slices) from being missed until its recheck."""
+        self._kicked = True
+        self._lock.notify_all()
+
+    # ------------------------------------------------------------------ the queue
+    def enqueue(self, status: JobStatus, spec: JobSpec) -> None:
+        with self._lock:
+            self._queue.push(status.id, status.accelerator_type, spec.priority)
+            self._specs[status.id] = spec
+            self._owners[status.id] = status.owner
+            self._kick()
+
+    def cancel(self, job_id: str, reason: str, when_queued: Callable[[], None]) -> None:
+        """Takes a queued job out of the queue (``when_queued`` records it, under the
+        lock) or asks a started one to stop at its next loop boundary."""
+        moved: list[str] = []
+        with self._lock:
+            before = self._queue.positions()
+            if self._queue.remove(job_id):
+                self._specs.pop(job_id, None)
+                self._owners.pop(job_id, None)
+                moved = [j for j, p in before.items() if p > before[job_id]]
+                when_queued()
+            elif job_id in self._active:
+                self._active[job_id].stop.request(reason)
+        self._changed(moved)
+
+    def positions(self) -> dict[str, int]:
+        with self._lock:
+            return self._queue.positions()
+
+    def queued(self) -> dict[str, int]:
+        """Queued jobs by accelerator type."""
+        with self._lock:
+            return dict(collections.Counter(s.accelerator_type or "" for s in self._specs.values()))
+
+    def why_waiting(self, status: JobStatus, position: int | None) -> str | None:
+        """What a queued job waits for, as its status says it."""
+        if status.state is not JobState.PENDING or position is None:
+            return None
+        quota = self._wait_reasons.get(status.id)
+        if quota is not None:
+            return f"over quota: {quota}"
+        if position > 0:
+            return (f"behind {position} queued job(s) of its type (higher priority, or "
+                    "submitted earlier)")
+        giving = [v for v, for_job in list(self._yielding.items()) if for_job == status.id]
+        if giving:
+            return f"job {giving[0]} is giving its slice up (checkpointing first)"
+        return f"no free {status.accelerator_type or 'slice'} slice"
+
+    # ------------------------------------------------------------------ started jobs
+    def controller(self, job_id: str) -> JobController | None:
+        """The started job's controller (``None``: not started, or over)."""
+        return self._active.get(job_id)
+
+    def holders(self) -> dict[str, str]:
+        """Slice name -> the job holding it."""
+        with self._lock:
+            return {name: f"job {job_id}" for job_id, c in self._active.items()
+                    for name in c.slice_names}
+
+    def slices_of(self, owner: str) -> int:
+        """The slices ``owner``'s started jobs hold or are acquiring."""
+        with self._lock:
+            return sum(c.spec.num_slices for job_id, c in self._active.items()
+                       if self._owners.get(job_id) == owner)
+
+    # ------------------------------------------------------------------ dispatching
+    def _dispatch(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                self._kicked = False
+            held_back = self._over_quota()
+            with self._lock:
+                candidates = self._queue.candidates(self._allocating, held_back)
+            started = False
+            for accelerator_type, job_id in candidates:
+                spec = self._specs.get(job_id)
+                if spec is None:
+                    continue
+                try:
+                    free = self._slices.has_free(accelerator_type, spec.num_slices)
+                except Exception:
+                    logger.exception("checking for free %s slices failed", accelerator_type)
+                    free = False
+                if free:
+                    started |= self._start_within_quota(accelerator_type, job_id, spec)
+                else:
+                    self._preempt_for(accelerator_type, job_id, spec)
+            with self._lock:
+                if not (self._closed or started or self._kicked):
+                    self._lock.wait(DISPATCH_RECHECK.seconds())
+
+    def _over_quota(self) -> set[str]:
+        """The queued jobs their owners' quotas hold back now; each one's reason is kept
+        for its status (a change is an event)."""
+        if self._quotas is None:
+            return set()
+        with self._lock:
+            queued = [(job_id, self._owners.get(job_id, ""), spec.num_slices)
+                      for job_id, spec in self._specs.items()]
+        verdicts: dict[tuple[str, int], str | None] = {}  # one count per owner and size
+        for _, owner, wanted in queued:
+            if (owner, wanted) not in verdicts:
+                verdicts[owner, wanted] = self._quotas.over(owner, wanted)
+        reasons = {job_id: why for job_id, owner, wanted in queued
+                   if (why := verdicts[owner, wanted]) is not None}
+        with self._lock:
+            changed = {j for j in set(reasons) | set(self._wait_reasons)
+                       if reasons.get(j) != self._wait_reasons.get(j)}
+            self._wait_reasons = reasons
+        self._changed(changed)
+        return set(reasons)
+
+    def _preempt_for(self, accelerator_type: str, job_id: str, spec: JobSpec) -> None:
+        """Asks a running job of lower priority (the preemption policy's choice) to give
+        its slice to ``job_id``: it checkpoints at its next loop boundary, releases the
+        slice and queues again. One job of a type yields at a time."""
+        with self._lock:
+            if any(self._active[j].spec.accelerator_type == accelerator_type
+                   for j in self._yielding if j in self._active):
+                return  # a slice of the type is being given up already
+            running = [RunningJob(j, c.spec.accelerator_type or "", c.spec.priority,
+                                  c.spec.num_slices, self._started.get(j, 0.0))
+                       for j, c in self._active.items() if isinstance(c.state, Running)]
+            victim = self._preemption.victim(spec.priority, accelerator_type, running)
+            if victim is None:
+                return
+            self._yielding[victim] = job_id
+            controller = self._active[victim]
+        reason = (f"preempted by job {job_id} (priority {spec.priority} over "
+                  f"{controller.spec.priority}): checkpointed, it waits for a slice again")
+        logger.info("job %s %s", victim, reason)
+        controller.stop.request(reason, yielding=True)
+
+    def _start_within_quota(self, accelerator_type: str, job_id: str, spec: JobSpec) -> bool:
+        if self._quotas is None:
+            return self._start(accelerator_type, job_id)
+        started = [False]
+
+        def start() -> None:
+            started[0] = self._start(accelerator_type, job_id)
+
+        owner = self._owners.get(job_id, "")
+        return self._quotas.admit(owner, spec.num_slices, start) is None and started[0]
+
+    def _start(self, accelerator_type: str, job_id: str) -> bool:
+        with self._lock:
+            if self._closed or job_id not in self._specs or not self._queue.remove(job_id):
+                return False  # cancelled meanwhile
+            spec = self._specs.pop(job_id)
+            self._allocating.add(accelerator_type)  # before the dispatcher looks again
+            self._started[job_id] = time.monotonic()
+            controller = self._make_controller(job_id, spec)
+            thread = threading.Thread(target=self._run, args=(controller,),
+                                      name=f"jaxpod-job-{job_id}", daemon=True)
+            self._active[job_id], self._threads[job_id] = controller, thread
+        self._changed(self.positions())  # the queue's positions moved up
+        thread.start()
+        return True
+
+    def after_state_change(self, change: StateChange) -> None:
+        """Keeps one job per accelerator type acquiring a slice at a time: no other job
+        of its type starts while one is ``ALLOCATING`` (jobs start in queue order); a
+        job that yielded its slice queues again, first of its priority."""
+        controller = self._active.get(change.job_id)
+        if controller is None:
+            return
+        with self._lock:
+            kind = controller.spec.accelerator_type or ""
+            if isinstance(change.new, Allocating):
+                self._allocating.add(kind)
+            elif isinstance(change.old, Allocating):
+                self._allocating.discard(kind)
+            if isinstance(change.new, Retrying) and change.new.cause.startswith(
+                    FailureKind.PREEMPTION.value):
+                self.preemptions["slice"] += 1
+            if isinstance(change.new, Pending):
+                self.preemptions["priority"] += 1
+                self._yielding.pop(change.job_id, None)
+                self._specs[change.job_id] = controller.spec
+                self._queue.push(change.job_id, kind, controller.spec.priority, first=True)
+            self._kick()
+
+    def _run(self, controller: JobController) -> None:
+        job_id = controller.job_id
+        try:
+            controller.run()
+        finally:
+            with self._lock:
+                if self._active.get(job_id) is controller:  # not started again since
+                    del self._active[job_id]
+                    self._threads.pop(job_id, None)
+                    self._started.pop(job_id, None)
+                self._yielding.pop(job_id, None)
+                if job_id not in self._specs and job_id not in self._active:
+                    self._owners.pop(job_id, None)  # over, not queued again
+                self._kick()
+        if isinstance(controller.state, Pending):  # the queue's positions moved
+            self._changed(self.positions())
+
+    def _changed(self, job_ids: Iterable[str]) -> None:
+        for job_id in list(job_ids):
+            self._events.changed(job_id)
