@@ -23,7 +23,8 @@ from collections.abc import Callable
 
 import ray
 
-from jaxpod.service.capacity.allocator import Allocation, SliceAllocator
+from jaxpod.service.capacity.allocation import Allocation
+from jaxpod.service.capacity.allocator import SliceAllocator
 from jaxpod.service.capacity.local_cluster import LocalTPUCluster
 from jaxpod.service.capacity.resolvers.ray import connect
 

@@ -5,7 +5,9 @@
 * :mod:`~jaxpod.service.capacity.resolvers` -- one resolver per environment (GKE
   variables, GCE metadata, Ray, local devices), ``auto()`` and ``TPUClusterResolver``;
 * :mod:`~jaxpod.service.capacity.allocator` -- ``SliceAllocator``: whole slices on Ray
-  (placement groups), or nothing;
+  (placement groups), or nothing; :mod:`~jaxpod.service.capacity.allocation_steps`
+  takes the steps of one request, :mod:`~jaxpod.service.capacity.allocation` is what
+  it hands out (``Allocation``) and gives back;
 * :mod:`~jaxpod.service.capacity.pools` -- slice providers: start a held slice's host
   workers, keep released slices warm (``RaySlices``);
   :mod:`~jaxpod.service.capacity.ray_workers` starts the workers as Ray actors;

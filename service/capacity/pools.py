@@ -37,7 +37,8 @@ from jaxpod.timeouts import Cancel
 from jaxpod.worker.host_worker import SIMULATED_PLATFORM
 
 if TYPE_CHECKING:  # the allocator imports Ray: a provider without it never does
-    from jaxpod.service.capacity.allocator import Allocation, SliceAllocator
+    from jaxpod.service.capacity.allocation import Allocation
+    from jaxpod.service.capacity.allocator import SliceAllocator
 
 logger = logging.getLogger(__name__)
 

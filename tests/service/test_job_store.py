@@ -35,13 +35,15 @@ from jaxpod.service.jobs.states import (
 from jaxpod.service.jobs.store import (
     INLINE_PAYLOAD_LIMIT,
     MAX_AUDIT_DETAIL,
-    MIGRATIONS,
     RESTART_REASON,
-    SCHEMA_VERSION,
     JobStore,
     JobStoreError,
-    SchemaVersionError,
     Transition,
+)
+from jaxpod.service.jobs.store_database import (
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    SchemaVersionError,
     migrate,
 )
 

@@ -17,13 +17,9 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-from jaxpod.errors import AllocationTimeoutError, JaxpodError
-from jaxpod.service.capacity.allocator import (
-    Allocation,
-    AllocationCancelledError,
-    AllocationEvent,
-    SliceAllocator,
-)
+from jaxpod.errors import AllocationCancelledError, AllocationTimeoutError, JaxpodError
+from jaxpod.service.capacity.allocation import Allocation, AllocationEvent
+from jaxpod.service.capacity.allocator import SliceAllocator
 from jaxpod.service.capacity.local_cluster import LocalTPUCluster
 from jaxpod.service.capacity.resolvers.base import MEGASCALE_VARS
 from jaxpod.service.capacity.resolvers.ray import RayResolver, discover_slices, snapshot
