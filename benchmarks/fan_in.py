@@ -2,7 +2,7 @@
 reply, on 8, 64 and 256 channels.
 
 A replica group's coordinator reads each host's reply to every operation, in host
-order, on one thread (``channel.read_replies``, as ``ReplicaGroup`` calls it). This
+order, on one thread (``channel_io.read_replies``, as ``ReplicaGroup`` calls it). This
 measures that step alone, at host counts no simulated cluster here reaches: one socket
 pair per host, whose far end holds the host's reply already (written untimed before
 each operation, as if every host had answered). The reply is a ``run``'s on a state of
@@ -15,7 +15,7 @@ Figures, for each host count ``n``:
 
 * ``ms_per_op_<n>``: median time to read and decode every host's reply;
 * ``decode_each_ms_per_op_<n>``: the same, each reply decoded on its own (no
-  ``channel.Decoded``: what the coordinator did before), for comparison;
+  ``channel_codec.Decoded``: what the coordinator did before), for comparison;
 * ``marginal_us_per_host_<a>_to_<b>``: what each host from ``a`` to ``b`` adds.
 
 Targets: ``ms_per_op_256_vs_64`` (<= 4: four times the hosts cost at most four times
@@ -48,7 +48,7 @@ from _common import report, target
 from jaxpod import trees
 from jaxpod.operations import Digest, Digested, HandleInfo
 from jaxpod.service.slices.replica_group import undigest
-from jaxpod.worker import channel
+from jaxpod.worker import channel_codec, channel_io
 from jaxpod.worker.result_digest import result_digest
 
 HOSTS = (8, 64, 256)
@@ -67,14 +67,14 @@ Encoded = tuple[bytes, list[Any]]
 
 
 def read_replies(decode_once: bool) -> Callable[[list[socket.socket], float], list[Any]]:
-    """Reads every host's reply as ``ReplicaGroup`` does, with one ``channel.Decoded``
-    per operation, and resolves digests; without ``decode_once``, each reply decoded
-    (as it did before ``channel.Decoded``)."""
+    """Reads every host's reply as ``ReplicaGroup`` does, with one
+    ``channel_codec.Decoded`` per operation, and resolves digests; without
+    ``decode_once``, each reply decoded (as it did before ``channel_codec.Decoded``)."""
 
     def read(socks: list[socket.socket], deadline: float) -> list[Any]:
         out: list[Any] = []
-        unreadable = channel.read_replies(socks, deadline, None, out,
-                                          channel.Decoded() if decode_once else None)
+        unreadable = channel_io.read_replies(socks, deadline, None, out,
+                                             channel_codec.Decoded() if decode_once else None)
         assert not unreadable, unreadable
         return undigest(out, "Run")
 
@@ -90,8 +90,8 @@ def op_times(read: Callable[[list[socket.socket], float], list[Any]], hosts: int
     try:
         times = []
         for _ in range(repeats + 1):  # the first: warm-up
-            channel.send(theirs[:1], first)
-            channel.send(theirs[1:], others)
+            channel_io.send(theirs[:1], first)
+            channel_io.send(theirs[1:], others)
             start = time.perf_counter()
             replies = read(ours, time.monotonic() + DEADLINE_S)
             times.append(time.perf_counter() - start)
@@ -113,10 +113,11 @@ def main() -> None:
                                                 hard))
     repeats = 20 if args.quick else 100  # an operation at 256 hosts takes ~10 ms
     reply = run_reply(LEAVES)
-    full = channel.encode(reply)
+    full = channel_codec.encode(reply)
     digest = result_digest(reply)
     assert digest is not None
-    first, others = channel.encode(Digested(reply, digest)), channel.encode(Digest(digest))
+    first, others = (channel_codec.encode(Digested(reply, digest)),
+                     channel_codec.encode(Digest(digest)))
     figures: dict[str, Any] = {"leaves": LEAVES, "reply_bytes": len(full[0]),
                                "digest_reply_bytes": len(others[0]), "repeats": repeats}
     for hosts in HOSTS:

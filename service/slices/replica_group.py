@@ -41,7 +41,7 @@ from jaxpod.operations import (
     RemoteError,
 )
 from jaxpod.pieces import PieceLayout
-from jaxpod.worker import channel
+from jaxpod.worker import channel, channel_codec, channel_io
 from jaxpod.worker.host_worker import SIMULATED_PLATFORM
 
 START_TIMEOUT = settings.WORKER_START_TIMEOUT
@@ -291,7 +291,7 @@ class ReplicaGroup:
         envelope = Envelope(self._seq, op, dropped, first_id,
                             id_limit=first_id + ID_BLOCK if ahead else None, ahead=ahead)
         try:  # a message that does not pickle is not sent, and uses no number
-            encoded = channel.encode(envelope)
+            encoded = channel_codec.encode(envelope)
         except BaseException:
             if dropped and drops is not None:
                 drops.restore(dropped)
@@ -305,7 +305,7 @@ class ReplicaGroup:
         if ahead:
             self._next_id += ID_BLOCK
         try:
-            channel.send(self._channels, encoded)
+            channel_io.send(self._channels, encoded)
         except OSError as e:
             raise self._lost(e, name, 0) from e
         return _Sent(op, name, limit, drops, layout, first_id, nbytes)
@@ -323,7 +323,7 @@ class ReplicaGroup:
                               f"{limit:g}s ({OPERATION_TIMEOUT.env_var})") from e
         results = undigest(results, name)
         failed = [h for h, r in enumerate(results) if isinstance(r, RemoteError)]
-        # Once per distinct reply (identical ones are one object: channel.Decoded).
+        # Once per distinct reply (identical ones are one object: channel_codec.Decoded).
         created = list({id(r): op.created(r) for r in results
                         if not isinstance(r, RemoteError)}.values())
         self._next_id = max([self._next_id - 1, *(i for c in created for i in c.ids)]) + 1
@@ -349,8 +349,8 @@ class ReplicaGroup:
         one fails to unpickle, so that the next operation's replies are its own."""
         results: list[Any] = []
         try:
-            unreadable = channel.read_replies(self._channels, deadline, layout, results,
-                                              channel.Decoded())
+            unreadable = channel_io.read_replies(self._channels, deadline, layout, results,
+                                                 channel_codec.Decoded())
         except TimeoutError:
             host = len(results)
             self._broken = f"operation {name} timed out after {limit:g}s"
@@ -370,7 +370,7 @@ class ReplicaGroup:
 
     def _lost(self, e: OSError, name: str, host: int) -> WorkerLostError:
         # A later host's closed channel may be seen while an earlier one still worked.
-        host = e.index if isinstance(e, channel.PeerClosedError) else host
+        host = e.index if isinstance(e, channel_io.PeerClosedError) else host
         self._broken = f"host {host} went away during operation {name}"
         return WorkerLostError(
             f"Host {host} stopped answering during operation {name} ({e}): its worker "

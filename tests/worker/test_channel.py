@@ -23,7 +23,7 @@ import pytest
 
 from jaxpod.pieces import PieceLayout, Pieces, Streamed
 from jaxpod.timeouts import wait_for
-from jaxpod.worker import channel, process_memory
+from jaxpod.worker import channel, channel_codec, channel_io, process_memory
 
 #: How long a test waits for a grant to be revoked after its connection ended.
 REVOKE_WAIT_S = 20.0
@@ -111,8 +111,8 @@ def test_round_trip_keeps_small_and_large_arrays(server: Served) -> None:
         # only where it lends (before its offer: before connect returned).
         assert process_memory.granted_reader() == (os.getpid() if lending else None)
         for n in range(3):  # several messages on one connection stay in step
-            channel.broadcast([sock], ((big + n, small), {"n": n}))
-            (got_big, got_small), kwargs = channel.receive(sock)
+            channel_io.broadcast([sock], ((big + n, small), {"n": n}))
+            (got_big, got_small), kwargs = channel_io.receive(sock)
             assert srv.granted_reader == process_memory.granted_reader()
             expected = big + n
             expected[0, 0] = -expected[0, 0]  # written by the worker side
@@ -132,9 +132,9 @@ def test_replies_to_messages_sent_ahead_stay_whole_when_the_next_comes_first(
     worker would lend only until its next message arrives, is its own and intact."""
     with channel.connect(server.address, server.key, 10) as sock:
         for n in range(4):  # small messages: the coordinator bounds what goes ahead
-            channel.broadcast([sock], _Ahead(((), {"n": n, "reply_floats": 300_000})))
+            channel_io.broadcast([sock], _Ahead(((), {"n": n, "reply_floats": 300_000})))
         for n in range(4):
-            (got,), kwargs = channel.receive(sock)
+            (got,), kwargs = channel_io.receive(sock)
             np.testing.assert_array_equal(got, np.arange(300_000, dtype=np.float32) + n)
             assert kwargs == {"n": n}
 
@@ -148,14 +148,14 @@ def test_streamed_buffers_arrive_in_the_receivers_pieces(server: Served, size: i
     data = np.random.default_rng(1).integers(0, 255, size=size, dtype=np.uint8)
     layout = PieceLayout(piece_bytes=1 << 20, prefix=_prefix)
     with channel.connect(server.address, server.key, 10) as sock:
-        channel.broadcast([sock], ((data,), {"stream": True}))
-        reply = channel.receive(sock, layout=layout)
+        channel_io.broadcast([sock], ((data,), {"stream": True}))
+        reply = channel_io.receive(sock, layout=layout)
         # without a layout, the same buffer arrives as one bytes object
-        channel.broadcast([sock], ((data,), {"stream": True}))
-        (whole,), _ = channel.receive(sock)
+        channel_io.broadcast([sock], ((data,), {"stream": True}))
+        (whole,), _ = channel_io.receive(sock)
         # the other way, a streamed buffer reaches the worker as a buffer of its own
-        channel.broadcast([sock], ((Streamed(data[:100]),), {}))
-        (echoed,), _ = channel.receive(sock)
+        channel_io.broadcast([sock], ((Streamed(data[:100]),), {}))
+        (echoed,), _ = channel_io.receive(sock)
     assert bytes(echoed) == data[:100].tobytes()
     assert type(whole) is bytes and whole == data.tobytes()
     assert reply[0] != "failed", reply
@@ -175,10 +175,10 @@ def test_streamed_buffers_arrive_in_the_receivers_pieces(server: Served, size: i
 
 def test_a_reply_that_does_not_come_in_time_raises_timeout(server: Served) -> None:
     with channel.connect(server.address, server.key, 10) as sock:
-        channel.broadcast([sock], ((), {"slow": True}))
+        channel_io.broadcast([sock], ((), {"slow": True}))
         start = time.monotonic()
         with pytest.raises(TimeoutError):
-            channel.receive(sock, deadline=start + 0.2)
+            channel_io.receive(sock, deadline=start + 0.2)
         assert time.monotonic() - start < 2.5  # gave up at the deadline
 
 
@@ -188,24 +188,24 @@ def test_receive_limits_left_from_earlier_deadlines_keep_later_ones(server: Serv
     # what an earlier deadline left must neither cut a later receive short nor let
     # it run past its own deadline.
     with channel.connect(server.address, server.key, 10) as sock:
-        channel.broadcast([sock], ((1,), {}))
-        assert channel.receive(sock, time.monotonic() + 0.05) == ((1,), {})
+        channel_io.broadcast([sock], ((1,), {}))
+        assert channel_io.receive(sock, time.monotonic() + 0.05) == ((1,), {})
         # Left a limit of at most 0.05 s: no deadline now, so it waits for the reply.
-        channel.broadcast([sock], ((2,), {"delay": 0.3}))
-        assert channel.receive(sock) == ((2,), {})
+        channel_io.broadcast([sock], ((2,), {"delay": 0.3}))
+        assert channel_io.receive(sock) == ((2,), {})
         # As if the kernel ended a receive before a deadline it was set near: the
         # receive goes on until the reply or the deadline.
-        channel._set_limit(sock, 0.05)
-        channel._limits[sock] = 20.0
-        channel.broadcast([sock], ((3,), {"delay": 0.3}))
-        assert channel.receive(sock, time.monotonic() + 20) == ((3,), {})
+        channel_io._set_limit(sock, 0.05)
+        channel_io._limits[sock] = 20.0
+        channel_io.broadcast([sock], ((3,), {"delay": 0.3}))
+        assert channel_io.receive(sock, time.monotonic() + 20) == ((3,), {})
         # A far deadline left a long limit: a near one still holds.
-        channel.broadcast([sock], ((4,), {}))
-        assert channel.receive(sock, time.monotonic() + 30) == ((4,), {})
-        channel.broadcast([sock], ((), {"slow": True}))
+        channel_io.broadcast([sock], ((4,), {}))
+        assert channel_io.receive(sock, time.monotonic() + 30) == ((4,), {})
+        channel_io.broadcast([sock], ((), {"slow": True}))
         start = time.monotonic()
         with pytest.raises(TimeoutError):
-            channel.receive(sock, deadline=start + 0.2)
+            channel_io.receive(sock, deadline=start + 0.2)
         assert time.monotonic() - start < 2.5
 
 
@@ -224,8 +224,8 @@ def test_receives_with_deadlines_set_the_kernel_limit_once(server: Served) -> No
         sock.setsockopt = counted  # type: ignore[method-assign]
         for n in range(20):
             payload = np.arange(300_000, dtype=np.float32) + n  # out of band: more reads
-            channel.broadcast([sock], ((payload,), {"n": n}))
-            (got,), kwargs = channel.receive(sock, time.monotonic() + 60)
+            channel_io.broadcast([sock], ((payload,), {"n": n}))
+            (got,), kwargs = channel_io.receive(sock, time.monotonic() + 60)
             assert kwargs == {"n": n} and np.array_equal(got, payload)
         assert [a[1] for a in calls] == [socket.SO_RCVTIMEO]
 
@@ -235,8 +235,8 @@ def test_wrong_key_is_refused_and_the_server_keeps_serving(server: Served) -> No
         channel.connect(server.address, channel.new_key(), 10)
     assert server.srv.granted_reader is None
     with channel.connect(server.address, server.key, 10) as sock:
-        channel.broadcast([sock], ((1,), {}))
-        assert channel.receive(sock) == ((1,), {})
+        channel_io.broadcast([sock], ((1,), {}))
+        assert channel_io.receive(sock) == ((1,), {})
 
 
 def test_a_message_that_fails_to_unpickle_gets_the_failure_as_its_reply(
@@ -247,11 +247,11 @@ def test_a_message_that_fails_to_unpickle_gets_the_failure_as_its_reply(
             return (_refuse, ())
 
     with channel.connect(server.address, server.key, 10) as sock:
-        channel.broadcast([sock], ((Unloadable(),), {}))
-        kind, message = channel.receive(sock)
+        channel_io.broadcast([sock], ((Unloadable(),), {}))
+        kind, message = channel_io.receive(sock)
         assert kind == "failed" and "refused on purpose" in message
-        channel.broadcast([sock], ((2,), {}))  # the stream is still in step
-        assert channel.receive(sock) == ((2,), {})
+        channel_io.broadcast([sock], ((2,), {}))  # the stream is still in step
+        assert channel_io.receive(sock) == ((2,), {})
 
 
 def _refuse() -> None:
@@ -270,24 +270,24 @@ def test_what_must_travel_by_value_is_cloudpickled_and_the_rest_is_not(
 
     cloudpickled: list[int] = []
 
-    class Counted(channel._CloudPickler):
+    class Counted(channel_codec._CloudPickler):
         def __init__(self, file: Any, buffers: list[Any]) -> None:
             cloudpickled.append(1)
             super().__init__(file, buffers)
 
-    monkeypatch.setattr(channel, "_CloudPickler", Counted)
+    monkeypatch.setattr(channel_codec, "_CloudPickler", Counted)
     plain = ((np.arange(3), {"a": (1, "x")}), {})
     by_value = ((lambda x: x + 1, Local(4)), {})
-    channel.encode(plain)
+    channel_codec.encode(plain)
     assert not cloudpickled
-    channel.encode(by_value)
+    channel_codec.encode(by_value)
     assert cloudpickled == [1]
     with channel.connect(server.address, server.key, 10) as sock:
-        channel.broadcast([sock], by_value)
-        (fn, local), kwargs = channel.receive(sock)
+        channel_io.broadcast([sock], by_value)
+        (fn, local), kwargs = channel_io.receive(sock)
         assert fn(2) == 3 and type(local).__qualname__.endswith("Local") and local.n == 4
-        channel.broadcast([sock], plain)
-        (array, nested), _ = channel.receive(sock)
+        channel_io.broadcast([sock], plain)
+        (array, nested), _ = channel_io.receive(sock)
         np.testing.assert_array_equal(array, np.arange(3))
         assert nested == {"a": (1, "x")} and kwargs == {}
 
@@ -296,13 +296,13 @@ def test_peer_that_goes_away_mid_operation_raises_channel_closed() -> None:
     key = channel.new_key()
 
     def takes_one_message(conn: socket.socket) -> None:  # then vanishes
-        channel.receive(conn)  # over TCP no same-host handshake follows the key's
+        channel_io.receive(conn)  # over TCP no same-host handshake follows the key's
 
     address, thread = _peer(key, takes_one_message, unix=False)
     with channel.connect(address, key, 10) as sock:
-        channel.broadcast([sock], ((), {}))
-        with pytest.raises(channel.ChannelClosedError, match="closed by the other end"):
-            channel.receive(sock)
+        channel_io.broadcast([sock], ((), {}))
+        with pytest.raises(channel_io.ChannelClosedError, match="closed by the other end"):
+            channel_io.receive(sock)
     thread.join(10)
     assert not thread.is_alive()
 
@@ -369,9 +369,9 @@ def test_a_worker_that_offers_another_process_is_not_read() -> None:
             assert process_memory.reads_back(pid, where, token)  # readable from here
 
             def serve(conn: socket.socket) -> None:
-                assert channel._read(conn, 1) == channel._YES  # the coordinator would
+                assert channel_io.read_exactly(conn, 1) == channel._YES  # the coordinator would
                 conn.sendall(channel._OFFER.pack(pid, where) + token)
-                answers.append(bytes(channel._read(conn, 1)))
+                answers.append(bytes(channel_io.read_exactly(conn, 1)))
 
             address, thread = _peer(key, serve)
             with channel.connect(address, key, 10) as sock:
@@ -389,19 +389,19 @@ def test_a_worker_whose_token_does_not_read_back_sends_through_the_socket() -> N
     answers: list[bytes] = []
 
     def serve(conn: socket.socket) -> None:
-        channel._read(conn, 1)  # whether the coordinator would borrow
+        channel_io.read_exactly(conn, 1)  # whether the coordinator would borrow
         elsewhere = np.zeros(32, np.uint8)  # not the token it is sent with
         conn.sendall(channel._OFFER.pack(os.getpid(), elsewhere.ctypes.data)
                      + b"t" * channel._CHALLENGE_BYTES)
-        answers.append(bytes(channel._read(conn, 1)))
-        channel.receive(conn)
-        channel._send(conn, *channel.encode(big))
+        answers.append(bytes(channel_io.read_exactly(conn, 1)))
+        channel_io.receive(conn)
+        channel_io.send_encoded(conn, *channel_codec.encode(big))
 
     address, thread = _peer(key, serve)
     with channel.connect(address, key, 10) as sock:
         assert sock.family == socket.AF_UNIX and sock.lender == 0
-        channel.broadcast([sock], ())
-        np.testing.assert_array_equal(channel.receive(sock), big)
+        channel_io.broadcast([sock], ())
+        np.testing.assert_array_equal(channel_io.receive(sock), big)
     thread.join(10)
     assert not thread.is_alive()
     assert answers == [b"\x00"]
@@ -421,22 +421,22 @@ def test_a_lent_buffer_that_cannot_be_read_raises_channel_closed(
         reader = channel._lend(conn)
         try:
             assert reader == os.getpid()  # this process is the peer
-            channel.receive(conn)
-            data, buffers = channel.encode(lent)
+            channel_io.receive(conn)
+            data, buffers = channel_codec.encode(lent)
             where = lent.ctypes.data if address is None else address
-            conn.sendall(data + channel._PID.pack(1)
-                         + channel._LENT.pack(index, offset, where, buffers[0].nbytes))
-            with pytest.raises(channel.ChannelClosedError):
-                channel._read(conn, 1)  # until the coordinator hangs up
+            conn.sendall(data + channel_io._PID.pack(1)
+                         + channel_io._LENT.pack(index, offset, where, buffers[0].nbytes))
+            with pytest.raises(channel_io.ChannelClosedError):
+                channel_io.read_exactly(conn, 1)  # until the coordinator hangs up
         finally:
             process_memory.revoke_reader(reader)
 
     peer, thread = _peer(key, serve)
     with channel.connect(peer, key, 10) as sock:
         assert sock.lender == os.getpid()
-        channel.broadcast([sock], ())
-        with pytest.raises(channel.ChannelClosedError, match=error):
-            channel.receive(sock)
+        channel_io.broadcast([sock], ())
+        with pytest.raises(channel_io.ChannelClosedError, match=error):
+            channel_io.receive(sock)
     thread.join(10)
     assert not thread.is_alive()
     assert process_memory.granted_reader() is None
@@ -474,12 +474,12 @@ server.close()
 # ("close") or waits to be killed.
 _COORDINATOR = """
 import os, pickle, sys
-from jaxpod.worker import channel
+from jaxpod.worker import channel, channel_io
 
 address = pickle.loads(bytes.fromhex(sys.argv[1]))
 conn = channel.connect(address, bytes.fromhex(sys.argv[2]), 30)
-channel.broadcast([conn], ("grant", None))
-reader, served, _ = channel.receive(conn)
+channel_io.broadcast([conn], ("grant", None))
+reader, served, _ = channel_io.receive(conn)
 print(os.getpid(), conn.family == channel.socket.AF_UNIX, reader, served, flush=True)
 if sys.stdin.readline().strip() == "close":
     conn.close()
@@ -513,8 +513,8 @@ def _grant(worker: Worker) -> tuple[int | None, int | None, list[int]]:
     """The worker's grant now (its process's, its server's) and every grant it made,
     asked over TCP, which grants nothing. It waits for any connection being served."""
     with channel.connect(_tcp_only(worker.address), worker.key, 30) as sock:
-        channel.broadcast([sock], ("grant", None))
-        return channel.receive(sock, time.monotonic() + 30)
+        channel_io.broadcast([sock], ("grant", None))
+        return channel_io.receive(sock, time.monotonic() + 30)
 
 
 def _revoked(worker: Worker) -> bool:
@@ -531,10 +531,10 @@ def test_a_coordinator_on_another_machine_is_granted_nothing(
     address = dataclasses.replace(worker.address, unix_path=unix_path)
     with channel.connect(address, worker.key, 10) as sock:
         assert sock.family == socket.AF_INET and sock.lender == 0
-        channel.broadcast([sock], ("grant", None))
-        assert channel.receive(sock) == (None, None, before)  # no grant was ever made
-        channel.broadcast([sock], ("array", 1 << 18))
-        got = channel.receive(sock)
+        channel_io.broadcast([sock], ("grant", None))
+        assert channel_io.receive(sock) == (None, None, before)  # no grant was ever made
+        channel_io.broadcast([sock], ("array", 1 << 18))
+        got = channel_io.receive(sock)
     np.testing.assert_array_equal(got, (np.arange(1 << 18) * 3.0).reshape(-1, 1024))
 
 
@@ -545,12 +545,12 @@ def test_a_coordinator_on_this_machine_is_granted_exactly_its_own_pid(
         assert sock.family == socket.AF_UNIX
         assert channel.peer_pid(sock) == worker.pid  # the kernel's word, both ways
         assert sock.lender == worker.pid  # it lends: replies are read in place
-        channel.broadcast([sock], ("grant", None))
+        channel_io.broadcast([sock], ("grant", None))
         # Granted to this process, as the kernel named the socket's peer; once.
-        assert channel.receive(sock) == (os.getpid(), os.getpid(), [*before, os.getpid()])
+        assert channel_io.receive(sock) == (os.getpid(), os.getpid(), [*before, os.getpid()])
         for n in (1 << 16, 1 << 22):  # 512 KiB, 32 MiB
-            channel.broadcast([sock], ("array", n))
-            got = channel.receive(sock)
+            channel_io.broadcast([sock], ("array", n))
+            got = channel_io.receive(sock)
             np.testing.assert_array_equal(got, (np.arange(n) * 3.0).reshape(-1, 1024))
             assert not got.flags.writeable  # read into a bytes object of its own
     assert wait_for(lambda: _revoked(worker), REVOKE_WAIT_S)
@@ -592,9 +592,9 @@ def test_a_peer_without_the_key_is_granted_nothing_on_the_unix_socket(
         raw.settimeout(30)
         assert worker.address.unix_path is not None
         raw.connect(worker.address.unix_path)
-        channel._read(raw, channel._CHALLENGE_BYTES)
+        channel_io.read_exactly(raw, channel._CHALLENGE_BYTES)
         raw.sendall(b"c" * channel._CHALLENGE_BYTES + b"d" * 32 + channel._YES)
-        channel._read(raw, 32)  # the worker's answer to our challenge
+        channel_io.read_exactly(raw, 32)  # the worker's answer to our challenge
         try:
             hung_up = raw.recv(1) == b""
         except ConnectionResetError:  # it closed with our borrow byte unread
@@ -612,16 +612,16 @@ def test_a_later_hosts_closed_channel_is_seen_while_an_earlier_one_is_silent() -
     try:
         pairs[1][1].sendall(b"reply")
         pairs[2][1].close()
-        with pytest.raises(channel.PeerClosedError) as lost:
-            channel.ReplyWatch(ours).wait(0, time.monotonic() + 60)
+        with pytest.raises(channel_io.PeerClosedError) as lost:
+            channel_io.ReplyWatch(ours).wait(0, time.monotonic() + 60)
         assert lost.value.index == 2
         assert ours[1].recv(16, socket.MSG_PEEK) == b"reply"  # nothing consumed
         pairs[0][1].sendall(b"x")
-        watch = channel.ReplyWatch(ours[:2])
+        watch = channel_io.ReplyWatch(ours[:2])
         watch.wait(0, time.monotonic() + 60)  # its turn: returns
         watch.wait(1, time.monotonic())  # seen waiting while host 0's turn came
         with pytest.raises(TimeoutError):  # silent, and the deadline already past
-            channel.ReplyWatch(ours[:1]).wait(0, time.monotonic() - 1)
+            channel_io.ReplyWatch(ours[:1]).wait(0, time.monotonic() - 1)
     finally:
         for a, b in pairs:
             a.close()
@@ -651,7 +651,7 @@ def test_replies_already_waiting_are_seen_in_one_wait_for_the_whole_operation() 
     try:
         for _, theirs in pairs:
             theirs.sendall(b"reply")
-        watch = channel.ReplyWatch(ours)
+        watch = channel_io.ReplyWatch(ours)
         counted = watch._poller = _CountedPoll(watch._poller)  # type: ignore[assignment]
         for host in range(len(ours)):
             watch.wait(host, time.monotonic() + 60)
@@ -670,11 +670,11 @@ def test_identical_replies_decode_once_and_different_ones_each(server: Served) -
     infos = {f"w{i}": (i, (4, i), "float32") for i in range(50)}
     big = np.arange(300_000, dtype=np.float32)
     with channel.connect(server.address, server.key, 10) as sock:
-        decoded = channel.Decoded()
+        decoded = channel_codec.Decoded()
 
         def reply(message: Any) -> Any:
-            channel.broadcast([sock], message)
-            return channel.receive(sock, None, None, decoded)
+            channel_io.broadcast([sock], message)
+            return channel_io.receive(sock, None, None, decoded)
 
         first, second, third, one, two = (reply(m) for m in [
             ((infos,), {}), ((infos,), {}), ((infos,), {"ahead": 3}), ((big,), {}),
@@ -693,13 +693,13 @@ def test_streamed_buffers_travel_out_of_band_with_either_pickler(
     # A lambda only cloudpickle takes: the message goes through the other pickler.
     extra = (lambda x: x + offset) if needs_cloudpickle else offset
     message = {"streamed": [Streamed(array), Streamed(array[::-1])], "extra": extra}
-    data, buffers = channel.encode(message)
+    data, buffers = channel_codec.encode(message)
     assert [memoryview(b).nbytes for b in buffers] == [array.nbytes] * 2
     assert len(data) < 1024  # the arrays are not in the pickle
     a, b = socket.socketpair()
     with a, b:
-        channel.send([a], (data, buffers))
-        got = channel.receive(b, time.monotonic() + 10)
+        channel_io.send([a], (data, buffers))
+        got = channel_io.receive(b, time.monotonic() + 10)
     assert got["streamed"] == [array.tobytes(), array[::-1].tobytes()]
     if needs_cloudpickle:
         assert got["extra"](1) == 1 + offset

@@ -17,9 +17,9 @@ import pytest
 from jaxpod import operations as ops
 from jaxpod.errors import JaxpodError
 from jaxpod.operations import Envelope, RemoteError
-from jaxpod.service.slices.group_engine import DropQueue
+from jaxpod.service.slices.group_handles import DropQueue
 from jaxpod.service.slices.replica_group import ReplicaGroup
-from jaxpod.worker import channel
+from jaxpod.worker import channel, channel_codec
 from jaxpod.worker.result_digest import result_digest
 
 
@@ -160,7 +160,7 @@ def test_hosts_after_the_first_answer_a_run_with_its_digest(group_of: Any) -> No
     assert isinstance(first, ops.Digested) and isinstance(second, ops.Digest)
     assert second.digest == first.digest == result_digest(first.result)
     # What host 1 sends for 100 leaves is a fraction of host 0's reply.
-    assert len(channel.encode(second)[0]) * 20 < len(channel.encode(first)[0])
+    assert len(channel_codec.encode(second)[0]) * 20 < len(channel_codec.encode(first)[0])
     # Operations whose results may differ between hosts go whole from each.
     assert all(not isinstance(r, ops.Digest) for _, op, r in replies if op is not ops.Run)
 
