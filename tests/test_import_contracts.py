@@ -70,4 +70,5 @@ def test_the_shared_contract_lists_every_shared_module() -> None:
     shared = next(c for c in config["contracts"] if c["name"].startswith("what every part"))
     modules = {f"jaxpod.{p.stem}" for p in (ROOT / "jaxpod").glob("*.py")
                if p.stem not in ENTRY_POINTS}
+    modules |= {f"jaxpod.{p.parent.name}" for p in (ROOT / "jaxpod").glob("*/__init__.py")}
     assert set(shared["source_modules"]) == modules

@@ -38,7 +38,9 @@ from jaxpod.errors import AsyncPredictionError, DependencyFailedError
 from jaxpod.operations import HandleInfo, op_of
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
-from jaxpod.service.slices.group_engine import EnginePipeline, GroupValue, first_host
+from jaxpod.service.slices.group_engine import EnginePipeline
+from jaxpod.service.slices.group_handles import GroupValue
+from jaxpod.service.slices.group_results import first_host
 from jaxpod.service.slices.held import HeldSlice
 
 logger = logging.getLogger(__name__)
@@ -78,7 +80,7 @@ class AheadBatch:
     Args:
       replies: where each operation's reply goes, in the batch's order.
       refs: the coordinator's numbering of new values (``CoordinatorService._refs``).
-      failure: the reply for an exception (``coordinator._failure``).
+      failure: the reply for an exception (``error_mapping.op_failure``).
     """
 
     def __init__(self, replies: list[pb.SliceReply], refs: Refs,

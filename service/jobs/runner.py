@@ -46,7 +46,8 @@ from jaxpod.errors import (
     WorkerLostError,
     WorkerStartError,
 )
-from jaxpod.jobs import HostInput, JobSpec, NoInput, Resumed
+from jaxpod.job_wrappers import NoInput, Resumed
+from jaxpod.jobs import HostInput, JobSpec
 from jaxpod.operations import HostNews
 from jaxpod.proto.stored import skeleton_from, skeleton_of
 from jaxpod.service.jobs import goodput
@@ -54,7 +55,8 @@ from jaxpod.service.jobs.checkpoints import JobCheckpoints
 from jaxpod.service.jobs.codec import JobStoreError, check_storable
 from jaxpod.service.jobs.goodput import GoodputClock
 from jaxpod.service.jobs.store import JobStore
-from jaxpod.service.slices.group_engine import DefinedFunction, GroupEngine, GroupValue
+from jaxpod.service.slices.group_engine import GroupEngine
+from jaxpod.service.slices.group_handles import DefinedFunction, GroupValue
 from jaxpod.service.slices.profiles import Profiling
 from jaxpod.shipping import ShippedFunction, ship_object
 
@@ -338,7 +340,7 @@ class JobRun:
 
     def _input(self, starts: list[Any] | None) -> Any:
         """The job's input; a resumed attempt's starts where each host's was at its
-        checkpoint (:class:`~jaxpod.jobs.Epochs`: by index or iterator state where the
+        checkpoint (:class:`~jaxpod.job_wrappers.Epochs`: by index or iterator state where the
         input can seek, else by reading it again)."""
         spec, engine = self.spec, self.engine
         if spec.dataset and starts:

@@ -19,7 +19,8 @@ from typing import Any
 from jaxpod import settings
 from jaxpod.errors import DeadlineExceededError, DependencyFailedError, HandleError
 from jaxpod.operations import Dropped, op_of
-from jaxpod.service.slices.group_engine import GroupDataset, GroupEngine, GroupIterator, GroupValue
+from jaxpod.service.slices.group_engine import GroupEngine
+from jaxpod.service.slices.group_handles import GroupDataset, GroupIterator, GroupValue
 from jaxpod.service.slices.profiles import SliceProfiler
 
 #: How long a call that follows a stream operation waits for a stream to bring it.

@@ -22,7 +22,8 @@ from jaxpod.service.capacity.allocator import SliceAllocator
 from jaxpod.service.capacity.local_cluster import LocalTPUCluster
 from jaxpod.service.capacity.pools import placements
 from jaxpod.service.capacity.ray_workers import RayWorkers
-from jaxpod.service.slices.group_engine import GatherParts, GroupEngine
+from jaxpod.service.slices.group_engine import GroupEngine
+from jaxpod.service.slices.group_results import GatherParts
 from jaxpod.service.slices.replica_group import ReplicaGroup
 
 CLUSTER_SLICES = "v4-16,v4-16"  # one for the shared group, one for start-up faults

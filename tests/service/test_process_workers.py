@@ -37,7 +37,8 @@ from jaxpod.service.capacity.local_cluster import descendants
 from jaxpod.service.capacity.process_hosts import ProcessWorkers, prewarm_type, start_ahead
 from jaxpod.service.capacity.process_slices import LocalProcessSlices
 from jaxpod.service.capacity.requests import SliceRequest
-from jaxpod.service.slices.group_engine import GroupEngine, ResultCall
+from jaxpod.service.slices.group_engine import GroupEngine
+from jaxpod.service.slices.group_results import ResultCall
 from jaxpod.service.slices.held import HeldSlice
 from jaxpod.service.slices.replica_group import ID_BLOCK, HostPlacement, ReplicaGroup
 from jaxpod.shipping import ship
