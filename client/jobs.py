@@ -3,7 +3,7 @@
 
 Everything about the user's input that the client can check is checked here, before
 anything is sent, with an error that names the value and the fix. The user's objects
-travel wrapped in the :mod:`jaxpod.jobs` classes the workers run (``JobStep``,
+travel wrapped in the :mod:`jaxpod.job_wrappers` classes the workers run (``JobStep``,
 ``Epochs``, ``EpochsFn``, ``InitialState``), pickled by value.
 
 A job outlives its client: a :class:`Job` holds only the id, and every method asks
@@ -22,27 +22,23 @@ import grpc
 
 from jaxpod import errors, settings, trees
 from jaxpod.client import rpc
+from jaxpod.job_wrappers import Epochs, EpochsFn, InitialState, JobStep, is_reiterable
 from jaxpod.jobs import (
     SUBMIT_DEFAULTS,
     SUBMIT_KEYWORDS,
     Attempt,
-    Epochs,
-    EpochsFn,
     HostInput,
-    InitialState,
     JobCheckpoint,
     JobDetails,
     JobProfile,
     JobResult,
     JobSpec,
     JobStatus,
-    JobStep,
     Transition,
     check_mesh_axes,
     check_outputs,
     check_profile_seconds,
     check_state,
-    is_reiterable,
 )
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors

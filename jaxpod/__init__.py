@@ -46,7 +46,9 @@ from jaxpod.types import AutoShardPolicy, InputContext, InputOptions, ReduceOp, 
 if TYPE_CHECKING:
     from jaxpod.client import Client, Job, RemoteStrategy, connect
     from jaxpod.service.capacity.resolvers import TPUClusterResolver
-    from jaxpod.tf_compat import InputReplicationMode, MultiStepContext, StrategyExtended
+    from jaxpod.tf_extended import StrategyExtended
+    from jaxpod.tf_inputs import InputReplicationMode
+    from jaxpod.tf_multistep import MultiStepContext
     from jaxpod.values import DistributedDataset, DistributedIterator, PerReplica
     from jaxpod.worker.device_assignment import DeviceAssignment, Topology
     from jaxpod.worker.replica_context import ReplicaContext, get_replica_context
@@ -115,8 +117,8 @@ __all__ = [
 # the engine (``jaxpod.worker``) or Ray (the resolvers, in ``jaxpod.service``), and
 # ``import jaxpod`` does not load JAX (``jaxpod serve --local`` starts its simulated
 # cluster first, ``jaxpod.connect()`` its embedded service).
-_LAZY = {"InputReplicationMode": "jaxpod.tf_compat", "MultiStepContext": "jaxpod.tf_compat",
-         "StrategyExtended": "jaxpod.tf_compat", "DistributedDataset": "jaxpod.values",
+_LAZY = {"InputReplicationMode": "jaxpod.tf_inputs", "MultiStepContext": "jaxpod.tf_multistep",
+         "StrategyExtended": "jaxpod.tf_extended", "DistributedDataset": "jaxpod.values",
          "DistributedIterator": "jaxpod.values", "PerReplica": "jaxpod.values",
          "TPUClusterResolver": "jaxpod.service.capacity.resolvers",
          "connect": "jaxpod.client", "Client": "jaxpod.client", "Job": "jaxpod.client",

@@ -8,7 +8,14 @@ compositions of, the methods every jaxpod strategy has: ``run``, ``run_steps``,
 ``reduce``, ``experimental_local_results``, the dataset methods. :class:`TFCompatMixin`
 implements them in terms of those methods only, so ``jaxpod.TPUStrategy`` (in-process)
 and ``RemoteStrategy`` (a slice of the service) share one implementation and behave
-alike. This module is part of the shared core: it imports no part of jaxpod.
+alike. These modules are part of the shared core: they import no part of jaxpod.
+
+Here: the mixin (towers, TF 1.x inputs, ``run_steps_on_dataset``, cross-replica
+values, graph-only members) and the step that runs a TF1 step function. Beside it:
+:mod:`jaxpod.tf_multistep` (``MultiStepContext``, TF1's aggregation names),
+:mod:`jaxpod.tf_inputs` (``InputReplicationMode``, ``InputIterator``, TF1's datasets),
+:mod:`jaxpod.tf_devices` (TF's device names for the replicas, a mixin this one builds
+on) and :mod:`jaxpod.tf_extended` (``StrategyExtended``).
 
 Graph-mode members (``configure``, ``update_config_proto``, ``initialize`` and
 ``finalize``, variable colocation) exist so TF code runs, and each docstring says what
@@ -21,7 +28,6 @@ import collections
 import contextlib
 import contextvars
 import copy
-import enum
 import pickle
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,15 +37,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpod.scope import get_strategy, strategy_scope
-from jaxpod.types import InputContext, ReduceOp, ValueContext
-from jaxpod.values import DistributedDataset, DistributedIterator, PerReplica, is_per_replica
+from jaxpod.tf_devices import TFDevicesMixin
+from jaxpod.tf_extended import StrategyExtended
+from jaxpod.tf_inputs import InputIterator, InputReplicationMode, NoArgDatasetFn, TF1Dataset
+from jaxpod.tf_multistep import (
+    NO_REDUCTION,
+    ONLY_FIRST_REPLICA,
+    OP_ALIASES,
+    MultiStepContext,
+    aggregation_name,
+    next_loop_values,
+)
+from jaxpod.types import InputContext, ValueContext
+from jaxpod.values import PerReplica, is_per_replica
 
-#: What ``MultiStepContext.set_last_step_output`` accepts besides a ``ReduceOp``.
-ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
-_NO_REDUCTION = "NONE"
-_OP_ALIASES = {"NONE": _NO_REDUCTION, "ONLY_FIRST_REPLICA": ONLY_FIRST_REPLICA,
-               "ONLY_FIRST_TOWER": ONLY_FIRST_REPLICA}
-_PLATFORMS = ("cpu", "gpu", "tpu", "cuda", "rocm")
 #: Compiled wrappers a strategy keeps (see ``_canonical``): enough for any program's
 #: distinct step functions, bounded like the engine's compile cache.
 _WRAPPER_CACHE_SIZE = 256
@@ -49,91 +60,6 @@ _WRAPPER_CACHE_SIZE = 256
 #: TPUStrategy did inside ``tpu.replicate``.
 _in_step: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxpod_in_step",
                                                                 default=False)
-
-
-class InputReplicationMode(enum.Enum):
-    """``tf.distribute.InputReplicationMode``: how ``make_input_fn_iterator`` replicates
-    input. As in TF, ``PER_WORKER`` (one input pipeline per host) is the only mode."""
-
-    PER_WORKER = "PER_WORKER"
-
-
-def _aggregation(reduce_op: Any, what: str) -> str:
-    """A reduce op or TF aggregation as one of ``NONE``, ``ONLY_FIRST_REPLICA`` or a
-    ``ReduceOp`` name."""
-    if reduce_op is None:
-        return _NO_REDUCTION
-    name = getattr(reduce_op, "name", reduce_op)  # tf-like enums carry .name
-    if isinstance(name, str) and name.upper() in _OP_ALIASES:
-        return _OP_ALIASES[name.upper()]
-    try:
-        return ReduceOp.from_value(reduce_op if isinstance(reduce_op, ReduceOp) else name).value
-    except ValueError:
-        raise ValueError(
-            f"{what}: reduce_op must be None (no reduction), a jaxpod.ReduceOp, one of "
-            "'SUM', 'MEAN', 'MIN', 'MAX', or 'ONLY_FIRST_REPLICA' (TF's ONLY_FIRST_TOWER). "
-            f"Got {reduce_op!r}.") from None
-
-
-# ------------------------------------------------------------ MultiStepContext
-class MultiStepContext:
-    """What a ``run_steps_on_dataset`` step function reports (TF1's ``MultiStepContext``).
-
-    The step function receives one as its first argument and calls
-    :meth:`set_last_step_output` / :meth:`set_non_tensor_output`; the context that
-    ``run_steps_on_dataset`` returns holds the outputs of the last step that ran.
-
-    Attributes:
-      run_op: always ``None``. In TF1 this was the op that ran the loop; here the loop
-        has already run on the devices when ``run_steps_on_dataset`` returns.
-    """
-
-    def __init__(self) -> None:
-        self._outputs: dict[str, tuple[Any, str]] = {}
-        self._last_step_outputs: dict[str, Any] = {}
-        self._non_tensor_outputs: dict[str, Any] = {}
-        self.run_op: None = None
-
-    def set_last_step_output(self, name: str, output: Any, reduce_op: Any = None) -> None:
-        """Reports ``output`` (arrays, or a pytree of them) of this step as ``name``.
-
-        Args:
-          name: the key in ``last_step_outputs``.
-          output: this replica's value.
-          reduce_op: ``None`` keeps every replica's value (a ``PerReplica``);
-            ``"SUM"``/``"MEAN"``/``"MIN"``/``"MAX"`` (or a ``ReduceOp``) combine them
-            across replicas into one numpy value, as ``strategy.reduce(op, value)``;
-            ``"ONLY_FIRST_REPLICA"`` keeps replica 0's value.
-        """
-        if not isinstance(name, str):
-            raise TypeError(f"set_last_step_output: name must be a str. Got {name!r}.")
-        op = _aggregation(reduce_op, f"set_last_step_output({name!r})")
-        self._outputs[name] = (output, op)
-
-    def set_non_tensor_output(self, name: str, output: Any) -> None:
-        """Reports a Python object (a number, a string, ...) as ``name``.
-
-        As in TF1, it is recorded while the step function is traced (once per
-        compiled program), not on every step; it must be picklable.
-        """
-        if not isinstance(name, str):
-            raise TypeError(f"set_non_tensor_output: name must be a str. Got {name!r}.")
-        self._non_tensor_outputs[name] = output
-
-    @property
-    def last_step_outputs(self) -> dict[str, Any]:
-        """The outputs set by :meth:`set_last_step_output` in the last step: numpy for
-        reduced ones, ``PerReplica`` values for the others."""
-        return self._last_step_outputs
-
-    @property
-    def non_tensor_outputs(self) -> dict[str, Any]:
-        """The objects set by :meth:`set_non_tensor_output`."""
-        return self._non_tensor_outputs
-
-    def __repr__(self) -> str:
-        return (f"MultiStepContext(last_step_outputs={sorted(self._last_step_outputs)}, "
-                f"non_tensor_outputs={sorted(self._non_tensor_outputs)})")
 
 
 class _StepsOnDataset:
@@ -186,107 +112,7 @@ class _StepsOnDataset:
             outputs["non_tensor"] = np.frombuffer(data, np.uint8)
         if not self.has_state:
             return outputs
-        return _next_loop_values(state, ctx), outputs
-
-
-def _next_loop_values(state: Any, ctx: MultiStepContext) -> Any:
-    """The loop values after a step: the last-step outputs (flattened in name order,
-    as TF's ``nest.flatten`` orders a dict) in the structure of the initial ones."""
-    flat_state, treedef = jax.tree.flatten(state)
-    names = sorted(ctx._outputs)
-    flat_out = jax.tree.leaves([ctx._outputs[n][0] for n in names])
-    want = [(jnp.shape(s), jnp.result_type(s)) for s in flat_state]
-    got = [(jnp.shape(o), jnp.result_type(o)) for o in flat_out]
-    if want != got:
-        raise TypeError(
-            "run_steps_on_dataset: initial_loop_values must have the shapes and dtypes of "
-            f"the last-step outputs (set_last_step_output) in name order {names}; they "
-            f"have {want}, the outputs {got}. Pass matching initial_loop_values, or None.")
-    return jax.tree.unflatten(treedef, [jnp.asarray(o) for o in flat_out])
-
-
-# -------------------------------------------------------------------- inputs
-class _HostShare:
-    """Host ``h``'s share of a stream where each replica takes one element per step:
-    the elements of replicas ``h*k .. h*k+k-1`` of every ``R`` (``k`` replicas per
-    host). Re-iterable (each epoch iterates the dataset again)."""
-
-    def __init__(self, dataset: Iterable[Any], ctx: InputContext) -> None:
-        r, hosts = ctx.num_replicas_in_sync, ctx.num_input_pipelines
-        if r % hosts:
-            raise ValueError(
-                f"distribute_dataset: {r} replicas do not split evenly over {hosts} hosts; "
-                "use distribute_datasets_from_function and shard the input yourself.")
-        self._dataset, self._r, self._k = dataset, r, r // hosts
-        self._host = ctx.input_pipeline_id
-
-    def __iter__(self) -> Iterator[Any]:
-        for i, element in enumerate(self._dataset):
-            if (i % self._r) // self._k == self._host:
-                yield element
-
-
-class _NoArgDatasetFn:
-    """TF1's ``dataset_fn()`` as a ``distribute_datasets_from_function`` input function."""
-
-    def __init__(self, dataset_fn: Callable[[], Iterable[Any]]) -> None:
-        self.dataset_fn = dataset_fn
-
-    def __call__(self, ctx: InputContext) -> Iterable[Any]:
-        dataset = self.dataset_fn()
-        if ctx.num_input_pipelines == 1:
-            return dataset
-        return _HostShare(dataset, ctx)
-
-
-class InputIterator(DistributedIterator):
-    """TF 1.x's ``InputIterator`` over a distributed dataset.
-
-    ``next``/``get_next`` give one step of input; :meth:`initialize` starts the
-    dataset over (an iterator is also started by its first ``next``).
-    """
-
-    def __init__(self, dataset: DistributedDataset) -> None:
-        self._dataset = dataset
-        self._iterator: Iterator[Any] | None = None
-
-    def initialize(self) -> list[Any]:
-        """Starts (or restarts) iterating the dataset from its beginning.
-
-        Returns:
-          ``[]``: TF returned the initializer ops to run; here nothing is left to run.
-        """
-        self._iterator = iter(self._dataset)
-        return []
-
-    @property
-    def iterator(self) -> Iterator[Any]:
-        """The strategy's own iterator underneath (what ``run_steps`` feeds fastest)."""
-        if self._iterator is None:
-            self.initialize()
-        assert self._iterator is not None
-        return self._iterator
-
-    def __next__(self) -> Any:
-        return next(self.iterator)
-
-
-class TF1Dataset(DistributedDataset):
-    """What TF1's ``distribute_dataset`` returns: iterate it, or make an iterator."""
-
-    def __init__(self, dataset: DistributedDataset) -> None:
-        self._dataset = dataset
-
-    def __iter__(self) -> DistributedIterator:
-        return iter(self._dataset)
-
-    def make_one_shot_iterator(self) -> InputIterator:
-        """An iterator over one pass of the dataset."""
-        return InputIterator(self._dataset)
-
-    def make_initializable_iterator(self) -> InputIterator:
-        """An iterator to :meth:`InputIterator.initialize` (it also starts on first use)."""
-        return InputIterator(self._dataset)
+        return next_loop_values(state, ctx), outputs
 
 
 # ------------------------------------------------------------- step helpers
@@ -295,42 +121,22 @@ def _identity(x: Any) -> Any:
     return x
 
 
-def _replica_id(ctx: ValueContext) -> np.ndarray:
-    return np.asarray(ctx.replica_id_in_sync_group, np.int32)
-
-
-def _device_table() -> jax.Array:
-    """Per replica: (host index, platform, device ordinal on its host) of its logical
-    device 0, read from the strategy running the step (while it is traced)."""
-    replica_devices = get_strategy().device_assignment.replica_devices
-    processes = sorted({d.process_index for d in replica_devices[:, 0]})
-    rows = []
-    for d in replica_devices[:, 0]:
-        on_host = [x for x in jax.devices() if x.process_index == d.process_index]
-        platform = _PLATFORMS.index(d.platform) if d.platform in _PLATFORMS else -1
-        rows.append([processes.index(d.process_index), platform, on_host.index(d)])
-    return jnp.asarray(np.asarray(rows, np.int32))
-
-
 def _first_elements(value: Any) -> jax.Array:
     """One element of each leaf, so a program that returns them waits for them all."""
     return jnp.concatenate([jnp.ravel(jnp.real(x))[:1].astype(jnp.float32)
                             for x in jax.tree.leaves(value)])
 
 
-def _device_name(host: int, kind: str, ordinal: int) -> str:
-    return f"/job:worker/replica:0/task:{host}/device:{kind}:{ordinal}"
-
-
 # --------------------------------------------------------------------- mixin
-class TFCompatMixin:
+class TFCompatMixin(TFDevicesMixin):
     """TF1/TF 1.x/TF2-``extended`` members composed from a strategy's own methods.
 
     The strategy provides ``run``, ``run_steps``, ``reduce``,
     ``experimental_local_results``, ``experimental_distribute_dataset``,
     ``distribute_datasets_from_function``,
     ``experimental_distribute_values_from_function``, ``num_replicas_in_sync``,
-    ``num_hosts`` and ``steps_per_run``.
+    ``num_hosts`` and ``steps_per_run``. TF's device names (``worker_devices``...) come
+    from :class:`~jaxpod.tf_devices.TFDevicesMixin`.
     """
 
     if TYPE_CHECKING:
@@ -421,7 +227,7 @@ class TFCompatMixin:
             raise TypeError(
                 "distribute_dataset: dataset_fn must be a callable taking no arguments and "
                 f"returning an iterable of per-replica batches. Got {dataset_fn!r}.")
-        return TF1Dataset(self.distribute_datasets_from_function(_NoArgDatasetFn(dataset_fn)))
+        return TF1Dataset(self.distribute_datasets_from_function(NoArgDatasetFn(dataset_fn)))
 
     # ------------------------------------------------------ run_steps_on_dataset
     def run_steps_on_dataset(self, fn: Callable[..., Any], iterator: Iterator[Any],
@@ -455,7 +261,7 @@ class TFCompatMixin:
         ctx = MultiStepContext()
         last: dict[str, Any] = {}
         for op, values in outputs["outputs"].items():
-            if op == _NO_REDUCTION:
+            if op == NO_REDUCTION:
                 last.update(values)
             elif op == ONLY_FIRST_REPLICA:
                 last.update(self.experimental_local_results(values)[0])
@@ -500,7 +306,7 @@ class TFCompatMixin:
                     f"{self.worker_devices[0]!r}).") from None
             axis = None
         name = getattr(reduce_op, "name", reduce_op)
-        if isinstance(name, str) and _OP_ALIASES.get(name.upper()) == ONLY_FIRST_REPLICA:
+        if isinstance(name, str) and OP_ALIASES.get(name.upper()) == ONLY_FIRST_REPLICA:
             return self.experimental_local_results(value)[0]
         return reduce(reduce_op, value, axis)
 
@@ -515,9 +321,9 @@ class TFCompatMixin:
                     "batch_reduce: value_destination_pairs must be (value, destinations) "
                     f"pairs. Got {pair!r}.")
             self._check_destinations("batch_reduce", pair[1])
-        op = _aggregation(aggregation, "batch_reduce")
+        op = aggregation_name(aggregation, "batch_reduce")
         values = [v for v, _ in pairs]
-        if op == _NO_REDUCTION:
+        if op == NO_REDUCTION:
             raise ValueError(
                 f"batch_reduce: aggregation must name a reduction (e.g. 'SUM'). Got "
                 f"{aggregation!r}.")
@@ -618,63 +424,6 @@ class TFCompatMixin:
         per_replica = self.experimental_distribute_values_from_function(_Pick(items))
         return self.run(fn, args=(per_replica, *args), kwargs=kwargs)
 
-    # -------------------------------------------------------------- devices
-    @property
-    def worker_devices(self) -> tuple[str, ...]:
-        """Each replica's device (its logical device 0), in replica order, named as TF
-        names devices: ``/job:worker/replica:0/task:<host>/device:<TPU|CPU|GPU>:<n>``
-        (``n`` counts the host's devices)."""
-        cached = self.__dict__.get("_tf_worker_devices")
-        if cached is None:
-            table = np.asarray(self.experimental_local_results(self.run(_device_table))[0])
-            cached = tuple(
-                _device_name(int(host), _PLATFORMS[p].upper() if p >= 0 else "DEVICE",
-                             int(ordinal)) for host, p, ordinal in table)
-            self.__dict__["_tf_worker_devices"] = cached
-        return cached
-
-    @property
-    def parameter_devices(self) -> tuple[str, ...]:
-        """Where values live: every replica's device (``worker_devices``)."""
-        return self.worker_devices
-
-    def get_host_cpu_device(self, host_id: int) -> str:
-        """The CPU device of host ``host_id`` (what feeds its replicas)."""
-        if not isinstance(host_id, int) or isinstance(host_id, bool) or \
-                not 0 <= host_id < self.num_hosts:
-            raise ValueError(
-                f"get_host_cpu_device: host_id must be an int in [0, {self.num_hosts}). "
-                f"Got {host_id!r}.")
-        return _device_name(host_id, "CPU", 0)
-
-    @property
-    def worker_device_index(self) -> Any:
-        """A ``PerReplica`` int32 holding each replica's index: passed to
-        ``call_for_each_tower``, each replica's ``fn`` gets its own index into
-        ``worker_devices``."""
-        cached = self.__dict__.get("_tf_worker_device_index")
-        if cached is None:
-            cached = self.experimental_distribute_values_from_function(_replica_id)
-            self.__dict__["_tf_worker_device_index"] = cached
-        return cached
-
-    def _check_destinations(self, what: str, destinations: Any) -> None:
-        """Destinations are where TF copied a result; jaxpod values live on every
-        replica. Accepts ``None``, values, and device names of this strategy."""
-        if destinations is None or isinstance(destinations, PerReplica):
-            return
-        names = [destinations] if isinstance(destinations, str) else destinations
-        if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
-            return  # a value (e.g. a mirrored pytree): it lives on every replica
-        known = set(self.worker_devices) | {self.get_host_cpu_device(h)
-                                            for h in range(self.num_hosts)}
-        unknown = [n for n in names if n not in known and _short(n) not in _shorts(known)]
-        if unknown:
-            raise ValueError(
-                f"{what}: destinations {unknown} are not devices of this strategy; use "
-                f"names from strategy.worker_devices (e.g. {self.worker_devices[0]!r}) or "
-                "None.")
-
     # ------------------------------------------------------------ graph-only
     def configure(self, session_config: Any = None, cluster_spec: Any = None,
                   task_type: Any = None, task_id: Any = None) -> None:
@@ -741,16 +490,6 @@ def _is_destinations(axis: Any) -> bool:
                                                                   for a in axis)
 
 
-def _short(name: str) -> str:
-    """A device name without its job and replica parts (``/task:0/device:CPU:0``)."""
-    return "/" + "/".join(p for p in name.strip("/").split("/")
-                          if not p.startswith(("job:", "replica:")))
-
-
-def _shorts(names: Iterable[str]) -> set[str]:
-    return {_short(n) for n in names}
-
-
 class _InStepStrategy(TFCompatMixin):
     """Inside a ``run_steps_on_dataset`` step on a worker, the strategy a shipped step
     function finds: the worker's engine plus the members above."""
@@ -760,105 +499,3 @@ class _InStepStrategy(TFCompatMixin):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_engine"], name)
-
-
-# ------------------------------------------------------------------ extended
-class StrategyExtended:
-    """TF2's ``tf.distribute.StrategyExtended`` over a jaxpod strategy.
-
-    Every member calls the strategy's own: ``call_for_each_replica`` is ``run``,
-    ``reduce_to`` is ``reduce`` and so on.
-    """
-
-    def __init__(self, strategy: TFCompatMixin) -> None:
-        self._strategy = strategy
-
-    @property
-    def experimental_between_graph(self) -> bool:
-        """``False``: one controller drives every replica."""
-        return self._strategy.between_graph
-
-    @property
-    def experimental_require_static_shapes(self) -> bool:
-        """``True``: XLA programs have static shapes (short batches are padded)."""
-        return True
-
-    @property
-    def experimental_should_init(self) -> bool:
-        return self._strategy.should_init
-
-    @property
-    def should_checkpoint(self) -> bool:
-        return self._strategy.should_checkpoint
-
-    @property
-    def should_save_summary(self) -> bool:
-        return self._strategy.should_save_summary
-
-    @property
-    def parameter_devices(self) -> tuple[str, ...]:
-        return self._strategy.parameter_devices
-
-    @property
-    def worker_devices(self) -> tuple[str, ...]:
-        return self._strategy.worker_devices
-
-    @property
-    def steps_per_run(self) -> int:
-        """The strategy's default steps per ``run_steps`` call."""
-        return self._strategy.steps_per_run
-
-    def call_for_each_replica(self, fn: Callable[..., Any], args: Sequence[Any] = (),
-                              kwargs: dict[str, Any] | None = None) -> Any:
-        """``strategy.run(fn, args, kwargs)``."""
-        return self._strategy.call_for_each_tower(fn, *args, **(kwargs or {}))
-
-    def reduce_to(self, reduce_op: Any, value: Any, destinations: Any,
-                  options: Any = None) -> Any:
-        """``strategy.reduce(reduce_op, value)`` (numpy on the caller); ``destinations``
-        are checked to be this strategy's devices."""
-        return self._strategy.batch_reduce(reduce_op, [(value, destinations)])[0]
-
-    def batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Sequence[Any],
-                        options: Any = None) -> list[Any]:
-        return self._strategy.batch_reduce(reduce_op, value_destination_pairs)
-
-    def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
-        return self._strategy.broadcast(tensor, destinations)
-
-    def update(self, var: Any, fn: Callable[..., Any], args: Sequence[Any] = (),
-               kwargs: dict[str, Any] | None = None, group: bool = True) -> Any:
-        """``fn(var, *args, **kwargs)`` on every replica; mirrored results (per-leaf
-        lists of every replica's value with ``group=False``)."""
-        return self._strategy.update(var, fn, *args, grouped=group, **(kwargs or {}))
-
-    def update_non_slot(self, colocate_with: Any, fn: Callable[..., Any],
-                        args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
-                        group: bool = True) -> Any:
-        return self._strategy.update_non_slot(colocate_with, fn, *args, grouped=group,
-                                              **(kwargs or {}))
-
-    def non_slot_devices(self, var_list: Any) -> tuple[str, ...]:
-        return self._strategy.non_slot_devices(var_list)
-
-    def value_container(self, value: Any) -> Any:
-        return self._strategy.value_container(value)
-
-    def read_var(self, v: Any) -> Any:
-        return self._strategy.read_var(v)
-
-    def colocate_vars_with(self, colocate_with_variable: Any
-                           ) -> contextlib.AbstractContextManager[None]:
-        return self._strategy.colocate_vars_with(colocate_with_variable)
-
-    def experimental_run_steps_on_iterator(self, fn: Callable[..., Any], iterator: Any,
-                                           iterations: int = 1,
-                                           initial_loop_values: Any = None
-                                           ) -> MultiStepContext:
-        """``strategy.run_steps_on_dataset`` (TF 1.x's name on ``extended``)."""
-        return self._strategy.run_steps_on_dataset(fn, iterator, iterations,
-                                                   initial_loop_values)
-
-    def __repr__(self) -> str:
-        return f"StrategyExtended({self._strategy!r})"
-

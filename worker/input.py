@@ -14,10 +14,10 @@ minibatch is padded to the largest size and the number of real rows travels with
 host; every local replica dequeues one element (already per-replica batched) per step.
 
 When the dataset's iterator says where it is (a job's input,
-:class:`jaxpod.jobs.Epochs`), every step carries the input position the next step starts
-at, so a checkpoint can save it without the feed reading on; such an iterator may also
-ask to start some rows into its first element (a resumed attempt), which the feeds drop
-before their first step.
+:class:`jaxpod.job_wrappers.Epochs`), every step carries the input position the next
+step starts at, so a checkpoint can save it without the feed reading on; such an
+iterator may also ask to start some rows into its first element (a resumed attempt),
+which the feeds drop before their first step.
 """
 
 from __future__ import annotations

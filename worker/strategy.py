@@ -8,7 +8,8 @@ from typing import Any
 import jax
 
 from jaxpod.jobs import check_spmd
-from jaxpod.tf_compat import StrategyExtended, TFCompatMixin
+from jaxpod.tf_compat import TFCompatMixin
+from jaxpod.tf_extended import StrategyExtended
 from jaxpod.values import PerReplica, is_per_replica
 from jaxpod.worker.device_assignment import DeviceAssignment
 from jaxpod.worker.engine import Engine, EngineExtended
