@@ -17,20 +17,16 @@ from jaxpod.client import embedded
 
 if TYPE_CHECKING:
     from jaxpod.client.client import Client
+    from jaxpod.client.handles import RemoteDataset, RemoteIterator, RemotePerReplica
     from jaxpod.client.jobs import Job
-    from jaxpod.client.remote import (
-        RemoteDataset,
-        RemoteIterator,
-        RemotePerReplica,
-        RemoteStrategy,
-    )
+    from jaxpod.client.remote import RemoteStrategy
 
 __all__ = ["Client", "Job", "RemoteDataset", "RemoteIterator", "RemotePerReplica",
            "RemoteStrategy", "connect"]
 
 _LAZY = {"Client": "jaxpod.client.client", "Job": "jaxpod.client.jobs",
-         "RemoteDataset": "jaxpod.client.remote", "RemoteIterator": "jaxpod.client.remote",
-         "RemotePerReplica": "jaxpod.client.remote", "RemoteStrategy": "jaxpod.client.remote"}
+         "RemoteDataset": "jaxpod.client.handles", "RemoteIterator": "jaxpod.client.handles",
+         "RemotePerReplica": "jaxpod.client.handles", "RemoteStrategy": "jaxpod.client.remote"}
 
 
 def connect(address: str | None = None, token: str | None = None, *,

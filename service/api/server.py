@@ -31,9 +31,7 @@ from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
 from jaxpod.proto import tensors
 from jaxpod.proto.tensors import channel_options
-from jaxpod.service.api.coordinator import (
-    request_deserializer,
-)
+from jaxpod.service.api.error_mapping import request_deserializer
 from jaxpod.service.api.status import status_of
 from jaxpod.service.auth import roles
 from jaxpod.service.auth.tokens import TokenBook, denial

@@ -47,7 +47,8 @@ from serve_process import (
 
 import jaxpod
 from jaxpod.client import rpc
-from jaxpod.client.remote import RemotePerReplica, RemoteStrategy
+from jaxpod.client.handles import RemotePerReplica
+from jaxpod.client.remote import RemoteStrategy
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import coordinator_pb2_grpc as pb_grpc
 from jaxpod.proto import tensors
