@@ -154,6 +154,10 @@ class ReplicaGroup:
         self._next_id = 1  # the first id the next operation's new objects get
         self._lock = threading.Lock()
         self._broken: str | None = None
+        #: What a call on the broken group raises: a lost host stays a lost host for
+        #: every caller (a job's retry policy takes it as a preemption), whichever
+        #: call saw it first.
+        self._broken_as: type[JaxpodError] = JaxpodError
         self._stopped = False
         #: How many times the workers were restarted (callers drop what they cached).
         self.resets = 0
@@ -210,7 +214,7 @@ class ReplicaGroup:
             return SliceResetError(f"{why}; the slice was released meanwhile.")
         # Ids go on from where they were: a value from before the reset must never
         # name one made after it (nor its finalizer free that one).
-        self._seq, self._broken = 0, None
+        self._seq, self._broken, self._broken_as = 0, None, JaxpodError
         self.resets += 1
         return SliceResetError(
             f"{why}. The slice's workers were restarted and every value, dataset and "
@@ -285,7 +289,7 @@ class ReplicaGroup:
         ``None``: its message is over ``max_bytes``, and nothing was sent."""
         name = type(op).__name__
         if self._broken:
-            raise JaxpodError(f"This replica group is broken ({self._broken}); restart it.")
+            raise self._broken_as(f"This replica group is broken ({self._broken}); restart it.")
         dropped = drops.take() if drops is not None else None
         first_id = self._next_id
         envelope = Envelope(self._seq, op, dropped, first_id,
@@ -354,6 +358,7 @@ class ReplicaGroup:
         except TimeoutError:
             host = len(results)
             self._broken = f"operation {name} timed out after {limit:g}s"
+            self._broken_as = OperationTimeoutError
             raise OperationTimeoutError(
                 f"Operation {name} did not finish on host {host} within {limit:g}s "
                 f"({OPERATION_TIMEOUT.env_var}); the group is now unusable."
@@ -372,6 +377,7 @@ class ReplicaGroup:
         # A later host's closed channel may be seen while an earlier one still worked.
         host = e.index if isinstance(e, channel_io.PeerClosedError) else host
         self._broken = f"host {host} went away during operation {name}"
+        self._broken_as = WorkerLostError
         return WorkerLostError(
             f"Host {host} stopped answering during operation {name} ({e}): its worker "
             "process died or the group was stopped. The group is now unusable; "

@@ -228,6 +228,11 @@ def test_a_killed_worker_is_a_lost_host_and_stop_leaves_no_process() -> None:
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(WorkerLostError, match="Host 1"):
             engine.reduce("SUM", engine.run(lambda x: x * 2, args=(value,)))
+        # Every later call says so too, not only the one that saw it (a job's
+        # background report may be that one: the next step must still read as a
+        # lost host, which its retry policy takes as a preemption).
+        with pytest.raises(WorkerLostError, match="host 1 went away"):
+            engine.stats()
     finally:
         replica_group.stop()
     assert not any(_alive(pid) for pid in pids)
