@@ -74,7 +74,6 @@ class HostOperations(ops.Host):
         self._busy = BusyClock()
         self._busy_base = 0.0  # busy seconds before the slice's current holder
         self._operations = 0
-        self._started_at = 0.0
         self._output = OutputCapture()
         # The device assignment the engine was built for: a Configure asking for the
         # same keeps the engine, and with it every compiled program (a warm slice's
@@ -98,7 +97,7 @@ class HostOperations(ops.Host):
                 f"received #{envelope.seq} ({type(op).__name__}); an operation was skipped "
                 "or reordered. The replica group must be restarted."), "")
         self._expected_seq += 1
-        start = self._started_at = time.perf_counter()
+        start = time.perf_counter()
         self._next_id, self._id_limit, self._created = envelope.first_id, envelope.id_limit, []
         try:
             if envelope.dropped:
@@ -179,21 +178,15 @@ class HostOperations(ops.Host):
         """The user's tree an operation's argument stands for: values for handles."""
         return trees.thaw(tree, lambda x: self.store.get(x.id) if isinstance(x, Handle) else x)
 
-    def _keep_values(self, tree: Any, watch: bool = False) -> ops.ValueInfos:
-        """Keeps the tree's values; with ``watch``, the busy clock runs until they are
-        computed (they may still be being computed when the operation returns)."""
-        arrays = []
+    def _keep_values(self, tree: Any) -> ops.ValueInfos:
+        """Keeps the tree's values (they may still be being computed)."""
 
         def keep(v: PerReplica | GlobalValue) -> HandleInfo:
-            arrays.append(v.array)
             valid = None if v.valid_rows is None else tuple(v.valid_rows.tolist())
             return HandleInfo(self.store.put(v, self._new_id()), v.shape,
                               trees.dtype_name(v.dtype), valid, global_view=is_global(v))
 
-        infos = trees.freeze(jax.tree.map(keep, tree, is_leaf=_is_value), "result")
-        if watch:
-            self._busy.watch(self._started_at, arrays)
-        return infos
+        return trees.freeze(jax.tree.map(keep, tree, is_leaf=_is_value), "result")
 
     def _keep(self, table: dict[int, Any], value: Any) -> int:
         key = self._new_id()
@@ -236,9 +229,9 @@ class HostOperations(ops.Host):
         if self.global_view is not None:
             if op.args or op.kwargs:
                 raise TypeError("A global-view job's init_fn takes no arguments.")
-            return self._keep_values(self.global_view.init(fn), watch=True)
+            return self._keep_values(self.global_view.init(fn))
         out = self.engine.run(fn, args=self._resolve(op.args), kwargs=self._resolve(op.kwargs))
-        return self._keep_values(out, watch=True)
+        return self._keep_values(out)
 
     def run_steps(self, op: ops.RunSteps) -> ops.ValueInfos:
         fn = self.functions.get(op.function_id)
@@ -254,13 +247,13 @@ class HostOperations(ops.Host):
             if op.wait:
                 jax.block_until_ready(jax.tree.map(lambda v: v.array, result,
                                                    is_leaf=is_global))
-            return self._keep_values(result, watch=not op.wait)
+            return self._keep_values(result)
         result = self.engine.run_steps(fn, iterator, op.steps,
                                        initial_state=self._resolve(op.initial_state))
         if op.wait:
             jax.block_until_ready(jax.tree.map(lambda v: v.array, result,
                                                is_leaf=is_per_replica))
-        return self._keep_values(result, watch=not op.wait)
+        return self._keep_values(result)
 
     def run_spmd(self, op: ops.RunSpmd) -> ops.ValueInfos:
         fn = self.functions.get(op.function_id)
@@ -269,7 +262,7 @@ class HostOperations(ops.Host):
             spec = None if op.batch_sharding is None else PartitionSpec(*op.batch_sharding)
             self._spmd_views[key] = GlobalView(self.engine, dict(op.mesh), spec)
         out = self._spmd_views[key].call(fn, self._resolve(op.args), self._resolve(op.kwargs))
-        return self._keep_values(out, watch=True)
+        return self._keep_values(out)
 
     def values_from_function(self, op: ops.ValuesFromFunction) -> ops.ValueInfos:
         fn = self.functions.get(op.function_id)
