@@ -371,8 +371,13 @@ def _close_session(stub: Any, session_id: str, metadata: Any, closed: threading.
     try:
         stub.CloseSession(pb.SessionRequest(session_id=session_id),
                           timeout=rpc.CONTROL_TIMEOUT.seconds(), metadata=metadata)
-    except grpc.RpcError as e:  # gone already: its lease releases everything
-        logger.debug("closing session %s: %s", session_id, e)
+    except grpc.RpcError as e:  # its lease releases everything, later
+        call: Any = e
+        gone = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.NOT_FOUND)  # the service, or the session, is gone already
+        log = logger.debug if call.code() in gone else logger.warning
+        log("closing jaxpod session %s failed (%s): the service releases its slices when "
+            "its lease runs out", session_id, e)
     finally:
         channel.close()
 
