@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -146,6 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         settings.check_environment()  # a typo'd or malformed JAXPOD_* variable: say so
         return int(args.handler(args))
+    except BrokenPipeError:  # `jaxpod config | head`: the reader has what it wanted
+        # Python would report the pipe again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (JaxpodError, ValueError, ConnectionError) as e:
         # Bad configuration (a malformed TPU_* variable, an unknown accelerator type):
         # the message says what to fix; a traceback would bury it.

@@ -103,6 +103,20 @@ def test_jaxpod_config_lists_every_setting_with_its_value_and_source() -> None:
     assert "s3cret" not in run.stdout
 
 
+def test_jaxpod_config_into_a_reader_that_left_says_nothing_more() -> None:
+    """``jaxpod config | head``: the reader may be gone before the table is written."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("JAXPOD_")}
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write now fails with EPIPE
+    try:
+        run = subprocess.run([sys.executable, "-m", "jaxpod.cli", "config"], env=clean,
+                             stdout=write_end, stderr=subprocess.PIPE, text=True,
+                             timeout=120)
+    finally:
+        os.close(write_end)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+
+
 def test_a_typo_stops_the_cli_and_connect_before_anything_starts() -> None:
     run = _fresh("from jaxpod.cli import main; raise SystemExit(main(['config']))",
                  {"JAXPOD_ADRESS": "127.0.0.1:1"})
