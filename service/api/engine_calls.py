@@ -22,9 +22,10 @@ from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto import tensors
 from jaxpod.service.api.ahead import AheadCall
 from jaxpod.service.sessions import Session
-from jaxpod.service.slices.group_handles import GroupValue
+from jaxpod.service.slices.group_handles import GroupValue, is_group_value
 from jaxpod.service.slices.group_results import GatherParts, ResultCall
 from jaxpod.service.slices.held import HeldSlice
+from jaxpod.types import ReduceOp
 
 
 class EngineCalls:
@@ -141,6 +142,22 @@ class EngineCalls:
     # its order (small results); the result RPCs after ``after_op``, streaming.
     def _reduce(self, session: Session, held: HeldSlice, request: pb.ReduceRequest) -> Any:
         return held.engine.answer(self._reduce_call(session, held, request, set()))
+
+    def _reduce_in_parts(self, session: Session, held: HeldSlice, request: pb.ReduceRequest
+                         ) -> Any:
+        """:meth:`_reduce`; of global values with ``axis=None``, which it gives whole
+        (``ops.Reduce``'s rule), each leaf is fetched in blocks of rows as a fetch is,
+        never assembled on one host nor held here whole."""
+        value = self._args(session, held, request.value)
+        reduce_op, axis = tensors.decode(request.reduce_op), tensors.decode(request.axis)
+        ReduceOp.from_value(reduce_op)  # a bad op is an error whatever the value
+        leaves = jax.tree.leaves(value, is_leaf=is_group_value)
+        if axis is None and leaves and all(
+                isinstance(v, GroupValue) and v.info.global_view for v in leaves):
+            return _streamed(jax.tree.map(
+                lambda v: held.engine.fetch_parts(v, tensors.DATA_PIECES), value,
+                is_leaf=is_group_value))
+        return held.engine.reduce(reduce_op, value, axis)
 
     def _gather(self, session: Session, held: HeldSlice, request: pb.GatherRequest) -> Any:
         value = self._args(session, held, request.value)

@@ -118,7 +118,7 @@ class StrategyMethodsServicer(EngineCalls):
         return self._stream(run)
 
     def Reduce(self, request: pb.ReduceRequest, context: Any) -> ResultStream:
-        return self._result_stream(self._reduce, request)
+        return self._result_stream(self._reduce_in_parts, request)
 
     def Gather(self, request: pb.GatherRequest, context: Any) -> ResultStream:
         return self._result_stream(self._gather_in_parts, request)

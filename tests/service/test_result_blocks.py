@@ -116,5 +116,9 @@ def test_results_cut_into_many_blocks_equal_numpy(service: Service) -> None:
         np.testing.assert_array_equal(made["rows"].numpy(), x)
         per_block = BLOCK // x[0].nbytes  # whole rows, at most BLOCK bytes
         assert operations(strategy) - before == -(-len(x) // per_block)
+        # reduce gives a global value whole (one value, no replicas): in blocks too
+        before = operations(strategy)
+        np.testing.assert_array_equal(strategy.reduce("SUM", made["rows"], axis=None), x)
+        assert operations(strategy) - before == -(-len(x) // per_block)
         np.testing.assert_array_equal(made["cols"].numpy(), x * 2)
         np.testing.assert_array_equal(np.asarray(made["whole"]), x[:3] - 1)
