@@ -56,9 +56,8 @@ def _shorts(names: Iterable[str]) -> set[str]:
 
 
 class TFDevicesMixin:
-    """TF's device members, composed from a strategy's own ``run``,
-    ``experimental_local_results``, ``experimental_distribute_values_from_function``
-    and ``num_hosts``."""
+    """TF's device members, composed from a strategy's own ``run``, ``reduce``,
+    ``experimental_distribute_values_from_function`` and ``num_hosts``."""
 
     if TYPE_CHECKING:
         # The strategy's own members (run, num_hosts...), as the type checker sees them
@@ -72,7 +71,8 @@ class TFDevicesMixin:
         (``n`` counts the host's devices)."""
         cached = self.__dict__.get("_tf_worker_devices")
         if cached is None:
-            table = np.asarray(self.experimental_local_results(self.run(_device_table))[0])
+            # Every replica computes the whole table: their maximum is that table.
+            table = np.asarray(self.reduce("MAX", self.run(_device_table), axis=None))
             cached = tuple(
                 _device_name(int(host), _PLATFORMS[p].upper() if p >= 0 else "DEVICE",
                              int(ordinal)) for host, p, ordinal in table)
