@@ -1,10 +1,11 @@
 """``HostOperations``: what one host worker does for each host operation.
 
-It implements :class:`jaxpod.operations.Host`, one method per operation of
-:mod:`jaxpod.operations`, over this host's engine, value store, function registry,
-datasets and iterators. :meth:`HostOperations.execute` checks each operation's place
-in the group's sequence, frees what the coordinator dropped, runs the operation and
-turns any exception into a :class:`~jaxpod.operations.RemoteError` reply. Trees arrive
+It implements :class:`jaxpod.operations.Host`: the services the strategy methods'
+operations run over (this host's engine, value store, function registry and
+iterators), and a method for each other operation of :mod:`jaxpod.operations`.
+:meth:`HostOperations.execute` checks each operation's place in the group's sequence,
+frees what the coordinator dropped, runs the operation and turns any exception into a
+:class:`~jaxpod.operations.RemoteError` reply. Trees arrive
 and leave frozen (:mod:`jaxpod.trees`): the coordinator never holds the user's types.
 """
 
@@ -157,7 +158,11 @@ class HostOperations(ops.Host):
         self._created.append(new)
         return new
 
-    def _iterator(self, iterator_id: int) -> Any:
+    # ----------------------------------------------- services of the operations
+    def function(self, function_id: str) -> Any:
+        return self.functions.get(function_id)
+
+    def iterator(self, iterator_id: int) -> Any:
         try:
             return self.iterators[iterator_id]
         except KeyError:
@@ -174,12 +179,15 @@ class HostOperations(ops.Host):
             raise HandleError(f"Dataset #{dataset_id} does not exist on this worker: it "
                               "was freed. Distribute the dataset again.") from None
 
-    def _resolve(self, tree: ops.ValueArgs) -> Any:
-        """The user's tree an operation's argument stands for: values for handles."""
+    def resolve(self, tree: ops.ValueArgs) -> Any:
         return trees.thaw(tree, lambda x: self.store.get(x.id) if isinstance(x, Handle) else x)
 
-    def _keep_values(self, tree: Any) -> ops.ValueInfos:
-        """Keeps the tree's values (they may still be being computed)."""
+    def keep(self, tree: Any, wait: bool = False, donated: ops.ValueArgs = ()) -> ops.ValueInfos:
+        taken = [h.id for h in jax.tree.leaves(donated, is_leaf=_is_handle)
+                 if _is_handle(h) and self.store.get(h.id).array.is_deleted()]
+        self.store.free(taken)  # their arrays went into the program that made ``tree``
+        if wait:
+            jax.block_until_ready(jax.tree.map(lambda v: v.array, tree, is_leaf=_is_value))
 
         def keep(v: PerReplica | GlobalValue) -> HandleInfo:
             valid = None if v.valid_rows is None else tuple(v.valid_rows.tolist())
@@ -224,36 +232,7 @@ class HostOperations(ops.Host):
     def define(self, op: ops.Define) -> str:
         return str(self.functions.define(op.shipped))
 
-    def run(self, op: ops.Run) -> ops.ValueInfos:
-        fn = self.functions.get(op.function_id)
-        if self.global_view is not None:
-            if op.args or op.kwargs:
-                raise TypeError("A global-view job's init_fn takes no arguments.")
-            return self._keep_values(self.global_view.init(fn))
-        out = self.engine.run(fn, args=self._resolve(op.args), kwargs=self._resolve(op.kwargs))
-        return self._keep_values(out)
 
-    def run_steps(self, op: ops.RunSteps) -> ops.ValueInfos:
-        fn = self.functions.get(op.function_id)
-        iterator = (iter(self._resolve(op.source.items)) if isinstance(op.source, ops.StepItems)
-                    else self._iterator(op.source))
-        if self.global_view is not None:
-            result: Any = self.global_view.run_steps(fn, iterator, op.steps,
-                                                     self._resolve(op.initial_state))
-            # The loop took the state donated: its old handles hold deleted arrays.
-            self.store.free([h.id for h in jax.tree.leaves(
-                op.initial_state, is_leaf=lambda x: isinstance(x, Handle))
-                if isinstance(h, Handle)])
-            if op.wait:
-                jax.block_until_ready(jax.tree.map(lambda v: v.array, result,
-                                                   is_leaf=is_global))
-            return self._keep_values(result)
-        result = self.engine.run_steps(fn, iterator, op.steps,
-                                       initial_state=self._resolve(op.initial_state))
-        if op.wait:
-            jax.block_until_ready(jax.tree.map(lambda v: v.array, result,
-                                               is_leaf=is_per_replica))
-        return self._keep_values(result)
 
     def run_spmd(self, op: ops.RunSpmd) -> ops.ValueInfos:
         fn = self.functions.get(op.function_id)
@@ -261,12 +240,9 @@ class HostOperations(ops.Host):
         if key not in self._spmd_views:
             spec = None if op.batch_sharding is None else PartitionSpec(*op.batch_sharding)
             self._spmd_views[key] = GlobalView(self.engine, dict(op.mesh), spec)
-        out = self._spmd_views[key].call(fn, self._resolve(op.args), self._resolve(op.kwargs))
-        return self._keep_values(out)
+        out = self._spmd_views[key].call(fn, self.resolve(op.args), self.resolve(op.kwargs))
+        return self.keep(out)
 
-    def values_from_function(self, op: ops.ValuesFromFunction) -> ops.ValueInfos:
-        fn = self.functions.get(op.function_id)
-        return self._keep_values(self.engine.experimental_distribute_values_from_function(fn))
 
     def distribute_dataset(self, op: ops.DistributeDataset) -> int:
         return self._keep(self.datasets, self.engine.experimental_distribute_dataset(
@@ -281,13 +257,10 @@ class HostOperations(ops.Host):
     def create_iterator(self, op: ops.CreateIterator) -> int:
         return self._keep(self.iterators, self._dataset(op.dataset_id).iterate(op.steps_per_run))
 
-    def next_input(self, op: ops.NextInput) -> tuple[ops.ValueInfos, int]:
-        iterator = self._iterator(op.iterator_id)
-        return self._keep_values(next(iterator)), iterator.full_steps_ahead()
 
     def reduce(self, op: ops.Reduce) -> Any:
         value = jax.tree.map(lambda v: v.array if is_global(v) else v,
-                             self._resolve(op.value), is_leaf=is_global)
+                             self.resolve(op.value), is_leaf=is_global)
         result = self.engine.reduce(op.reduce_op, value, op.axis)
         return trees.freeze(result, "result") if self.process_id == 0 else None
 
@@ -322,12 +295,9 @@ class HostOperations(ops.Host):
                 out.append((((a, b), *rest), np.asarray(data[a - first:b - first])))
         return out
 
-    def local_results(self, op: ops.LocalResults) -> tuple[Any, ...]:
-        return tuple(trees.freeze(r, "result") for r in
-                     self.engine.experimental_local_results(self._resolve(op.value)))
 
     def replica_value(self, op: ops.ReplicaValue) -> Any:
-        return trees.freeze(self.engine.extended.replica_value(self._resolve(op.value), op.replica),
+        return trees.freeze(self.engine.extended.replica_value(self.resolve(op.value), op.replica),
                             "state")
 
     def stats(self, op: ops.Stats) -> ops.HostStats:
@@ -375,8 +345,8 @@ class HostOperations(ops.Host):
                         if op.checkpoints is not None else None))
 
     def save_checkpoint(self, op: ops.SaveCheckpoint) -> None:
-        state = self._resolve(op.state)
-        position = (self._iterator(op.iterator_id).position if op.iterator_id is not None
+        state = self.resolve(op.state)
+        position = (self.iterator(op.iterator_id).position if op.iterator_id is not None
                     else None)
         # The operation's number is the same on every host and never used twice.
         self.checkpoints.save(op.directory, op.step, op.keep, state, self.engine.mesh,
@@ -392,13 +362,17 @@ class HostOperations(ops.Host):
         state, position = self.checkpoints.restore(
             op.directory, op.step, op.keep, op.skeleton, self.engine.mesh,
             self.engine.host_index, targets=targets)
-        return self._keep_values(state), position
+        return self.keep(state), position
 
     def start_profile(self, op: ops.StartProfile) -> None:
         self.profiler.start(f"{op.folder.rstrip('/')}/host-{self.process_id}", op.seconds)
 
     def stop_profile(self, op: ops.StopProfile) -> list[str]:
         return self.profiler.stop()
+
+
+def _is_handle(x: Any) -> bool:
+    return isinstance(x, Handle)
 
 
 def _is_value(x: Any) -> bool:

@@ -1,39 +1,64 @@
 """The :class:`Host` protocol: what runs host operations.
 
-It has one method per operation, named after it: ``op.apply(host)`` calls it, so mypy
-checks that the operation's result type and the worker's handler
-(``jaxpod.worker.host_operations.HostOperations``) agree. Each operation is named by
-the module declaring it: :mod:`~jaxpod.operations.strategy`,
-:mod:`~jaxpod.operations.jobs` or :mod:`~jaxpod.operations.admin`.
+``op.apply(host)`` runs an operation on a host. An operation that is one call of the
+host's engine (a strategy method: ``run``, its loop of steps, ``next``, local results,
+values from a function) writes that call in its own ``apply``, over the host's
+services: its functions, iterators and values, and its engine. Every other operation
+needs the host's own state (meshes, datasets, checkpoints, output capture, profiles)
+and has a method here, named after it. The worker's
+``jaxpod.worker.host_operations.HostOperations`` is the one implementation; mypy
+checks the two agree. Each operation is named by the module declaring it:
+:mod:`~jaxpod.operations.strategy`, :mod:`~jaxpod.operations.jobs` or
+:mod:`~jaxpod.operations.admin`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import numpy as np
 
     from jaxpod.operations import admin, jobs, strategy
-    from jaxpod.operations.handles import ValueInfos
+    from jaxpod.operations.handles import ValueArgs, ValueInfos
 
 
 class Host(Protocol):
-    """What runs host operations: one method per operation, named after it."""
+    """What runs host operations: the services the strategy methods' operations use,
+    and a method for each other operation, named after it."""
 
+    #: This host's index in its group.
+    process_id: int
+    #: The per-replica engine: the strategy's methods (``jaxpod.worker.engine.Engine``).
+    engine: Any
+    #: A global-view job's mesh and programs (its ``init`` and loop of global steps,
+    #: ``jaxpod.worker.global_view.GlobalView``); ``None``: values are per replica.
+    global_view: Any
+
+    # ------------------------------------------------------------------ services
+
+    def function(self, function_id: str) -> Callable[..., Any]:
+        """The function defined under ``function_id``."""
+
+    def iterator(self, iterator_id: int) -> Any:
+        """The iterator with that id (a clear error if it was freed)."""
+
+    def resolve(self, tree: ValueArgs) -> Any:
+        """The user's tree an argument stands for: the values for their handles."""
+
+    def keep(self, tree: Any, wait: bool = False, donated: ValueArgs = ()) -> ValueInfos:
+        """Keeps the tree's new values and describes them; ``wait``: once computed.
+        Handles in ``donated`` whose arrays the program took are freed."""
+
+    # --------------------------------------------- operations on the host's state
     def configure(self, op: strategy.Configure) -> int: ...
 
     def set_global_view(self, op: strategy.SetGlobalView) -> None: ...
 
     def define(self, op: strategy.Define) -> str: ...
 
-    def run(self, op: strategy.Run) -> ValueInfos: ...
-
-    def run_steps(self, op: strategy.RunSteps) -> ValueInfos: ...
-
     def run_spmd(self, op: strategy.RunSpmd) -> ValueInfos: ...
-
-    def values_from_function(self, op: strategy.ValuesFromFunction) -> ValueInfos: ...
 
     def distribute_dataset(self, op: strategy.DistributeDataset) -> int: ...
 
@@ -41,8 +66,6 @@ class Host(Protocol):
             self, op: strategy.DistributeDatasetsFromFunction) -> int: ...
 
     def create_iterator(self, op: strategy.CreateIterator) -> int: ...
-
-    def next_input(self, op: strategy.NextInput) -> tuple[ValueInfos, int]: ...
 
     def reduce(self, op: strategy.Reduce) -> Any: ...
 
@@ -52,8 +75,6 @@ class Host(Protocol):
 
     def fetch_shards(self, op: strategy.FetchShards
                      ) -> list[tuple[strategy.ShardIndex, np.ndarray]]: ...
-
-    def local_results(self, op: strategy.LocalResults) -> tuple[Any, ...]: ...
 
     def stats(self, op: admin.Stats) -> admin.HostStats: ...
 

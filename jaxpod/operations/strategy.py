@@ -5,6 +5,10 @@ functions (:class:`Define`); making values (:class:`Run`, :class:`RunSpmd`,
 :class:`RunSteps`, :class:`ValuesFromFunction`); input (datasets, iterators,
 :class:`NextInput`); and results brought back as numpy (:class:`Reduce`, the gather,
 fetch and local-results parts, :class:`ReplicaValue`).
+
+An operation that is one call of the host's engine says so in its ``apply``, over the
+host's services (:class:`~jaxpod.operations.host.Host`); where every host answers,
+``combine`` says how the coordinator makes the strategy's one answer from theirs.
 """
 
 from __future__ import annotations
@@ -77,7 +81,13 @@ class Run(Operation[ValueInfos]):
     uniform: ClassVar[bool] = True
 
     def apply(self, host: Host) -> ValueInfos:
-        return host.run(self)
+        fn = host.function(self.function_id)
+        if host.global_view is not None:  # a global-view job's init_fn
+            if self.args or self.kwargs:
+                raise TypeError("A global-view job's init_fn takes no arguments.")
+            return host.keep(host.global_view.init(fn))
+        return host.keep(host.engine.run(fn, args=host.resolve(self.args),
+                                         kwargs=host.resolve(self.kwargs)))
 
     def created(self, result: ValueInfos) -> Dropped:
         return values_in(result)
@@ -131,7 +141,13 @@ class RunSteps(Operation[ValueInfos]):
     uniform: ClassVar[bool] = True
 
     def apply(self, host: Host) -> ValueInfos:
-        return host.run_steps(self)
+        source = (iter(host.resolve(self.source.items)) if isinstance(self.source, StepItems)
+                  else host.iterator(self.source))
+        # A global-view job's loop runs global steps and takes its state donated.
+        engine = host.engine if host.global_view is None else host.global_view
+        result = engine.run_steps(host.function(self.function_id), source, self.steps,
+                                  host.resolve(self.initial_state))
+        return host.keep(result, wait=self.wait, donated=self.initial_state)
 
     def created(self, result: ValueInfos) -> Dropped:
         return values_in(result)
@@ -147,7 +163,8 @@ class ValuesFromFunction(Operation[ValueInfos]):
     function_id: str
 
     def apply(self, host: Host) -> ValueInfos:
-        return host.values_from_function(self)
+        fn = host.function(self.function_id)
+        return host.keep(host.engine.experimental_distribute_values_from_function(fn))
 
     def created(self, result: ValueInfos) -> Dropped:
         return values_in(result)
@@ -209,7 +226,8 @@ class NextInput(Operation[tuple[ValueInfos, int]]):
     followable: ClassVar[bool] = True
 
     def apply(self, host: Host) -> tuple[ValueInfos, int]:
-        return host.next_input(self)
+        iterator = host.iterator(self.iterator_id)
+        return host.keep(next(iterator)), iterator.full_steps_ahead()
 
     def created(self, result: tuple[ValueInfos, int]) -> Dropped:
         return values_in(result[0])
@@ -292,7 +310,20 @@ class LocalResults(Operation["tuple[Any, ...]"]):
     value: ValueArgs
 
     def apply(self, host: Host) -> tuple[Any, ...]:
-        return host.local_results(self)
+        from jaxpod import trees  # JAX loads where values are, not with the CLI
+
+        return tuple(trees.freeze(r, "result") for r in
+                     host.engine.experimental_local_results(host.resolve(self.value)))
+
+    def combine(self, per_host: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+        """The replicas' values in replica order (each host holds the next ones); a
+        value without handles is ``(value,)`` on every host: the first host's."""
+        import jax
+
+        if not any(isinstance(x, Handle) for x in
+                   jax.tree.leaves(self.value, is_leaf=lambda x: isinstance(x, Handle))):
+            return per_host[0]
+        return tuple(r for host in per_host for r in host)
 
 
 @dataclass(frozen=True)

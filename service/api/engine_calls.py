@@ -85,12 +85,14 @@ class EngineCalls:
         return AheadCall(held.engine.run_op(request.function_id, args, kwargs))
 
     def _run_steps_call(self, session: Session, held: HeldSlice,
-                         request: pb.RunStepsRequest, uses: set[int]) -> AheadCall:
-        iterator = (StepItems(self._args(session, held, request.items, uses))
-                    if request.has_items else held.iterator(request.iterator_id))
-        state = self._args(session, held, request.initial_state, uses)
-        return AheadCall(held.engine.run_steps_op(
-            request.function_id, iterator, tensors.decode(request.steps), state))
+                        request: pb.RunStepsRequest, uses: set[int]) -> AheadCall:
+        engine = held.engine
+        source = (StepItems(engine.handles(self._args(session, held, request.items, uses)))
+                  if request.has_items else held.iterator(request.iterator_id).id)
+        state = engine.handles(self._args(session, held, request.initial_state, uses))
+        steps = tensors.decode(request.steps)
+        return AheadCall(ops.RunSteps(request.function_id, source,
+                                      engine.steps_per_run if steps is None else steps, state))
 
     def _distribute_values_call(self, session: Session, held: HeldSlice,
                                  request: pb.DistributeValuesRequest, uses: set[int]
@@ -173,7 +175,7 @@ class EngineCalls:
 
     def _local_results(self, session: Session, held: HeldSlice, request: pb.ValueRequest
                        ) -> Any:
-        return held.engine.experimental_local_results(self._args(session, held, request.value))
+        return held.engine.local_results(self._args(session, held, request.value))
 
     def _local_results_in_parts(self, session: Session, held: HeldSlice,
                                 request: pb.ValueRequest) -> Any:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -37,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxpod import operations as ops
 from jaxpod import settings
 from jaxpod.errors import (
     JaxpodError,
@@ -56,7 +58,7 @@ from jaxpod.service.jobs.codec import JobStoreError, check_storable
 from jaxpod.service.jobs.goodput import GoodputClock
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.slices.group_engine import GroupEngine
-from jaxpod.service.slices.group_handles import DefinedFunction, GroupValue
+from jaxpod.service.slices.group_handles import DefinedFunction, GroupIterator, GroupValue
 from jaxpod.service.slices.profiles import Profiling
 from jaxpod.shipping import ShippedFunction, ship_object
 
@@ -189,8 +191,8 @@ class JobRun:
                 k = min(spec.steps_per_run, spec.steps - self.step)
                 clock.switch(goodput.PRODUCTIVE)
                 started = time.monotonic()
-                state, raw = self._defined_call(  # returns once the loop is computed
-                    step, lambda f: engine.run_steps(f, iterator, k, state, wait=True))  # noqa: B023
+                state, raw = self._defined_call(step, functools.partial(
+                    self._loop, iterator, k, state))
                 clock.switch(goodput.METRICS)
                 clock.reattribute(self._loops.attribute(self.step, k,
                                                         time.monotonic() - started),
@@ -304,6 +306,14 @@ class JobRun:
     def _shipped(self, payload: bytes) -> tuple[ShippedFunction, list[DefinedFunction]]:
         shipped = ShippedFunction(payload, self._versions)
         return shipped, [self.engine.define(shipped)]
+
+    def _loop(self, iterator: GroupIterator, steps: int, state: Any, fn: DefinedFunction
+              ) -> Any:
+        """``steps`` steps of ``fn`` from ``state``: the new state and the outputs, once
+        computed (the loop's time is the steps' compute, not their dispatch)."""
+        engine = self.engine
+        return engine.make_values(fn, lambda f: ops.RunSteps(
+            f, iterator.id, steps, engine.handles(state), wait=True))
 
     def _defined_call(self, fn: tuple[ShippedFunction, list[DefinedFunction]],
                       call: Callable[[DefinedFunction], Any]) -> Any:

@@ -24,7 +24,7 @@ import jax
 
 from jaxpod import operations as ops
 from jaxpod.errors import SliceResetError, UnknownFunctionError
-from jaxpod.operations import Handle, HandleInfo, StepItems
+from jaxpod.operations import Handle, HandleInfo
 from jaxpod.pieces import PieceLayout
 from jaxpod.service.slices.group_handles import (
     DefinedFunction,
@@ -149,7 +149,7 @@ class GroupEngine(GroupResults):
                 del self._functions[fn]
             return self._call(operation(self._define(fn)))
 
-    def _to_handles(self, tree: Any) -> Any:
+    def handles(self, tree: Any) -> Any:
         def convert(x: Any) -> Any:
             if isinstance(x, GroupValue):
                 if x.group is not self:
@@ -195,44 +195,28 @@ class GroupEngine(GroupResults):
     # ------------------------------------------------------- operations as sent
     def run_op(self, function_id: str, args: Any, kwargs: Any) -> ops.Run:
         # The workers' engine checks args and kwargs, with the in-process messages.
-        return ops.Run(function_id, self._to_handles(args), self._to_handles(kwargs))
+        return ops.Run(function_id, self.handles(args), self.handles(kwargs))
 
     def run_spmd_op(self, function_id: str, mesh: Sequence[tuple[str, int]],
                     batch_sharding: Sequence[Any] | None, args: Any, kwargs: Any
                     ) -> ops.RunSpmd:
         axes = tuple((str(n), int(s)) for n, s in mesh)
         sharding = None if batch_sharding is None else tuple(batch_sharding)
-        return ops.RunSpmd(function_id, axes, sharding, self._to_handles(args),
-                           self._to_handles(kwargs or {}))
+        return ops.RunSpmd(function_id, axes, sharding, self.handles(args),
+                           self.handles(kwargs or {}))
 
-    def run_steps_op(self, function_id: str, iterator: GroupIterator | StepItems,
-                     steps: int | None, initial_state: Any, wait: bool = False
-                     ) -> ops.RunSteps:
-        source: int | StepItems
-        if isinstance(iterator, StepItems):
-            source = StepItems(self._to_handles(iterator.items))
-        elif isinstance(iterator, GroupIterator):
-            source = iterator.id
-        else:
-            raise TypeError("run_steps: iterator must come from this group's distributed "
-                            f"dataset, or be StepItems. Got {type(iterator).__name__}.")
-        k = self.steps_per_run if steps is None else steps
-        return ops.RunSteps(function_id, source, k, self._to_handles(initial_state), wait)
 
     # ------------------------------------------------------------------------ run
     def run(self, fn: Callable[..., Any] | DefinedFunction, args: Any = (),
             kwargs: dict[str, Any] | None = None) -> Any:
-        return self._wrap(self._call_defined(fn, lambda f: self.run_op(f, args, kwargs))[0])
+        return self.make_values(fn, lambda f: self.run_op(f, args, kwargs))
 
-    def run_steps(self, fn: Callable[..., Any] | DefinedFunction,
-                  iterator: GroupIterator | StepItems, steps: int | None = None,
-                  initial_state: Any = None, wait: bool = False) -> Any:
-        """``strategy.run_steps``; with ``wait``, it returns once the loop's results
-        are computed (not just dispatched): a caller that times loops sees their
-        compute."""
-        result = self._call_defined(
-            fn, lambda f: self.run_steps_op(f, iterator, steps, initial_state, wait))[0]
-        return self._wrap(result)
+    def make_values(self, fn: Callable[..., Any] | DefinedFunction,
+                    operation: Callable[[str], ops.Operation[Any]]) -> Any:
+        """Runs ``operation(fn's id)``, an operation that makes values (its value
+        arguments as :meth:`handles` gives them): the values it made."""
+        return self._wrap(self._call_defined(fn, operation)[0])
+
 
     def run_spmd(self, fn: Callable[..., Any] | DefinedFunction,
                  mesh: Sequence[tuple[str, int]], batch_sharding: Sequence[Any] | None,
@@ -290,7 +274,7 @@ class GroupEngine(GroupResults):
         """Starts the hosts writing ``state`` as checkpoint ``step`` under
         ``directory`` with their input positions in ``iterator``; returns once the next
         loop may change the state (the bytes reach storage in the background)."""
-        self._call(ops.SaveCheckpoint(directory, step, keep, self._to_handles(state),
+        self._call(ops.SaveCheckpoint(directory, step, keep, self.handles(state),
                                       iterator.id if iterator is not None else None))
 
     def wait_checkpoints(self, directory: str) -> int | None:

@@ -81,7 +81,7 @@ class GroupResults(abc.ABC):
         """Runs ``op`` on every host: each one's result, in host order."""
 
     @abc.abstractmethod
-    def _to_handles(self, tree: Any) -> Any:
+    def handles(self, tree: Any) -> Any:
         """``tree`` with each of this group's values as its handle."""
 
     # ------------------------------------------------------------------- results
@@ -91,7 +91,7 @@ class GroupResults(abc.ABC):
     def reduce_call(self, reduce_op: ReduceOp | str, value: Any, axis: int | None
                     ) -> ResultCall:
         """:meth:`reduce` as one operation: its result is host 0's."""
-        return ResultCall(ops.Reduce(reduce_op, self._to_handles(value), axis), first_host)
+        return ResultCall(ops.Reduce(reduce_op, self.handles(value), axis), first_host)
 
     def answer(self, call: ResultCall) -> Any:
         """Runs ``call``: its result."""
@@ -116,14 +116,14 @@ class GroupResults(abc.ABC):
             return np.concatenate([p for _, parts in per_host for p in parts],
                                   axis=per_host[0][0])
 
-        return ResultCall(ops.GatherParts(self._to_handles(v), axis, None, streamed=False),
+        return ResultCall(ops.GatherParts(self.handles(v), axis, None, streamed=False),
                           joined)
 
     def _gather_call(self, v: Any, axis: int, replicas: tuple[int, ...] | None = None,
                      layout: PieceLayout | None = None, rows: tuple[int, int] | None = None,
                      padded: bool = False) -> tuple[int, list[Any]]:
         """One ``gather_parts`` operation: the normalized axis, every host's parts."""
-        op = ops.GatherParts(self._to_handles(v), axis, replicas,
+        op = ops.GatherParts(self.handles(v), axis, replicas,
                              streamed=layout is not None, rows=rows, padded=padded)
         per_host = self._call(op, layout)
         return per_host[0][0], [p for _, parts in per_host for p in parts]
@@ -169,9 +169,9 @@ class GroupResults(abc.ABC):
     def fetch_call(self, value: GroupValue) -> ResultCall:
         """:meth:`fetch` as one operation."""
         if not value.info.global_view:
-            return ResultCall(ops.FetchParts(self._to_handles(value)), lambda per_host: np.stack(
+            return ResultCall(ops.FetchParts(self.handles(value)), lambda per_host: np.stack(
                 [p for parts in per_host for p in parts]))
-        return ResultCall(ops.FetchShards(self._to_handles(value)),
+        return ResultCall(ops.FetchShards(self.handles(value)),
                           lambda per_host: _assembled(value, per_host, None))
 
     def fetch_parts(self, value: GroupValue, layout: PieceLayout | None = None
@@ -186,7 +186,7 @@ class GroupResults(abc.ABC):
         if value.info.global_view:
             return GatherParts(0, value.shape, value.dtype, _fetched_ahead(
                 lambda span: _assembled(value, self._call(
-                    ops.FetchShards(self._to_handles(value), span)), span),
+                    ops.FetchShards(self.handles(value), span)), span),
                 _spans(value.shape[0], value)))
         n = self.num_replicas_in_sync
         spans = [(r, a, b) for r in range(n) for a, b in _spans(value.shape[0], value)]
@@ -194,17 +194,15 @@ class GroupResults(abc.ABC):
             lambda s: self._gather_call(value, 0, (s[0],), layout, s[1:], padded=True)[1][0],
             spans))
 
-    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+    def local_results(self, value: Any) -> tuple[Any, ...]:
+        """Each replica's value, padding dropped (the strategy's local results)."""
         results: tuple[Any, ...] = self.answer(self.local_results_call(value))
         return results
 
     def local_results_call(self, value: Any) -> ResultCall:
-        """:meth:`experimental_local_results` as one operation."""
-        if not any(is_group_value(v) for v in jax.tree.leaves(value, is_leaf=is_group_value)):
-            # A single value: every host answers (value,).
-            return ResultCall(ops.LocalResults(self._to_handles(value)), first_host)
-        return ResultCall(ops.LocalResults(self._to_handles(value)), lambda per_host: tuple(
-            r for host in per_host for r in host))
+        """:meth:`local_results` as one operation."""
+        op = ops.LocalResults(self.handles(value))
+        return ResultCall(op, op.combine)
 
     def _replica_rows(self, v: GroupValue, replica: int, layout: PieceLayout | None,
                       rows: tuple[int, int]) -> Any:
@@ -213,7 +211,7 @@ class GroupResults(abc.ABC):
 
     def local_results_parts(self, value: Any, layout: PieceLayout | None = None
                             ) -> tuple[Any, ...]:
-        """:meth:`experimental_local_results` with each large leaf's components as
+        """:meth:`local_results` with each large leaf's components as
         blocks of rows (``GatherParts``, see :meth:`gather_parts`); the small leaves
         come in one operation."""
         leaves, treedef = jax.tree.flatten(value, is_leaf=is_group_value)
@@ -221,10 +219,10 @@ class GroupResults(abc.ABC):
                and not v.info.global_view and v.shape
                and _nbytes(v) * self.num_replicas_in_sync > RESULT_BLOCK.value()]
         if not big:
-            return self.experimental_local_results(value)
+            return self.local_results(value)
         n = self.num_replicas_in_sync
         small = [v for i, v in enumerate(leaves) if i not in big]
-        per_replica = ([list(r) for r in self.experimental_local_results(small)] if small
+        per_replica = ([list(r) for r in self.local_results(small)] if small
                        else [[] for _ in range(n)])
         out = []
         for r in range(n):
@@ -247,7 +245,7 @@ class GroupResults(abc.ABC):
         if not 0 <= replica < self.num_replicas_in_sync:
             raise ValueError(f"replica_value: replica must be in [0, "
                              f"{self.num_replicas_in_sync}); got {replica}.")
-        answers = self._call(ops.ReplicaValue(self._to_handles(value), replica))
+        answers = self._call(ops.ReplicaValue(self.handles(value), replica))
         return next(a for a in answers if a is not None)
 
 

@@ -60,14 +60,14 @@ def _state(x: jax.Array) -> dict[str, object]:
 def test_one_replicas_value_comes_from_the_host_holding_it(group: GroupEngine) -> None:
     x = np.arange(3, dtype=np.float32)
     state = group.run(_state, args=(x,))
-    replicas = group.experimental_local_results(state)
+    replicas = group.local_results(state)
     for replica in (0, 5):  # one on each host
         got = group.replica_value(state, replica)
         np.testing.assert_array_equal(got["w"], replicas[replica]["w"])
         np.testing.assert_array_equal(got["w"], x * (replica + 1))
         assert int(got["n"]) == replica
     # Only the holder answers with data; the other host sends nothing.
-    answers = group.group.call(ops.ReplicaValue(group._to_handles(state), 5))
+    answers = group.group.call(ops.ReplicaValue(group.handles(state), 5))
     assert answers[0] is None and answers[1] is not None
     with pytest.raises(ValueError, match=r"replica must be in \[0, 8\)"):
         group.replica_value(state, 8)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import jaxpod
+from jaxpod import operations as ops
 from jaxpod.pieces import PieceLayout
 from jaxpod.service.capacity.allocator import SliceAllocator
 from jaxpod.service.capacity.local_cluster import LocalTPUCluster
@@ -61,7 +62,7 @@ def test_large_results_are_read_in_place_from_workers_on_this_machine(
 
     value = group.experimental_distribute_values_from_function(value_fn)
     np.testing.assert_array_equal(group.gather(value, axis=0), data.reshape(2400, 100))
-    for got, want in zip(group.experimental_local_results(value), data, strict=True):
+    for got, want in zip(group.local_results(value), data, strict=True):
         np.testing.assert_array_equal(got, want)
     # Received as the service streams a gather: pieces, each behind its prefix.
     layout = PieceLayout(piece_bytes=50_000, prefix=lambda n: b"<" + n.to_bytes(4) + b">")
@@ -88,7 +89,7 @@ def test_run_reduce_gather_local_results_match_in_process(
     ro = group.run(_step, args=(rv, np.float32(3.0)))
     lo = local.run(_step, args=(lv, np.float32(3.0)))
     for name in ("y", "total", "gathered"):
-        got = group.experimental_local_results(ro[name])
+        got = group.local_results(ro[name])
         want = local.experimental_local_results(lo[name])
         assert len(got) == len(want) == 8
         for g, w in zip(got, want, strict=True):
@@ -113,7 +114,7 @@ def test_dataset_sharding_sees_every_element_once_per_epoch(group: GroupEngine) 
     batches = [ids[i:i + 8] for i in range(0, 48, 8)]
     dataset = group.experimental_distribute_dataset(batches)
     for _epoch in range(2):
-        seen = [group.experimental_local_results(b) for b in dataset]
+        seen = [group.local_results(b) for b in dataset]
         rows = np.concatenate([r for step in seen for r in step])
         np.testing.assert_array_equal(np.sort(rows), ids)  # each exactly once
 
@@ -141,15 +142,16 @@ def test_run_steps_with_infeed_over_generated_dataset(group: GroupEngine,
     calls = 0
     while True:
         try:
-            state, out = group.run_steps(train, it, steps=16, initial_state=state)
+            state, out = group.make_values(train, lambda f: ops.RunSteps(
+                f, it.id, 16, group.handles(state)))  # noqa: B023
         except jaxpod.EndOfDataError:
             break
         calls += 1
     assert calls == 3  # 16 + 16 + 8 steps
     expected = sum(sum(s * 100 + r for r in range(8)) for s in range(steps))
-    np.testing.assert_allclose(group.experimental_local_results(state),
+    np.testing.assert_allclose(group.local_results(state),
                                np.full(8, expected, np.float32), rtol=1e-6)
-    last = group.experimental_local_results(out)
+    last = group.local_results(out)
     np.testing.assert_allclose(last, [(steps - 1) * 100 + r for r in range(8)])
 
 

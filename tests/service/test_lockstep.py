@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import jaxpod
+from jaxpod import operations as ops
 from jaxpod.service.slices.group_engine import GroupEngine
 from jaxpod.shipping import ship_object
 
@@ -219,7 +220,7 @@ def test_a_step_traced_differently_on_one_host_fails_and_the_slice_goes_on(
             return group.run(step, args=(value,))
         rows = [np.arange(8, dtype=np.float32)] * 2
         it = iter(group.experimental_distribute_dataset(ship_object(rows, "rows", "")))
-        return group.run_steps(step, it, steps=2)
+        return group.make_values(step, lambda f: ops.RunSteps(f, it.id, 2, None))
 
     resets = group.group.resets
     # The hosts agree that they have the program before any dispatches it: an ordinary
@@ -255,7 +256,7 @@ def test_a_dataset_that_raises_mid_stream_on_one_host_stops_its_iterator_everywh
     def consume() -> Any:
         if consumer == "next":
             return next(it)
-        return group.run_steps(lambda x: x * 2, it, steps=1)
+        return group.make_values(lambda x: x * 2, lambda f: ops.RunSteps(f, it.id, 1, None))
 
     with pytest.raises(HostOneError, match="second batch failed on purpose") as info:
         consume()

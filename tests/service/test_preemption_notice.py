@@ -77,7 +77,7 @@ def _shifted(x: jax.Array) -> jax.Array:
 
 def _check_runs(engine: GroupEngine) -> None:
     x = np.arange(6, dtype=np.float32)
-    parts = engine.experimental_local_results(engine.run(_shifted, args=(x,)))
+    parts = engine.local_results(engine.run(_shifted, args=(x,)))
     assert len(parts) == 8
     for part in parts:
         np.testing.assert_array_equal(part, x + 1.0)

@@ -77,7 +77,7 @@ def test_workers_are_this_machines_processes_with_their_hosts_env(
     # Each host's TPU variables are set in its worker, before JAX started.
     worker_ids = group.experimental_distribute_values_from_function(
         lambda ctx: np.int32(os.environ["TPU_WORKER_ID"]))
-    assert [int(w) for w in group.experimental_local_results(worker_ids)] == [0] * 4 + [1] * 4
+    assert [int(w) for w in group.local_results(worker_ids)] == [0] * 4 + [1] * 4
 
 
 def _step(x: jax.Array, scale: jax.Array) -> dict[str, jax.Array]:
@@ -330,12 +330,12 @@ def test_a_multi_slice_acquire_spans_both_slices_with_megascale_ids() -> None:
         assert held.description["slice_names"] == ["sim-0-v4-8", "sim-1-v4-8"]
         ids = held.engine.experimental_distribute_values_from_function(
             lambda ctx: np.int32(os.environ["MEGASCALE_SLICE_ID"]))
-        assert [int(i) for i in held.engine.experimental_local_results(ids)] == [0] * 4 + [1] * 4
+        assert [int(i) for i in held.engine.local_results(ids)] == [0] * 4 + [1] * 4
         held.release()
         single = _acquire(slices, "v4-8")  # the warm pair is stopped to make room
         no_megascale = single.engine.experimental_distribute_values_from_function(
             lambda ctx: np.int32("MEGASCALE_SLICE_ID" in os.environ))
-        assert not any(single.engine.experimental_local_results(no_megascale))
+        assert not any(single.engine.local_results(no_megascale))
         single.release()
     finally:
         slices.close()

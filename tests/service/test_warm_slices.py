@@ -83,7 +83,7 @@ def _all_gone(processes: dict[int, str]) -> bool:
 
 def _check_affine(engine: GroupEngine, fn: Any, seed: int) -> None:
     x = np.random.default_rng(seed).normal(size=(5,)).astype(np.float32)
-    got = engine.experimental_local_results(engine.run(fn, args=(x,)))
+    got = engine.local_results(engine.run(fn, args=(x,)))
     assert len(got) == engine.num_replicas_in_sync == 8
     for replica, part in enumerate(got):
         np.testing.assert_allclose(part, x * 3.0 + replica, rtol=1e-6)
@@ -122,7 +122,7 @@ def test_released_slice_is_reused_with_its_workers_and_functions(slices: RaySlic
             assert (host["num_values"], host["num_iterators"], host["device_bytes"]) == (0, 0, 0)
         # The workers kept the function: its id alone runs it (an unknown id would raise).
         x = np.random.default_rng(1).normal(size=(6,)).astype(np.float32)
-        squared = again.engine.experimental_local_results(again.engine.run(defined, args=(x,)))
+        squared = again.engine.local_results(again.engine.run(defined, args=(x,)))
         for part in squared:
             np.testing.assert_allclose(part, x * x, rtol=1e-6)
         _check_affine(again.engine, _affine, seed=2)  # known to the new engine too
@@ -150,7 +150,7 @@ def test_a_warm_slice_keeps_its_compiled_programs(slices: RaySlices) -> None:
     again = _acquire(slices, steps_per_run=3)  # the same device assignment
     try:
         again.engine.capture_output(True)
-        for part in again.engine.experimental_local_results(
+        for part in again.engine.local_results(
                 again.engine.run(_traced_loudly, args=(x,))):
             np.testing.assert_array_equal(part, x + 1.0)
         assert again.engine.take_output() == [[], []]  # nothing traced again
@@ -189,7 +189,7 @@ def test_acquire_without_free_capacity_stops_warm_slices_holding_it(
         assert _all_gone(processes)
         assert one.engine.num_replicas_in_sync == 4
         x = np.arange(3.0, dtype=np.float32)
-        for part in one.engine.experimental_local_results(one.engine.run(_square, args=(x,))):
+        for part in one.engine.local_results(one.engine.run(_square, args=(x,))):
             np.testing.assert_allclose(part, x * x)
     finally:
         one.release()
