@@ -25,6 +25,9 @@ def pytest_configure(config: object) -> None:
     if "JAXPOD_STATE_DIR" not in os.environ:
         os.environ["JAXPOD_STATE_DIR"] = tempfile.mkdtemp(prefix="jaxpod-test-state-")
         _OWN_STATE_DIR.append(os.environ["JAXPOD_STATE_DIR"])
+    # Nor do their hosts' compiled programs go to the user's ~/.cache.
+    os.environ.setdefault("JAXPOD_COMPILATION_CACHE_DIR",
+                          os.path.join(os.environ["JAXPOD_STATE_DIR"], "compilation-cache"))
 
 
 def pytest_unconfigure(config: object) -> None:
@@ -33,4 +36,5 @@ def pytest_unconfigure(config: object) -> None:
 
     for folder in _OWN_STATE_DIR:
         os.environ.pop("JAXPOD_STATE_DIR", None)
+        os.environ.pop("JAXPOD_COMPILATION_CACHE_DIR", None)
         shutil.rmtree(folder, ignore_errors=True)

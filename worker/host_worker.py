@@ -75,6 +75,10 @@ class HostWorker:
         # jax.distributed.initialize), swallow it, and tell only its sync-point API,
         # which a coordinator-driven loop never calls: the notice is ours to report.
         jax.config.update("jax_enable_preemption_service", False)
+        from jaxpod.worker import compile_cache
+
+        # Before anything compiles: a restarted attempt loads its programs.
+        compile_cache.enable()
         self.process_id = process_id
         self.num_processes = num_processes
         self._host: HostOperations | None = None

@@ -204,6 +204,10 @@ def _worker_group(shape: SliceShape, slices: int, coordinator_port: int) -> dict
     chips = str(shape.chips_per_host)
     env: list[dict[str, Any]] = [
         {"name": COORDINATOR_PORT_ENV, "value": str(coordinator_port)},
+        # The hosts keep JAX's compilation cache beside the checkpoints, a bucket every
+        # host reaches: a restarted attempt loads its programs instead of compiling.
+        {"name": CHECKPOINT_DIR_ENV, "valueFrom": {"configMapKeyRef": {
+            "name": "jaxpod-config", "key": CHECKPOINT_DIR_ENV}}},
     ]
     ports = [
         {"name": "jax-coord", "containerPort": coordinator_port},
