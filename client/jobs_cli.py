@@ -363,7 +363,10 @@ def _print_details(details: JobDetails, as_json: bool) -> None:
         for a in details.attempts:
             end = (f"ended {_time(a.ended_at)} ({a.cause}, step {a.step_reached})"
                    if a.ended_at else "running")
-            print(f"  #{a.number}  started {_time(a.started_at)}, {end}")
+            programs = ("" if a.programs_compiled is None else
+                        f"; programs: {a.programs_loaded} from the compilation cache, "
+                        f"{a.programs_compiled} compiled")
+            print(f"  #{a.number}  started {_time(a.started_at)}, {end}{programs}")
     if details.checkpoints:
         print("checkpoints:")
         for c in details.checkpoints:

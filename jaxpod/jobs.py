@@ -146,7 +146,10 @@ class Attempt:
     """One attempt at running a job (1 is the first). ``ended_at`` and ``step_reached``
     are ``None`` while it runs; ``running_at`` and ``start_step`` say when it began
     running steps and from which, ``first_step_at`` when its first loop of steps was
-    done (``None``: it never got that far)."""
+    done (``None``: it never got that far). By then its first host had loaded
+    ``programs_loaded`` programs from the compilation cache and compiled
+    ``programs_compiled`` (``None`` until then; both 0: a warm slice that had them
+    compiled already)."""
 
     number: int
     started_at: float
@@ -156,6 +159,8 @@ class Attempt:
     running_at: float | None = None
     start_step: int | None = None
     first_step_at: float | None = None
+    programs_loaded: int | None = None
+    programs_compiled: int | None = None
 
 
 @dataclass(frozen=True)

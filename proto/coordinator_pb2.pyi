@@ -640,7 +640,7 @@ class JobTransition(_message.Message):
     def __init__(self, from_state: _Optional[str] = ..., to_state: _Optional[str] = ..., at: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JobAttempt(_message.Message):
-    __slots__ = ("number", "started_at", "ended_at", "cause", "step_reached", "running_at", "start_step", "first_step_at")
+    __slots__ = ("number", "started_at", "ended_at", "cause", "step_reached", "running_at", "start_step", "first_step_at", "programs_loaded", "programs_compiled")
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     ENDED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -649,6 +649,8 @@ class JobAttempt(_message.Message):
     RUNNING_AT_FIELD_NUMBER: _ClassVar[int]
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_AT_FIELD_NUMBER: _ClassVar[int]
+    PROGRAMS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    PROGRAMS_COMPILED_FIELD_NUMBER: _ClassVar[int]
     number: int
     started_at: float
     ended_at: float
@@ -657,7 +659,9 @@ class JobAttempt(_message.Message):
     running_at: float
     start_step: int
     first_step_at: float
-    def __init__(self, number: _Optional[int] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., cause: _Optional[str] = ..., step_reached: _Optional[int] = ..., running_at: _Optional[float] = ..., start_step: _Optional[int] = ..., first_step_at: _Optional[float] = ...) -> None: ...
+    programs_loaded: int
+    programs_compiled: int
+    def __init__(self, number: _Optional[int] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., cause: _Optional[str] = ..., step_reached: _Optional[int] = ..., running_at: _Optional[float] = ..., start_step: _Optional[int] = ..., first_step_at: _Optional[float] = ..., programs_loaded: _Optional[int] = ..., programs_compiled: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "goodput", "steps_per_s", "owner", "wait_reason", "priority")

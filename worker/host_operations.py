@@ -34,7 +34,7 @@ from jaxpod.operations import (
 from jaxpod.pieces import Streamed
 from jaxpod.shipping import ShippedFunction, load
 from jaxpod.values import PerReplica, is_per_replica
-from jaxpod.worker import preemption
+from jaxpod.worker import compile_cache, preemption
 from jaxpod.worker.busy_clock import BusyClock
 from jaxpod.worker.checkpoints import HostCheckpoints
 from jaxpod.worker.device_assignment import DeviceAssignment
@@ -338,11 +338,13 @@ class HostOperations(ops.Host):
         return preemption.notice()
 
     def host_report(self, op: ops.HostReport) -> ops.HostNews:
+        loaded, compiled = compile_cache.programs()
         return ops.HostNews(
             lines=self._output.take(), input_wait_s=self.engine.input_wait.seconds(),
             input_queue_depth=self._prefetched(), notice=preemption.notice(),
             checkpoint=(self.checkpoints.committed(op.checkpoints)
-                        if op.checkpoints is not None else None))
+                        if op.checkpoints is not None else None),
+            programs_loaded=loaded, programs_compiled=compiled)
 
     def save_checkpoint(self, op: ops.SaveCheckpoint) -> None:
         state = self.resolve(op.state)

@@ -167,6 +167,9 @@ class JobRun:
         self.hosts: tuple[HostInput, ...] = ()
         self.rate = StepRate(self.start_step, RATE_WINDOW.seconds())
         self._input_waited = 0.0  # the longest host input wait moved to INPUT_WAIT so far
+        #: The first host's programs loaded and compiled when the attempt began (its
+        #: process may have run earlier holders' work).
+        self._programs_before: tuple[int, int] | None = None
         #: Profiles asked of this attempt (``JobManager.profile``).
         self.profiling = Profiling(self.checkpoints.directory)
 
@@ -176,6 +179,7 @@ class JobRun:
         engine, spec, clock = self.engine, self.spec, self._clock
         clock.switch(goodput.SETUP)
         engine.capture_output(True)
+        self._programs_before = self._programs(self._poll_hosts())
         ended = "it finished"  # what a profile request still waiting is told
         try:
             if spec.mesh:  # a global-view job: one jax.jit program over the slice
@@ -391,8 +395,16 @@ class JobRun:
         else:
             self.store.set_step(self.job_id, step)
         if step - self.start_step <= self.spec.steps_per_run:  # the attempt's first loop
-            self.store.first_loop_done(self.job_id)
+            now, before = self._programs(self._poll_hosts()), self._programs_before
+            self.store.first_loop_done(self.job_id, None if now is None or before is None
+                                       else (now[0] - before[0], now[1] - before[1]))
         self._changed()
+
+    @staticmethod
+    def _programs(news: Sequence[HostNews]) -> tuple[int, int] | None:
+        """The first host's programs loaded from the compilation cache and compiled
+        (``None``: its news could not be read)."""
+        return (news[0].programs_loaded, news[0].programs_compiled) if news else None
 
     def _poll_hosts(self) -> list[HostNews]:
         """One report from every host: the lines the job printed (to its logs), its

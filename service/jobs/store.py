@@ -218,19 +218,24 @@ class JobStore(JobReports):
                          "WHERE job_id = ? AND number = ?",
                          (self._clock(), cause, step_reached, job_id, number))
 
-    def first_loop_done(self, job_id: str) -> None:
-        """The running attempt (the newest) did its first loop of steps now."""
+    def first_loop_done(self, job_id: str, programs: tuple[int, int] | None = None) -> None:
+        """The running attempt (the newest) did its first loop of steps now, having
+        loaded and compiled ``programs`` (``None``: not known)."""
+        loaded, compiled = programs or (None, None)
         with self._write() as conn:
             self._require(conn, job_id)
-            conn.execute("UPDATE attempts SET first_step_at = COALESCE(first_step_at, ?) "
+            conn.execute("UPDATE attempts SET first_step_at = COALESCE(first_step_at, ?), "
+                         "programs_loaded = COALESCE(programs_loaded, ?), "
+                         "programs_compiled = COALESCE(programs_compiled, ?) "
                          "WHERE job_id = ? AND number = (SELECT MAX(number) FROM attempts "
-                         "WHERE job_id = ?)", (self._clock(), job_id, job_id))
+                         "WHERE job_id = ?)", (self._clock(), loaded, compiled, job_id, job_id))
 
     def attempts(self, job_id: str) -> builtins.list[Attempt]:
         with self._read() as conn:
             self._require(conn, job_id)
             rows = conn.execute("SELECT number, started_at, ended_at, cause, step_reached, "
-                                "running_at, start_step, first_step_at FROM attempts "
+                                "running_at, start_step, first_step_at, programs_loaded, "
+                                "programs_compiled FROM attempts "
                                 "WHERE job_id = ? ORDER BY number", (job_id,)).fetchall()
         return [Attempt(*r) for r in rows]
 

@@ -186,13 +186,17 @@ _V10 = ["""CREATE TABLE profiles (
 # v11: when each attempt's first loop of steps was done (submit -> first step).
 _V11 = ["ALTER TABLE attempts ADD COLUMN first_step_at REAL"]
 
+# v12: the programs each attempt loaded from the compilation cache and compiled.
+_V12 = ["ALTER TABLE attempts ADD COLUMN programs_loaded INTEGER",
+        "ALTER TABLE attempts ADD COLUMN programs_compiled INTEGER"]
+
 
 #: MIGRATIONS[i] takes a database from schema version i to i + 1. Append only: never
 #: edit a released one (databases in the field were built by it).
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _statements(_V1), _statements(_V2), _statements(_V3), _statements(_V4),
     _statements(_V5), _statements(_V6), _statements(_V7), _statements(_V8),
-    _statements(_V9), _statements(_V10), _statements(_V11)]
+    _statements(_V9), _statements(_V10), _statements(_V11), _statements(_V12)]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

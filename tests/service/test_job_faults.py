@@ -169,8 +169,12 @@ def assert_same_result(got: Any, expected: Any) -> None:
 # coordinator: the last test kills the service and starts another on its state dir.
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalTPUCluster]:
-    with LocalTPUCluster("v4-16") as running:
-        yield running
+    # Its hosts cache every program they compile (a CPU compiles in milliseconds), so
+    # a restarted attempt loads what the one before compiled.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("JAXPOD_COMPILATION_CACHE_MIN_COMPILE_S", "0.001")
+        with LocalTPUCluster("v4-16") as running:
+            yield running
 
 
 @pytest.fixture(scope="module")
@@ -246,6 +250,10 @@ def test_a_killed_host_is_a_preemption_and_the_job_resumes_bit_for_bit(
         assert attempt.running_at is not None and attempt.first_step_at is not None
         assert attempt.running_at <= attempt.first_step_at <= attempt.ended_at, attempt
     assert host_pids(job, 1)[-1] != victim  # the second attempt ran on new workers
+    # whose first host loaded from the compilation cache what the first attempt's
+    # (or the uninterrupted job's) had compiled.
+    assert first.programs_compiled is not None, first
+    assert second.programs_loaded is not None and second.programs_loaded > 0, second
     # It sought its input to the checkpoint: each host's first read is the element the
     # next step starts in (steps take the first element's 12 rows), then on in order.
     first_element = element_of_row(resumed_at * ELEMENT_ROWS[0])

@@ -355,8 +355,12 @@ def test_another_process_reattaches_and_gets_the_same_result(client: Any,
         "PENDING", "ALLOCATING", "RUNNING", "SUCCEEDED"]
     assert [(a["number"], a["cause"], a["step_reached"]) for a in status["attempts"]] == [
         (1, "succeeded", 4)]
+    attempt = status["attempts"][0]  # its first loop counted the programs it needed
+    assert attempt["programs_loaded"] >= 0 and attempt["programs_compiled"] >= 0, attempt
     table = _cli(service, "job", job.id)
     assert table.returncode == 0 and "RUNNING -> SUCCEEDED" in table.stdout, table.stdout
+    assert (f"programs: {attempt['programs_loaded']} from the compilation cache, "
+            f"{attempt['programs_compiled']} compiled") in table.stdout, table.stdout
 
 
 def test_cancel_stops_a_running_job_and_the_next_one_starts(client: Any) -> None:
