@@ -241,9 +241,13 @@ def measure_jaxtrainer(cluster: Any, accelerator: str, fits: int) -> dict[str, A
 class Service:
     """A ``jaxpod serve`` process joined to a running Ray cluster."""
 
-    def __init__(self, ray_address: str, log_path: str) -> None:
-        self.token = secrets.token_hex(16)
-        self.state_dir = tempfile.mkdtemp(prefix="jaxpod-bench-state-")
+    def __init__(self, ray_address: str, log_path: str, state_dir: str | None = None,
+                 token: str | None = None) -> None:
+        """``state_dir``, ``token``: a service restarted on another's (the caller then
+        removes the folder); by default its own, removed when it stops."""
+        self.token = token or secrets.token_hex(16)
+        self._own_state_dir = state_dir is None
+        self.state_dir = state_dir or tempfile.mkdtemp(prefix="jaxpod-bench-state-")
         self.log_path = log_path
         env = {**os.environ, "RAY_ADDRESS": ray_address, "JAXPOD_TOKEN": self.token,
                "JAXPOD_STATE_DIR": self.state_dir,
@@ -293,7 +297,13 @@ class Service:
     def stop(self) -> None:
         """SIGTERM (graceful: slices released, warm workers stopped), then kill."""
         stop_process(self.process, SERVICE_STOP_S)
-        shutil.rmtree(self.state_dir, ignore_errors=True)
+        if self._own_state_dir:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def crash(self) -> None:
+        """SIGKILL, as a coordinator dies: nothing released, the state dir kept."""
+        self.process.kill()
+        self.process.wait(SERVICE_STOP_S)
 
 
 @contextlib.contextmanager

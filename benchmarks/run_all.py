@@ -73,6 +73,10 @@ AREAS = (
          "on this machine, and the bulk of the difference."),
     Area("recovery", "Recovery", "A host killed or told of its preemption: time to the "
          "resumed first step, steps lost, bit-identical results."),
+    Area("chaos", "Integrity under chaos", "A job struck by random faults (host SIGKILL, "
+         "preemption notice, a host killed mid-checkpoint, coordinator SIGKILL): does it "
+         "always finish with the uninterrupted run's state, every row consumed once, and "
+         "only whole checkpoints on disk?"),
     Area("checkpoint", "Checkpoints", "Host-written orbax checkpoints through a job against "
          "plain orbax on plain `jax.distributed` processes; the step loop's stall; "
          "resume far against near."),
