@@ -377,10 +377,10 @@ def _print_details(details: JobDetails, as_json: bool) -> None:
             print(f"  {_time(p.started_at)}  {p.seconds:g} s  {len(p.files)} trace file(s)  "
                   f"{p.path}")
     if details.hosts:
-        print("input per host (running attempt):")
+        print("hosts of the running attempt (input per host):")
         for h in details.hosts:
-            print(f"  host {h.host}  waited {h.input_wait_s:.3f} s  "
-                  f"{h.input_queue_depth} chunk(s) ready")
+            print(f"  host {h.host}  {h.node} {h.address} pid {h.pid}  "
+                  f"waited {h.input_wait_s:.3f} s  {h.input_queue_depth} chunk(s) ready")
     if status.error:
         print("error:")
         for line in status.error.splitlines():

@@ -165,17 +165,24 @@ class Attempt:
 
 @dataclass(frozen=True)
 class HostInput:
-    """One host's input feed in a job's running attempt, as the service last read it.
+    """One host of a job's running attempt, as the service last read it: where its
+    worker runs, and its input feed.
 
     Attributes:
-      host: the host's index in the slice.
+      host: the host's index in the job's slices (its JAX process index).
       input_wait_s: seconds the host's steps waited for input that was not ready yet.
       input_queue_depth: chunks of ``steps_per_run`` steps its infeed has ready.
+      node: the machine its worker runs on (its host name).
+      address: the address other hosts reach it at.
+      pid: its worker's process id on that machine.
     """
 
     host: int
     input_wait_s: float
     input_queue_depth: int
+    node: str = ""
+    address: str = ""
+    pid: int = 0
 
 
 @dataclass(frozen=True)

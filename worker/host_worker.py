@@ -122,7 +122,8 @@ class HostWorker:
                 "global_devices": jax.device_count(),
                 "local_devices": jax.local_device_count(),
                 "num_replicas": self._host.engine.num_replicas_in_sync,
-                "pid": os.getpid()}
+                "pid": os.getpid(), "node": socket.gethostname(),
+                "address": self.node_address()}
 
     def open_channel(self, key: bytes) -> ChannelAddress:
         """Starts serving operations over a direct socket (see

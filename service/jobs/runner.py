@@ -422,7 +422,11 @@ class JobRun:
                 self.store.append_logs(self.job_id, host, report.lines)
         if news:
             self._commit(news[0].checkpoint)  # committed means every host committed
-        self.hosts = tuple(HostInput(i, n.input_wait_s, n.input_queue_depth)
+        where = self.engine.group.info
+        self.hosts = tuple(HostInput(i, n.input_wait_s, n.input_queue_depth,
+                                     str(where[i].get("node", "")),
+                                     str(where[i].get("address", "")),
+                                     int(where[i].get("pid", 0)))
                            for i, n in enumerate(news))
         waited = max((h.input_wait_s for h in self.hosts), default=0.0)
         if waited > self._input_waited:

@@ -52,9 +52,12 @@ def test_the_page_follows_a_running_job_to_the_end(service: Service, client: Any
         seen_running = state.inner_text() == "RUNNING"
         expect(chart).not_to_have_attribute("data-points", "0", timeout=60_000)
         first = int(chart.get_attribute("data-points") or 0)
-        # The v4-8's one host's input feed, read while the job runs.
+        # The v4-8's one host, where its worker runs and its input feed, read while the
+        # job runs.
         expect(page.locator("#hosts tbody tr")).to_have_count(1, timeout=30_000)
-        assert page.locator("#hosts tbody tr td").first.inner_text() == "0"
+        cells = page.locator("#hosts tbody tr td").all_inner_texts()
+        assert cells[0] == "0" and cells[1] and cells[2], cells
+        assert cells[3].isdigit() and int(cells[3]) > 0, cells  # its worker's pid
         assert seen_running or job.status().state == "RUNNING", (
             "the job finished before the page showed it running; make it longer")
         expect(state).to_have_text("SUCCEEDED", timeout=120_000)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -306,9 +307,15 @@ def test_a_host_whose_input_lags_shows_its_input_wait(client: Any, service: Serv
     assert [h["host"] for h in detail["hosts"]] == [0, 1]
     # The SDK and `jaxpod job ID` (a fresh interpreter) show the same figures.
     assert [h.host for h in sdk] == [0, 1] and sdk[1].input_wait_s >= seen["1"]
+    # Each host's worker is named: two processes, on a named machine and address.
+    assert len({h.pid for h in sdk}) == 2 and all(h.pid > 0 for h in sdk), sdk
+    assert all(h.node and h.address for h in sdk), sdk
+    assert [(h["node"], h["address"], h["pid"]) for h in detail["hosts"]] == [
+        (h.node, h.address, h.pid) for h in sdk]
     assert shown.returncode == 0, shown.stderr
     if running:  # it was still running after the CLI answered, so the CLI saw it run
-        assert "input per host" in shown.stdout and "host 1  waited" in shown.stdout
+        assert "hosts of the running attempt" in shown.stdout, shown.stdout
+        assert re.search(r"host 1  \S+ 127\.0\.0\.1 pid \d+  waited", shown.stdout), shown.stdout
     assert all(h["input_queue_depth"] >= 0 for h in detail["hosts"])
     # Host 1's pipeline spent steps * per_step * delay_s making elements; its steps waited
     # for most of it (the loops themselves take little), and goodput counts that wait.

@@ -183,8 +183,9 @@
         table("attempts", "attempts", ["#", "started", "ended", "step", "cause"]),
         table("profiles", "profiles (jax.profiler, one host-<i>/ per host)",
               ["started", "seconds", "trace files", "folder"]),
-        table("hosts", "input per host (running attempt)", [
-          "host", ["input wait (s)", "seconds its steps waited for input not ready yet"],
+        table("hosts", "hosts of the running attempt", [
+          "host", "node", "address", "pid",
+          ["input wait (s)", "seconds its steps waited for input not ready yet"],
           ["queue depth", "chunks of steps ready in its infeed"]])));
     const cancel = byId("cancel-job");
     if (cancel) cancel.addEventListener("click", () => cancelShown(cancel));
@@ -294,7 +295,8 @@
   }
 
   function fillHosts(hosts) {
-    fill("hosts", hosts.map(x => [x.host, fmt(x.input_wait_s, 3), x.input_queue_depth]));
+    fill("hosts", hosts.map(x => [x.host, x.node, x.address, x.pid, fmt(x.input_wait_s, 3),
+                                  x.input_queue_depth]));
   }
 
   function fillDetail(d) {  // last checkpoint, goodput, history, attempts, profiles, hosts
