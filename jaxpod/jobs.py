@@ -148,8 +148,8 @@ class Attempt:
     running steps and from which, ``first_step_at`` when its first loop of steps was
     done (``None``: it never got that far). By then its first host had loaded
     ``programs_loaded`` programs from the compilation cache and compiled
-    ``programs_compiled`` (``None`` until then; both 0: a warm slice that had them
-    compiled already)."""
+    ``programs_compiled`` (``None`` until then, or with the hosts' cache off; both 0:
+    a warm slice that had them compiled already)."""
 
     number: int
     started_at: float

@@ -59,11 +59,11 @@ def enable() -> str | None:
     return folder
 
 
-def programs() -> tuple[int, int]:
+def programs() -> tuple[int, int] | None:
     """Programs this process loaded from the cache and compiled (missing from it),
-    since it started."""
+    since it started; ``None`` when the cache is off (JAX then counts nothing)."""
     with _lock:
-        return _counts[_LOADED], _counts[_COMPILED]
+        return (_counts[_LOADED], _counts[_COMPILED]) if _listening else None
 
 
 def _count(event: str, **kwargs: object) -> None:

@@ -338,7 +338,7 @@ class HostOperations(ops.Host):
         return preemption.notice()
 
     def host_report(self, op: ops.HostReport) -> ops.HostNews:
-        loaded, compiled = compile_cache.programs()
+        loaded, compiled = compile_cache.programs() or (None, None)
         return ops.HostNews(
             lines=self._output.take(), input_wait_s=self.engine.input_wait.seconds(),
             input_queue_depth=self._prefetched(), notice=preemption.notice(),

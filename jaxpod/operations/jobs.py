@@ -25,15 +25,15 @@ class HostNews:
     :class:`HostStats` has them), its preemption notice (``None``: none came) and the
     newest checkpoint step of the job that every host committed (``None``: none, or
     one is being written), and the programs its process loaded from the compilation
-    cache and compiled since it started."""
+    cache and compiled since it started (``None``: the cache is off)."""
 
     lines: list[str]
     input_wait_s: float
     input_queue_depth: int
     notice: Notice | None
     checkpoint: int | None = None
-    programs_loaded: int = 0
-    programs_compiled: int = 0
+    programs_loaded: int | None = None
+    programs_compiled: int | None = None
 
 
 @dataclass(frozen=True)

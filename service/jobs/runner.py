@@ -403,8 +403,10 @@ class JobRun:
     @staticmethod
     def _programs(news: Sequence[HostNews]) -> tuple[int, int] | None:
         """The first host's programs loaded from the compilation cache and compiled
-        (``None``: its news could not be read)."""
-        return (news[0].programs_loaded, news[0].programs_compiled) if news else None
+        (``None``: its news could not be read, or its cache is off)."""
+        if not news or news[0].programs_loaded is None or news[0].programs_compiled is None:
+            return None
+        return news[0].programs_loaded, news[0].programs_compiled
 
     def _poll_hosts(self) -> list[HostNews]:
         """One report from every host: the lines the job printed (to its logs), its
