@@ -176,6 +176,15 @@ def stop_process(proc: Any, timeout_s: float) -> None:
             stream.close()
 
 
+def wait_until(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """``condition()``'s first truthy value, polled every 10 ms; raises naming ``what``
+    if ``timeout_s`` passes first."""
+    got = wait_for(condition, timeout_s, poll_s=0.01, max_poll_s=0.01)
+    if not got:
+        raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+    return got
+
+
 def follow_job(job: Any, on_status: Callable[[Any], None], timeout_s: float
                ) -> list[tuple[float, Any]]:
     """``(client wall time, status)`` per change of ``job`` until it ends, calling

@@ -60,7 +60,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import kept_log_on_failure, report
+from _common import kept_log_on_failure, report, wait_until
 from jobs import Service, rounded
 
 ACCELERATOR = "v4-16"
@@ -141,15 +141,6 @@ def host_pids(job: Any, host: int) -> list[int]:
     return list(dict.fromkeys(pids))
 
 
-def wait(condition: Any, timeout_s: float, what: str, poll_s: float = 0.01) -> Any:
-    """``condition()`` once truthy; raises naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = condition()
-        if got:
-            return got
-        time.sleep(poll_s)
-    raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 # ------------------------------------------------------------------- one round
@@ -208,8 +199,8 @@ class Chaos:
         at_step = self.rng.randrange(CHECKPOINT_EVERY, self.steps * 3 // 4)
         job = submit(self.client, f"chaos-{number}", self.steps)
         job_id = job.id
-        wait(lambda: job.status().step >= at_step or job.status().done, JOB_TIMEOUT_S,
-             f"job {job_id} past step {at_step}")
+        wait_until(lambda: job.status().step >= at_step or job.status().done, JOB_TIMEOUT_S,
+                   f"job {job_id} past step {at_step}")
         caught = False
         if kind == "mid_save":  # a checkpoint's files half written: orbax's tmp folder
             caught = self._saving(job, self.folder(job_id))
@@ -218,8 +209,8 @@ class Chaos:
             self.restart_service()
             job = self.client.job(job_id)
         else:
-            pid = wait(lambda: (host_pids(job, host) or [None])[-1], SEEN_TIMEOUT_S,
-                       f"host {host}'s pid")
+            pid = wait_until(lambda: (host_pids(job, host) or [None])[-1], SEEN_TIMEOUT_S,
+                             f"host {host}'s pid")
             struck = time.time()
             os.kill(pid, signal.SIGTERM if kind == "notice" else signal.SIGKILL)
         final = job.wait(timeout=JOB_TIMEOUT_S, progress=False)

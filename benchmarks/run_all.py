@@ -73,6 +73,9 @@ AREAS = (
          "on this machine, and the bulk of the difference."),
     Area("recovery", "Recovery", "A host killed or told of its preemption: time to the "
          "resumed first step, steps lost, bit-identical results."),
+    Area("restart", "Restarts and the compilation cache", "A transformer job's host "
+         "killed, and the same job submitted again on new hosts: time to the first step "
+         "and programs compiled, with the hosts' compilation cache and without."),
     Area("chaos", "Integrity under chaos", "A job struck by random faults (host SIGKILL, "
          "preemption notice, a host killed mid-checkpoint, coordinator SIGKILL): does it "
          "always finish with the uninterrupted run's state, every row consumed once, and "
