@@ -31,7 +31,7 @@ pytestmark = pytest.mark.multiprocess
 
 CLUSTER_SLICES = "v4-16"
 # Long enough for the checks made within it on a busy machine, short enough to wait out.
-GRACE_S = 20.0
+GRACE_S = 12.0
 NOTICE_TIMEOUT_S = 10.0
 GONE_TIMEOUT_S = 60.0
 
