@@ -53,6 +53,9 @@ __all__ = ["SUBMIT_DEFAULTS", "SUBMIT_KEYWORDS", "Job", "build_spec", "check_sta
 #: How long a broken watch stream is re-opened for while the service is unreachable
 #: (a coordinator restart); the window starts again with every status received.
 WATCH_RECONNECT_TIMEOUT = settings.WATCH_RECONNECT
+#: How often ``log_lines(follow=True)`` asks for new lines: the service reads them
+#: from the hosts about as often (``JAXPOD_JOB_HOST_POLL_S``).
+LOG_FOLLOW_POLL_S = 0.5
 _RECONNECT_DELAYS_S = (0.1, 0.25, 0.5, 1.0, 2.0)
 #: Room left in a message for the spec's plain fields and gRPC's framing.
 _SPEC_SLACK_BYTES = 64 * 1024
@@ -446,9 +449,34 @@ class Job:
     def logs(self) -> str:
         """Every line the job's code printed on its hosts so far, each prefixed with
         ``[host N] ``."""
-        reply = self._call("GetJobLogs", pb.JobLogsRequest(job_id=self.id), "logs()")
-        return "\n".join(f"[host {line.host}] {line.line.rstrip(chr(10))}"
-                         for line in reply.lines)
+        return "\n".join(self.log_lines())
+
+    def log_lines(self, host: int | None = None, follow: bool = False) -> Iterator[str]:
+        """The lines the job's code printed on its hosts, in order, each prefixed with
+        ``[host N] ``; with ``host``, only that host's, unprefixed. With ``follow``, new
+        lines as the service reads them from the hosts, until the job is over (what
+        ``jaxpod logs --follow`` prints; stop early by leaving the loop)."""
+        if host is not None and (not isinstance(host, int) or isinstance(host, bool)
+                                 or host < 0):
+            raise ValueError(f"log_lines: host must be a host index (an int >= 0). Got "
+                             f"{host!r}.")
+        after = 0
+        while True:
+            # Asked before the read: every line printed before the end is read after it.
+            over = follow and self.status().done
+            reply = self._call("GetJobLogs", pb.JobLogsRequest(job_id=self.id, after=after),
+                               "log_lines()")
+            for line in reply.lines:
+                after = line.seq
+                text = line.line.rstrip("\n")
+                if host is None:
+                    yield f"[host {line.host}] {text}"
+                elif line.host == host:
+                    yield text
+            if not follow or over:
+                return
+            if not reply.lines:
+                time.sleep(LOG_FOLLOW_POLL_S)
 
     def _follow(self, deadline: float | None, timeout: float | None) -> Iterator[JobStatus]:
         """The WatchJob stream, re-opened while the service is briefly unreachable.

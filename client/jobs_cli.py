@@ -82,6 +82,18 @@ def add_commands(sub: Any) -> None:
     _add_address(job)
     job.set_defaults(handler=_pipe_safe(run_job))
 
+    logs = sub.add_parser(
+        "logs", help="print what a job's code printed on its hosts (--follow: until the "
+                     "job is over)")
+    logs.add_argument("job_id", metavar="ID", help="the job's id")
+    logs.add_argument("-f", "--follow", action="store_true",
+                      help="keep printing new lines until the job is over")
+    logs.add_argument("--host", type=int, default=None, metavar="N",
+                      help="only host N's lines (its index in the slice), without the "
+                           "[host N] prefix")
+    _add_address(logs)
+    logs.set_defaults(handler=_pipe_safe(run_logs))
+
     cancel = sub.add_parser("cancel", help="cancel a job and print its resulting state")
     cancel.add_argument("job_id", metavar="ID", help="the job's id")
     _add_address(cancel)
@@ -293,6 +305,16 @@ def run_job(args: argparse.Namespace) -> int:
             return 130
         if last is not None and last.error and not args.json:
             print(last.error, file=sys.stderr)
+    return 0
+
+
+def run_logs(args: argparse.Namespace) -> int:
+    with _connect(args) as client:
+        try:
+            for line in client.job(args.job_id).log_lines(args.host, args.follow):
+                print(line, flush=args.follow)
+        except KeyboardInterrupt:
+            return 130
     return 0
 
 

@@ -77,7 +77,8 @@ def _build_parser() -> argparse.ArgumentParser:
     config.add_argument("--json", action="store_true", help="print JSON instead of a table")
     config.set_defaults(handler=_run_config)
 
-    # submit, jobs, job, cancel: clients of a running service (--address / $JAXPOD_ADDRESS)
+    # submit, jobs, job, logs, cancel, profile, audit: clients of a running service
+    # (--address / $JAXPOD_ADDRESS)
     from jaxpod.client.jobs_cli import add_commands
 
     add_commands(sub)

@@ -358,7 +358,7 @@ def test_job_commands_without_an_address_say_how_to_give_one(tmp_path: Path) -> 
     # The file loads and its spec builds (nothing wrong with it) before the address is needed.
     _check_refused(_jaxpod("submit", str(job_file)), "`jaxpod submit` needs a running",
                    "--address", "JAXPOD_ADDRESS", "never start the embedded")
-    for command in (("jobs",), ("job", "abc"), ("cancel", "abc")):
+    for command in (("jobs",), ("job", "abc"), ("logs", "abc"), ("cancel", "abc")):
         _check_refused(_jaxpod(*command), f"`jaxpod {command[0]}` needs", "--address",
                        "JAXPOD_ADDRESS")
     # Said before the client's modules load: they import JAX (most of a second).

@@ -523,21 +523,45 @@ def test_twenty_jobs_finish_in_submission_order_with_their_queue_positions(
         assert float(job.result().state["total"]) == pytest.approx(expected)
 
 
-def test_logs_hold_what_the_step_printed_on_each_host(client: Any) -> None:
+def test_logs_hold_what_the_step_printed_on_each_host(service: Service,
+                                                      client: Any) -> None:
     def printing_step(state: Any, batch: Any) -> Any:
         import jax
 
         print("tracing the printing step")
-        jax.debug.print("step sum {s}", s=batch.sum())
-        return state, {}
+        jax.debug.print("step {n} sum {s}", n=state, s=batch.sum())
+        return state + 1, {}
 
-    job = client.submit(printing_step, steps=2, accelerator_type="v4-16",
-                        dataset=[np.ones((8,), np.float32)])
-    assert job.wait(timeout=120, progress=False).state == "SUCCEEDED"
+    steps = 30
+    job = client.submit(printing_step, steps=steps, accelerator_type="v4-16",
+                        initial_state=np.int32(0), dataset=[np.ones((8,), np.float32)])
+    # `jaxpod logs --follow` in a fresh interpreter, from while the job is queued or
+    # running: it prints host 1's lines as they come and returns once the job is over.
+    env = {**os.environ, "JAXPOD_ADDRESS": service.address, "JAXPOD_TOKEN": service.token}
+    follow = subprocess.Popen([sys.executable, "-m", "jaxpod.cli", "logs", job.id, "-f",
+                               "--host", "1"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert job.wait(timeout=120, progress=False).state == "SUCCEEDED"
+        followed, errors = follow.communicate(timeout=60)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+    assert follow.returncode == 0, errors
     lines = job.logs().splitlines()
     assert any(line.startswith("[host 0] tracing the printing step") for line in lines)
     assert any(line.startswith("[host 1] tracing the printing step") for line in lines)
-    assert any("step sum 1.0" in line for line in lines), lines
+    assert any("step 0 sum 1.0" in line for line in lines), lines
+    # Every step printed on each host (8 replicas, 4 a host: four lines a step).
+    for host in (0, 1):
+        printed = [int(m.group(1)) for line in lines
+                   if (m := re.match(rf"\[host {host}\] step (\d+) sum 1\.0$", line))]
+        assert sorted(set(printed)) == list(range(steps)), printed
+    host_one = [line.removeprefix("[host 1] ") for line in lines if line.startswith("[host 1] ")]
+    assert followed.splitlines() == host_one
+    shown = _cli(service, "logs", job.id)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines() == lines
 
 
 def test_the_cli_submits_waits_lists_and_cancels(service: Service, tmp_path: Path,
