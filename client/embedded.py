@@ -10,6 +10,7 @@ since its stdin is a pipe from this process, it also stops if this process dies.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import secrets
@@ -49,8 +50,11 @@ class EmbeddedService:
     log_path: str
     state_dir: str | None = None
     quiet: bool = False
+    #: Whether :func:`launch` chose the log's path (and removes it after a clean stop).
+    owns_log: bool = False
     address: str = ""
     _serving: bool = field(default=False, repr=False)
+    _start_failed: bool = field(default=False, repr=False)
     _stopped: bool = field(default=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _ready_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -73,6 +77,7 @@ class EmbeddedService:
                     _wait_serving(self, self.deadline, self.log_path)
                     self._serving = True
             except BaseException:
+                self._start_failed = True  # the error names its log: keep it
                 self.stop(timeout_s=10)
                 raise
         if not self.quiet:
@@ -81,12 +86,14 @@ class EmbeddedService:
         return self
 
     def stop(self, timeout_s: float | None = None) -> None:
-        """SIGTERM (graceful: sessions closed, slices released), then kill."""
+        """SIGTERM (graceful: sessions closed, slices released), then kill. A clean
+        stop removes the log :func:`launch` made; any other end says where it is."""
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
         proc = self.process
+        killed = False
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -94,12 +101,22 @@ class EmbeddedService:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+                killed = True
         if proc.stdin:
             proc.stdin.close()
         if proc.stdout:
             proc.stdout.close()
         if self.state_dir:
             shutil.rmtree(self.state_dir, ignore_errors=True)
+        if proc.returncode == 0 and not killed and not self._start_failed:
+            if self.owns_log:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.log_path)
+        elif not self._start_failed:  # a failed start's error already names the log
+            how = ("was killed: it did not stop in time" if killed
+                   else f"exited with status {proc.returncode}")
+            print(f"jaxpod: the embedded service {how}; its log is {self.log_path}",
+                  file=sys.stderr, flush=True)
 
 
 def start(slices: str | None = None, log_path: str | None = None,
@@ -110,7 +127,8 @@ def start(slices: str | None = None, log_path: str | None = None,
     Args:
       slices: simulated slices (default ``$JAXPOD_LOCAL_SLICES``, else the service's
         default, one v4-16: 2 hosts x 4 chips).
-      log_path: where the service's log goes (default: a file in the temp directory).
+      log_path: where the service's log goes (default: a file in the temp directory,
+        removed when the service stops cleanly).
       timeout_s: overrides ``JAXPOD_EMBEDDED_START_TIMEOUT_S``.
       quiet: do not print progress to stderr.
       wait_serving: ``False``: return as soon as it listens, while its cluster may
@@ -143,6 +161,7 @@ def launch(slices: str | None = None, log_path: str | None = None,
                "--provider", settings.LOCAL_PROVIDER.get() or "processes", "--prewarm"]
     if slices:
         command += ["--slices", slices]
+    owns_log = log_path is None
     if log_path is None:
         log_path = os.path.join(tempfile.gettempdir(), f"jaxpod-embedded-{os.getpid()}.log")
     if not quiet:
@@ -153,7 +172,7 @@ def launch(slices: str | None = None, log_path: str | None = None,
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=log, env=env, start_new_session=True)
-    service = EmbeddedService(token, proc, deadline, log_path, state_dir, quiet)
+    service = EmbeddedService(token, proc, deadline, log_path, state_dir, quiet, owns_log)
     atexit.register(service.stop)
     return service
 
