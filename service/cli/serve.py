@@ -291,7 +291,9 @@ def _serve(args: argparse.Namespace, address: str, tokens: TokenBook | None, clu
         asyncio.run(serve(address, make_slices, tokens, args.lease, listening,
                           args.stop_on_stdin_eof, state_dir=state_dir,
                           http_port=None if args.http_port < 0 else args.http_port,
-                          checkpoint_dir=checkpoint_dir, tls=tls))
+                          checkpoint_dir=checkpoint_dir, tls=tls,
+                          provider_kind=("processes" if args.local and
+                                         args.provider == "processes" else "ray")))
     finally:
         ray = sys.modules.get("ray")  # not imported by a service without Ray
         if ray is not None and ray.is_initialized():

@@ -50,7 +50,7 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
                 on_listening: Callable[..., None] | None = None,
                 stop_on_stdin_eof: bool = False, state_dir: Path | None = None,
                 http_port: int | None = None, checkpoint_dir: str | None = None,
-                tls: TlsFiles | None = None) -> None:
+                tls: TlsFiles | None = None, provider_kind: str = "ray") -> None:
     """Runs the coordinator until SIGTERM or SIGINT, then stops gracefully.
 
     Args:
@@ -69,6 +69,8 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
       checkpoint_dir: where the hosts write job checkpoints (``None``:
         ``<state_dir>/checkpoints``).
       tls: serve gRPC and HTTP over TLS with this certificate.
+      provider_kind: what ``make_slices`` connects to, ``"ray"`` or ``"processes"``
+        (the name of ``/readyz``'s check of it).
     """
     sessions = SessionManager(lease_s)
     quotas = SliceQuotas(tokens, sessions)
@@ -86,7 +88,7 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
         from jaxpod.service.http.metrics import ServiceMetrics
 
         backend = Backend(service, provider.state, provider.snapshot, lambda: grpc_serving,
-                          metrics=ServiceMetrics())
+                          metrics=ServiceMetrics(), provider_kind=provider_kind)
         backend.metrics.watch(backend)
         interceptors.append(backend.metrics.interceptor())
     server, port, health = create_server(address, service, tokens, interceptors, tls)

@@ -40,6 +40,9 @@ class Backend:
         (:func:`jaxpod.service.capacity.resolvers.ray.snapshot`'s first item); called only once
         ready.
       grpc_serving: whether the gRPC server serves (health ``SERVING``).
+      provider_kind: what the slices come from, ``"ray"`` (a Ray cluster) or
+        ``"processes"`` (simulated hosts as this machine's processes): the name of
+        readiness's check of it.
     """
 
     service: CoordinatorService
@@ -47,6 +50,7 @@ class Backend:
     snapshot: Callable[[], Sequence[Any]]
     grpc_serving: Callable[[], bool]
     metrics: Any = field(default=None)  # a metrics.ServiceMetrics, set by serve()
+    provider_kind: str = "ray"
     #: Set when the service stops: open event streams end.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -125,16 +129,17 @@ class Backend:
     def readiness(self) -> models.Readiness:
         checks: dict[str, bool] = {}
         reasons: dict[str, str] = {}
-        state = self.cluster_state()
-        checks["ray"] = state == "ready"
+        state, kind = self.cluster_state(), self.provider_kind
+        what = "the Ray cluster" if kind == "ray" else "the simulated hosts"
+        checks[kind] = state == "ready"
         if state == "ready":
             try:
                 self.snapshot()
             except Exception as e:
-                checks["ray"] = False
-                reasons["ray"] = f"reading the Ray cluster failed: {type(e).__name__}: {e}"
+                checks[kind] = False
+                reasons[kind] = f"reading {what} failed: {type(e).__name__}: {e}"
         else:
-            reasons["ray"] = f"the cluster is {state}"
+            reasons[kind] = f"{what} {'are' if kind == 'processes' else 'is'} {state}"
         checks["grpc"] = self.grpc_serving()
         if not checks["grpc"]:
             reasons["grpc"] = "the gRPC server is not SERVING (starting or stopping)"

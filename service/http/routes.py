@@ -324,7 +324,7 @@ async def healthz() -> models.Health:
 
 @health.get("/readyz", response_model=models.Readiness, responses={
     503: {"model": models.Readiness, "description": "not ready: see checks and reasons"}},
-    summary="Ray reachable, gRPC serving, job store writable")
+    summary="The slice provider (ray or processes) up, gRPC serving, job store writable")
 def readyz(backend: BackendDep, response: Response) -> models.Readiness:
     ready = backend.readiness()
     if not ready.ready:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -544,6 +545,10 @@ def test_serve_with_processes_starts_no_ray_and_runs_sessions_and_jobs(
             assert final.state == "SUCCEEDED", final.error
             assert float(job.result().state["total"]) == float(
                 sum(b.sum() for b in batches * 2))
+        # Its readiness checks the provider it has, by that provider's name.
+        ready = httpx.get(f"{service.http_url}/readyz", timeout=30).json()
+        assert ready["ready"] and ready["checks"] == {
+            "processes": True, "grpc": True, "store": True}, ready
         tree = descendants(service.process.pid)
         commands = [_cmdline(pid) for pid in tree]
         assert sum(b"jaxpod.worker.host_process" in c for c in commands) == 2
