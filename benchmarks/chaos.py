@@ -42,6 +42,7 @@ error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -202,17 +203,19 @@ class Chaos:
         wait_until(lambda: job.status().step >= at_step or job.status().done, JOB_TIMEOUT_S,
                    f"job {job_id} past step {at_step}")
         caught = False
-        if kind == "mid_save":  # a checkpoint's files half written: orbax's tmp folder
-            caught = self._saving(job, self.folder(job_id))
         struck = time.time()
         if kind == "coordinator":
             self.restart_service()
             job = self.client.job(job_id)
         else:
+            # The pid first: the kill then follows the moment at once.
             pid = wait_until(lambda: (host_pids(job, host) or [None])[-1], SEEN_TIMEOUT_S,
                              f"host {host}'s pid")
+            if kind == "mid_save":  # a checkpoint's files half written: orbax's tmp folder
+                caught = self._saving(job, self.folder(job_id))
             struck = time.time()
-            os.kill(pid, signal.SIGTERM if kind == "notice" else signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # the job was over already
+                os.kill(pid, signal.SIGTERM if kind == "notice" else signal.SIGKILL)
         final = job.wait(timeout=JOB_TIMEOUT_S, progress=False)
         out: dict[str, Any] = {"kind": kind, "caught": caught, "state": final.state,
                                "job_id": job_id}
