@@ -143,11 +143,14 @@ class RunSteps(Operation[ValueInfos]):
     def apply(self, host: Host) -> ValueInfos:
         source = (iter(host.resolve(self.source.items)) if isinstance(self.source, StepItems)
                   else host.iterator(self.source))
-        # A global-view job's loop runs global steps and takes its state donated.
-        engine = host.engine if host.global_view is None else host.global_view
-        result = engine.run_steps(host.function(self.function_id), source, self.steps,
-                                  host.resolve(self.initial_state))
-        return host.keep(result, wait=self.wait, donated=self.initial_state)
+        # A global-view job's loop runs global steps and takes its state donated (the
+        # per-replica loop donates nothing: no handle to check on every loop).
+        view = host.global_view
+        result = (host.engine if view is None else view).run_steps(
+            host.function(self.function_id), source, self.steps,
+            host.resolve(self.initial_state))
+        return host.keep(result, wait=self.wait,
+                         donated=() if view is None else self.initial_state)
 
     def created(self, result: ValueInfos) -> Dropped:
         return values_in(result)
