@@ -105,7 +105,10 @@ class PeerHostError(JaxpodError):
 class SliceResetError(JaxpodError):
     """The slice's hosts fell out of step (one did not answer an operation in time) and
     its workers were restarted: every value, dataset and iterator on it is gone; the
-    slice itself works again."""
+    slice itself works again. ``host_stacks``: each host's Python stacks as read just
+    before the restart, when an operation timed out (``None``: not read)."""
+
+    host_stacks: list[str] | None = None
 
 
 class DependencyFailedError(JaxpodError):

@@ -312,6 +312,10 @@ OPERATION_TIMEOUT = seconds("JAXPOD_OPERATION_TIMEOUT_S", 600, "How long one ope
                             "on a slice may take on its hosts before the slice is reset "
                             "(a host stuck in a collective the others never entered).",
                             "service")
+HOST_STACKS_TIMEOUT = seconds("JAXPOD_HOST_STACKS_TIMEOUT_S", 10, "How long reading every "
+                              "host's Python stacks may take (`jaxpod job stacks`, a hung "
+                              "loop's report); hosts that do not answer in time are named.",
+                              "service")
 WORKER_STOP_TIMEOUT = seconds("JAXPOD_WORKER_STOP_TIMEOUT_S", 20, "How long a slice's "
                               "host workers may take to leave their group before they "
                               "are killed.", "service")

@@ -136,6 +136,14 @@ class HostWorker:
                                       lambda e: RemoteError.of(e, traceback.format_exc()))
         return self._channel.address
 
+    def stacks(self) -> str:
+        """Every thread's Python stack in this worker (:mod:`jaxpod.worker.stacks`):
+        answered while an operation runs, since operations run on the channel's
+        thread."""
+        from jaxpod.worker.stacks import python_stacks
+
+        return python_stacks()
+
     def shutdown(self) -> None:
         """Leaves the group (called with a time limit by the coordinator)."""
         import jax

@@ -46,6 +46,7 @@ from jaxpod.worker.host_worker import SIMULATED_PLATFORM
 
 START_TIMEOUT = settings.WORKER_START_TIMEOUT
 OPERATION_TIMEOUT = settings.OPERATION_TIMEOUT
+HOST_STACKS_TIMEOUT = settings.HOST_STACKS_TIMEOUT
 STOP_TIMEOUT = settings.WORKER_STOP_TIMEOUT
 #: Operations a pipeline sends ahead of their replies; 1: none ahead of another.
 PIPELINE_DEPTH = settings.PIPELINE_DEPTH
@@ -153,6 +154,8 @@ class ReplicaGroup:
         self._seq = 0
         self._next_id = 1  # the first id the next operation's new objects get
         self._lock = threading.Lock()
+        #: One control call (stacks, stop) at a time: they share each worker's pipe.
+        self._control = threading.Lock()
         self._broken: str | None = None
         #: What a call on the broken group raises: a lost host stays a lost host for
         #: every caller (a job's retry policy takes it as a preemption), whichever
@@ -196,9 +199,15 @@ class ReplicaGroup:
                          launcher)
         return cls(*_launch(recipe), recipe)
 
-    def _reset(self, why: str) -> SliceResetError:
+    def _reset(self, why: str, stacks: list[str] | None = None) -> SliceResetError:
         """Restarts every worker in its placement (the caller holds the lock); the
-        error to raise, saying what happened to the slice's values."""
+        error to raise, saying what happened to the slice's values (with ``stacks``,
+        the hosts' Python stacks read before, as its ``host_stacks``)."""
+        error = self._restart(why)
+        error.host_stacks = stacks
+        return error
+
+    def _restart(self, why: str) -> SliceResetError:
         assert self._recipe is not None
         self._close_channels()
         self._recipe.launcher.kill(self._workers)
@@ -221,6 +230,27 @@ class ReplicaGroup:
             "iterator on it is gone (the next call works): create them again. A step "
             "function that takes a different path on some hosts (e.g. branching on "
             "jax.process_index()) causes this.")
+
+    def stacks(self, timeout: float | None = None) -> list[str]:
+        """Every host's Python stacks (each thread's), in host order, read over the
+        workers' control calls, so a host busy in an operation answers too. A host
+        that cannot answer within ``timeout`` (``JAXPOD_HOST_STACKS_TIMEOUT_S``) is
+        reported so, in its place."""
+        limit = HOST_STACKS_TIMEOUT.resolve(timeout)
+        with self._control:
+            workers = list(self._workers)
+            if self._recipe is None:
+                return ["(this group's workers are not processes it started)"] * len(workers)
+            try:
+                return [str(s) for s in self._recipe.launcher.call(
+                    workers, "stacks", [()] * len(workers), time.monotonic() + limit,
+                    "report its Python stacks", limit)]
+            except WorkerStartError:  # some host did not answer in time
+                return [f"(no answer from some host within {limit:g}s "
+                        f"({HOST_STACKS_TIMEOUT.env_var}): a worker gone, or native code "
+                        "holding its Python interpreter lock)"] * len(workers)
+            except Exception as e:
+                return [f"(not read: {type(e).__name__}: {e})"] * len(workers)
 
     def _close_channels(self) -> None:
         for sock in self._channels:  # wakes a call waiting on a reply, too
@@ -323,8 +353,9 @@ class ReplicaGroup:
         except OperationTimeoutError as e:
             if self._recipe is None or self._stopped:
                 raise
+            stacks = self.stacks()  # where each host was, before the restart loses it
             raise self._reset(f"Operation {name} did not finish on every host within "
-                              f"{limit:g}s ({OPERATION_TIMEOUT.env_var})") from e
+                              f"{limit:g}s ({OPERATION_TIMEOUT.env_var})", stacks) from e
         results = undigest(results, name)
         failed = [h for h, r in enumerate(results) if isinstance(r, RemoteError)]
         # Once per distinct reply (identical ones are one object: channel_codec.Decoded).
@@ -397,7 +428,8 @@ class ReplicaGroup:
         self._stopped = True  # a reset under way stops the workers it started
         self._close_channels()
         if self._recipe is not None:
-            self._recipe.launcher.stop(self._workers, STOP_TIMEOUT.resolve(timeout))
+            with self._control:
+                self._recipe.launcher.stop(self._workers, STOP_TIMEOUT.resolve(timeout))
         self._broken = "stopped"
 
 
