@@ -28,6 +28,7 @@ from jaxpod.jobs import (
     SUBMIT_KEYWORDS,
     Attempt,
     HostInput,
+    HostStacks,
     JobCheckpoint,
     JobDetails,
     JobProfile,
@@ -445,6 +446,14 @@ class Job:
         ``CANCELLED``. Cancelling a finished job changes nothing."""
         return status_from(self._call("CancelJob", pb.JobRequest(job_id=self.id),
                                       "cancel()"))
+
+    def stacks(self) -> list[HostStacks]:
+        """Every thread's Python stack on each host of the job's running attempt, read
+        now (what ``jaxpod job stacks ID`` prints): where a straggling or stuck host
+        is. A job not running on a slice raises ``ValueError``; a hung loop's stacks
+        are in its logs."""
+        reply = self._call("GetJobStacks", pb.JobRequest(job_id=self.id), "stacks()")
+        return [from_message(HostStacks, h) for h in reply.hosts]
 
     def logs(self) -> str:
         """Every line the job's code printed on its hosts so far, each prefixed with

@@ -74,8 +74,14 @@ def add_commands(sub: Any) -> None:
     _add_address(jobs)
     jobs.set_defaults(handler=_pipe_safe(run_jobs))
 
-    job = sub.add_parser("job", help="show a job's status (--watch: follow it to the end)")
+    job = sub.add_parser(
+        "job", help="show a job's status (--watch: follow it to the end); `job stacks ID`: "
+                    "every host's Python stacks now",
+        usage="jaxpod job [-h] [--watch] [--json] [--address ADDRESS] ID\n"
+              "       jaxpod job stacks [--address ADDRESS] ID")
     job.add_argument("job_id", metavar="ID", help="the job's id")
+    job.add_argument("stacks_of", nargs="?", metavar="ID", default=None,
+                     help=argparse.SUPPRESS)  # `jaxpod job stacks ID`
     job.add_argument("--watch", action="store_true",
                      help="print a line per change until the job is over")
     job.add_argument("--json", action="store_true", help="print JSON (one object per line)")
@@ -285,6 +291,12 @@ def _print_rows(rows: Sequence[Sequence[str]]) -> None:
 
 
 def run_job(args: argparse.Namespace) -> int:
+    if args.stacks_of is not None:
+        if args.job_id != "stacks":
+            print(f"jaxpod job: got two words, {args.job_id!r} and {args.stacks_of!r}; "
+                  "expected `jaxpod job ID` or `jaxpod job stacks ID`.", file=sys.stderr)
+            return 2
+        return run_stacks(args.stacks_of, args)
     with _connect(args) as client:
         job = client.job(args.job_id)
         if not args.watch:
@@ -305,6 +317,16 @@ def run_job(args: argparse.Namespace) -> int:
             return 130
         if last is not None and last.error and not args.json:
             print(last.error, file=sys.stderr)
+    return 0
+
+
+def run_stacks(job_id: str, args: argparse.Namespace) -> int:
+    """``jaxpod job stacks ID``: every host's Python stacks, host by host."""
+    with _connect(args) as client:
+        hosts = client.job(job_id).stacks()
+    for h in hosts:
+        print(f"== host {h.host}  {h.node}  pid {h.pid}")
+        print(h.stacks)
     return 0
 
 
@@ -402,7 +424,11 @@ def _print_details(details: JobDetails, as_json: bool) -> None:
         print("hosts of the running attempt (input per host):")
         for h in details.hosts:
             print(f"  host {h.host}  {h.node} {h.address} pid {h.pid}  "
-                  f"waited {h.input_wait_s:.3f} s  {h.input_queue_depth} chunk(s) ready")
+                  f"{h.step_s:.3g} s/step  "
+                  f"waited {h.input_wait_s:.3f} s  {h.input_queue_depth} chunk(s) ready"
+                  + (f"  STRAGGLER: {h.straggler}" if h.straggler else ""))
+        if any(h.straggler for h in details.hosts):
+            print(f"  (`jaxpod job stacks {status.id}` shows what each host is doing)")
     if status.error:
         print("error:")
         for line in status.error.splitlines():

@@ -2,11 +2,11 @@
 
 The job's types are defined here and nowhere else: :class:`JobSpec` (what was submitted),
 :class:`JobState` (the state machine's names), :class:`JobStatus`, :class:`Transition`,
-:class:`Attempt`, :class:`HostInput`, :class:`JobCheckpoint`, :class:`JobProfile`,
-:class:`JobDetails` and :class:`JobResult`, with the checks of what a job is given. The
-job store, the job manager, the SDK and the HTTP API all use them; protobuf messages
-exist only at the gRPC edge (:mod:`jaxpod.proto.job_messages` converts, field by field,
-by name) and the HTTP API's models are derived from them.
+:class:`Attempt`, :class:`HostInput`, :class:`HostStacks`, :class:`JobCheckpoint`,
+:class:`JobProfile`, :class:`JobDetails` and :class:`JobResult`, with the checks of what
+a job is given. The job store, the job manager, the SDK and the HTTP API all use them;
+protobuf messages exist only at the gRPC edge (:mod:`jaxpod.proto.job_messages`
+converts, field by field, by name) and the HTTP API's models are derived from them.
 
 What its parts are made of, the wrappers the client ships the user's objects in and the
 workers run (:class:`JobStep`, :class:`Epochs`, :class:`EpochsFn`,
@@ -175,6 +175,10 @@ class HostInput:
       node: the machine its worker runs on (its host name).
       address: the address other hosts reach it at.
       pid: its worker's process id on that machine.
+      step_s: seconds per step of its recent loops (0: none measured yet).
+      straggler: why the host is flagged as a straggler, empty when it is not: for
+        several reports its loops, or its input waits, took over 3x the other
+        hosts' median (``jaxpod job stacks ID`` shows what it is doing).
     """
 
     host: int
@@ -183,6 +187,8 @@ class HostInput:
     node: str = ""
     address: str = ""
     pid: int = 0
+    step_s: float = 0.0
+    straggler: str = ""
 
 
 @dataclass(frozen=True)
@@ -211,6 +217,24 @@ class JobProfile:
     started_at: float
     seconds: float
     files: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class HostStacks:
+    """Every thread's Python stack on one host of a job's running attempt, read at once
+    (``jaxpod job stacks ID``).
+
+    Attributes:
+      host: the host's index.
+      node: the machine its worker runs on.
+      pid: its worker's process id there.
+      stacks: each thread's stack, innermost call last, or why it could not be read.
+    """
+
+    host: int
+    node: str
+    pid: int
+    stacks: str
 
 
 @dataclass(frozen=True)

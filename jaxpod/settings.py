@@ -347,6 +347,12 @@ JOB_RATE_WINDOW = seconds("JAXPOD_JOB_RATE_WINDOW_S", 10, "The span of recent lo
 JOB_HOST_POLL = seconds("JAXPOD_JOB_HOST_POLL_S", 0.5, "How often, at most, a running "
                         "job's hosts are asked (between loops) for what the job printed, "
                         "preemption notices and their input figures.", "service")
+JOB_HANG_TIMEOUT = seconds("JAXPOD_JOB_HANG_TIMEOUT_S", 300, "How much longer than the "
+                           "slowest loop of its length so far a job's loop may run before it "
+                           "counts as hung: every host's Python stack goes to the job's logs "
+                           "and the job restarts from its newest checkpoint. A loop of a "
+                           "length not run yet (it compiles) has JAXPOD_OPERATION_TIMEOUT_S.",
+                           "service")
 JOB_CHECKPOINTS_KEPT = count("JAXPOD_JOB_CHECKPOINTS_KEPT", 2, "Committed checkpoints kept "
                              "per job (the hosts remove older ones as they commit).",
                              "service")

@@ -718,20 +718,42 @@ class JobStatus(_message.Message):
     def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., attempts: _Optional[int] = ..., queue_position: _Optional[int] = ..., error: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., goodput: _Optional[_Mapping[str, float]] = ..., steps_per_s: _Optional[float] = ..., owner: _Optional[str] = ..., wait_reason: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class HostInput(_message.Message):
-    __slots__ = ("host", "input_wait_s", "input_queue_depth", "node", "address", "pid")
+    __slots__ = ("host", "input_wait_s", "input_queue_depth", "node", "address", "pid", "step_s", "straggler")
     HOST_FIELD_NUMBER: _ClassVar[int]
     INPUT_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     INPUT_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_FIELD_NUMBER: _ClassVar[int]
     host: int
     input_wait_s: float
     input_queue_depth: int
     node: str
     address: str
     pid: int
-    def __init__(self, host: _Optional[int] = ..., input_wait_s: _Optional[float] = ..., input_queue_depth: _Optional[int] = ..., node: _Optional[str] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    step_s: float
+    straggler: str
+    def __init__(self, host: _Optional[int] = ..., input_wait_s: _Optional[float] = ..., input_queue_depth: _Optional[int] = ..., node: _Optional[str] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., step_s: _Optional[float] = ..., straggler: _Optional[str] = ...) -> None: ...
+
+class HostStacks(_message.Message):
+    __slots__ = ("host", "node", "pid", "stacks")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
+    host: int
+    node: str
+    pid: int
+    stacks: str
+    def __init__(self, host: _Optional[int] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., stacks: _Optional[str] = ...) -> None: ...
+
+class JobStacks(_message.Message):
+    __slots__ = ("hosts",)
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    hosts: _containers.RepeatedCompositeFieldContainer[HostStacks]
+    def __init__(self, hosts: _Optional[_Iterable[_Union[HostStacks, _Mapping]]] = ...) -> None: ...
 
 class JobCheckpoint(_message.Message):
     __slots__ = ("step", "path", "saved_at")

@@ -169,6 +169,11 @@ class CoordinatorStub:
                 request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.ProfileJobRequest.SerializeToString,
                 response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobProfile.FromString,
                 _registered_method=True)
+        self.GetJobStacks = channel.unary_unary(
+                '/jaxpod.v1.Coordinator/GetJobStacks',
+                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
+                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobStacks.FromString,
+                _registered_method=True)
         self.ListAudit = channel.unary_unary(
                 '/jaxpod.v1.Coordinator/ListAudit',
                 request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.AuditRequest.SerializeToString,
@@ -358,6 +363,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetJobStacks(self, request, context):
+        """Every thread's Python stack on each host of a running job, read now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListAudit(self, request, context):
         """Who submitted, cancelled or was refused what, newest last (admin only).
         """
@@ -502,6 +514,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ProfileJob,
                     request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.ProfileJobRequest.FromString,
                     response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobProfile.SerializeToString,
+            ),
+            'GetJobStacks': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJobStacks,
+                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.FromString,
+                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobStacks.SerializeToString,
             ),
             'ListAudit': grpc.unary_unary_rpc_method_handler(
                     servicer.ListAudit,
@@ -1238,6 +1255,33 @@ class Coordinator:
             '/jaxpod.v1.Coordinator/ProfileJob',
             jaxpod_dot_proto_dot_coordinator__pb2.ProfileJobRequest.SerializeToString,
             jaxpod_dot_proto_dot_coordinator__pb2.JobProfile.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobStacks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxpod.v1.Coordinator/GetJobStacks',
+            jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
+            jaxpod_dot_proto_dot_coordinator__pb2.JobStacks.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,7 +30,8 @@ MESSAGES: dict[type, type[Message]] = {
     jobs.JobSpec: pb.JobSpec, jobs.JobStatus: pb.JobStatus, jobs.Transition: pb.JobTransition,
     jobs.Attempt: pb.JobAttempt, jobs.HostInput: pb.HostInput,
     jobs.JobCheckpoint: pb.JobCheckpoint, jobs.JobDetails: pb.JobDetails,
-    jobs.JobProfile: pb.JobProfile, jobs.AuditRecord: pb.AuditRecord}
+    jobs.JobProfile: pb.JobProfile, jobs.AuditRecord: pb.AuditRecord,
+    jobs.HostStacks: pb.HostStacks}
 
 
 def to_message(value: Any) -> Any:

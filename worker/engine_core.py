@@ -10,6 +10,7 @@ this host's rows assembled into global arrays, and small gathers over all hosts.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
@@ -33,6 +34,31 @@ from jaxpod.worker.replica_context import REPLICA_AXIS
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 _COMPILE_CACHE_SIZE = 256
 _T = TypeVar("_T")
+
+
+class LoopTime:
+    """The steps this host ran in loops whose end it waited for, and the seconds from
+    each loop's start to its outputs computed: a job's runner compares its hosts by
+    them (a straggler's are longer). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._steps = 0
+        self._seconds = 0.0
+
+    def add(self, steps: int, seconds: float) -> None:
+        with self._lock:
+            self._steps += steps
+            self._seconds += seconds
+
+    def read(self) -> tuple[int, float]:
+        """The steps and seconds so far."""
+        with self._lock:
+            return self._steps, self._seconds
+
+    def reset(self) -> None:
+        with self._lock:
+            self._steps, self._seconds = 0, 0.0
 
 
 class EngineCore:
@@ -64,6 +90,8 @@ class EngineCore:
         self._full_counts: dict[int, jax.Array] = {}
         #: The time this engine's iterators waited for their input (every infeed's).
         self.input_wait = InputWait()
+        #: This host's loops run to their end (``RunSteps`` with ``wait``).
+        self.loop_time = LoopTime()
 
     # ----------------------------------------------------------------- properties
     @property

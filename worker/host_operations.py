@@ -323,6 +323,7 @@ class HostOperations(ops.Host):
         # An offset, not a new clock: a new one would leave the old one's thread behind.
         self._busy_base, self._operations = self._busy.seconds(), 0
         self.engine.input_wait.reset()
+        self.engine.loop_time.reset()
         return freed
 
     def capture_output(self, op: ops.CaptureOutput) -> None:
@@ -339,12 +340,14 @@ class HostOperations(ops.Host):
 
     def host_report(self, op: ops.HostReport) -> ops.HostNews:
         loaded, compiled = compile_cache.programs() or (None, None)
+        loop_steps, loop_s = self.engine.loop_time.read()
         return ops.HostNews(
             lines=self._output.take(), input_wait_s=self.engine.input_wait.seconds(),
             input_queue_depth=self._prefetched(), notice=preemption.notice(),
             checkpoint=(self.checkpoints.committed(op.checkpoints)
                         if op.checkpoints is not None else None),
-            programs_loaded=loaded, programs_compiled=compiled)
+            programs_loaded=loaded, programs_compiled=compiled, loop_steps=loop_steps,
+            loop_s=loop_s)
 
     def save_checkpoint(self, op: ops.SaveCheckpoint) -> None:
         state = self.resolve(op.state)

@@ -24,8 +24,10 @@ class HostNews:
     lines its code printed since the last report, its input figures (as
     :class:`HostStats` has them), its preemption notice (``None``: none came) and the
     newest checkpoint step of the job that every host committed (``None``: none, or
-    one is being written), and the programs its process loaded from the compilation
-    cache and compiled since it started (``None``: the cache is off)."""
+    one is being written), the programs its process loaded from the compilation
+    cache and compiled since it started (``None``: the cache is off), and the steps
+    and seconds of the loops it ran to their end (as its engine's ``loop_time``
+    counts them since the slice's holder took it)."""
 
     lines: list[str]
     input_wait_s: float
@@ -34,6 +36,8 @@ class HostNews:
     checkpoint: int | None = None
     programs_loaded: int | None = None
     programs_compiled: int | None = None
+    loop_steps: int = 0
+    loop_s: float = 0.0
 
 
 @dataclass(frozen=True)

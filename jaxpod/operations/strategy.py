@@ -13,6 +13,7 @@ host's services (:class:`~jaxpod.operations.host.Host`); where every host answer
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -141,6 +142,7 @@ class RunSteps(Operation[ValueInfos]):
     uniform: ClassVar[bool] = True
 
     def apply(self, host: Host) -> ValueInfos:
+        started = time.monotonic()
         source = (iter(host.resolve(self.source.items)) if isinstance(self.source, StepItems)
                   else host.iterator(self.source))
         # A global-view job's loop runs global steps and takes its state donated (the
@@ -149,8 +151,11 @@ class RunSteps(Operation[ValueInfos]):
         result = (host.engine if view is None else view).run_steps(
             host.function(self.function_id), source, self.steps,
             host.resolve(self.initial_state))
-        return host.keep(result, wait=self.wait,
+        kept = host.keep(result, wait=self.wait,
                          donated=() if view is None else self.initial_state)
+        if self.wait:  # its outputs are computed: the loop's time on this host
+            host.engine.loop_time.add(self.steps, time.monotonic() - started)
+        return kept
 
     def created(self, result: ValueInfos) -> Dropped:
         return values_in(result)

@@ -123,6 +123,13 @@ class JobsServicer:
         return pb.JobLogs(lines=[pb.LogLine(seq=x.seq, host=x.host, line=x.line, at=x.at)
                                  for x in lines])
 
+    async def GetJobStacks(self, request: pb.JobRequest, context: Any) -> pb.JobStacks:
+        manager = self._manager()
+        await self._blocking(manager.check_owner, request.job_id, self.caller(context),
+                             "GetJobStacks")
+        stacks = await self._blocking(manager.stacks, request.job_id)
+        return pb.JobStacks(hosts=[to_message(s) for s in stacks])
+
     async def ProfileJob(self, request: pb.ProfileJobRequest, context: Any
                          ) -> pb.JobProfile:
         return to_message(await profile_job(self._manager(), request.job_id,

@@ -30,7 +30,7 @@ RPC_ROLES: Mapping[str, Role] = MappingProxyType({
     "SliceStats": _SUBMITTER, "ProfileSlice": _SUBMITTER,
     # Of its own jobs only (an admin: anyone's), checked on the job.
     "SubmitJob": _SUBMITTER, "CancelJob": _SUBMITTER, "GetJobResult": _SUBMITTER,
-    "GetJobLogs": _SUBMITTER, "ProfileJob": _SUBMITTER,
+    "GetJobLogs": _SUBMITTER, "ProfileJob": _SUBMITTER, "GetJobStacks": _SUBMITTER,
     "ListAudit": Role.ADMIN,
 })
 

@@ -18,7 +18,15 @@ from typing import Any
 
 from jaxpod import settings
 from jaxpod.errors import PermissionDeniedError
-from jaxpod.jobs import HostInput, JobDetails, JobProfile, JobSpec, JobState, JobStatus
+from jaxpod.jobs import (
+    HostInput,
+    HostStacks,
+    JobDetails,
+    JobProfile,
+    JobSpec,
+    JobState,
+    JobStatus,
+)
 from jaxpod.proto import stored
 from jaxpod.service.auth.quotas import SliceQuotas
 from jaxpod.service.auth.tokens import Principal
@@ -40,6 +48,7 @@ from jaxpod.service.jobs.policies import (
     QueuePolicy,
     RetryBudgets,
 )
+from jaxpod.service.jobs.runner import JobRun
 from jaxpod.service.jobs.states import Cancelled
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.slices.profiles import ProfileRequest
@@ -195,25 +204,44 @@ class JobManager:
           TimeoutError: the trace was not written in time (its loops are too long).
         """
         request = ProfileRequest(seconds)
-        status = self.store.get(job_id)
-        controller = self.dispatcher.controller(job_id)
-        run = controller.run_now if controller is not None else None
-        if run is None:
-            raise ValueError(
-                f"Job {job_id} is {status.state.value}, not running on a slice: a profile "
-                "traces a running job's steps. Profile it while `jaxpod job "
-                f"{job_id}` says RUNNING.")
+        run = self._running(job_id, "a profile traces a running job's steps. Profile it "
+                                    f"while `jaxpod job {job_id}` says RUNNING.")
         run.profiling.ask(request)
         profile = request.wait()
         self.store.add_profile(job_id, profile)
         return profile
 
+    def stacks(self, job_id: str) -> list[HostStacks]:
+        """Every thread's Python stack on each host of the job's running attempt, read
+        now (its hosts answer while they run a loop).
+
+        Raises:
+          ValueError: the job is not running on a slice.
+        """
+        return self._running(
+            job_id, "stacks are read from the hosts of a running attempt. Ask again while "
+                    f"`jaxpod job {job_id}` says RUNNING; a hung loop's stacks are in "
+                    f"`jaxpod logs {job_id}`.").stacks()
+
     def host_inputs(self, job_id: str) -> tuple[HostInput, ...]:
         """Each host's input feed in the job's running attempt, as last read (empty when
         no attempt runs on a slice)."""
-        controller = self.dispatcher.controller(job_id)
-        run = controller.run_now if controller is not None else None
+        run = self._run_now(job_id)
         return run.hosts if run is not None else ()
+
+    def _run_now(self, job_id: str) -> JobRun | None:
+        controller = self.dispatcher.controller(job_id)
+        return controller.run_now if controller is not None else None
+
+    def _running(self, job_id: str, why: str) -> JobRun:
+        """The job's running attempt; else ``ValueError`` saying the job's state and
+        ``why`` it must run."""
+        status = self.store.get(job_id)
+        run = self._run_now(job_id)
+        if run is None:
+            raise ValueError(f"Job {job_id} is {status.state.value}, not running on a slice: "
+                             f"{why}")
+        return run
 
     def result(self, job_id: str, with_state: bool = True) -> dict[str, Any]:
         """A SUCCEEDED job's result to stream: its outputs and (``with_state``) its final

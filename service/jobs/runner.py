@@ -21,12 +21,15 @@ gives the slice up).
 Every ``JAXPOD_JOB_HOST_POLL_S`` it also reads each host's input feed (:class:`HostInput`:
 the time its steps waited for input, the chunks it has ready). The slice runs in lockstep,
 so the host that waited longest held every host up that long: that time moves from the
-goodput clock's productive steps to its input wait.
+goodput clock's productive steps to its input wait. The same reports time each host's
+loops: a host that straggles is flagged (:mod:`~jaxpod.service.jobs.stragglers`) and every
+host's Python stacks, read during the next loop, go to the job's logs. A loop that runs
+``JAXPOD_JOB_HANG_TIMEOUT_S`` past the slowest of its length is hung: the stacks go to
+the logs, the slice's workers restart and the job resumes from its newest checkpoint.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import logging
@@ -49,14 +52,16 @@ from jaxpod.errors import (
     WorkerStartError,
 )
 from jaxpod.job_wrappers import NoInput, Resumed
-from jaxpod.jobs import HostInput, JobSpec
+from jaxpod.jobs import HostInput, HostStacks, JobSpec
 from jaxpod.operations import HostNews
 from jaxpod.proto.stored import skeleton_from, skeleton_of
 from jaxpod.service.jobs import goodput
 from jaxpod.service.jobs.checkpoints import JobCheckpoints
 from jaxpod.service.jobs.codec import JobStoreError, check_storable
 from jaxpod.service.jobs.goodput import GoodputClock
+from jaxpod.service.jobs.loop_times import HANG_TIMEOUT, LoopTimes, StepRate
 from jaxpod.service.jobs.store import JobStore
+from jaxpod.service.jobs.stragglers import HostCounters, Stragglers
 from jaxpod.service.slices.group_engine import GroupEngine
 from jaxpod.service.slices.group_handles import DefinedFunction, GroupIterator, GroupValue
 from jaxpod.service.slices.profiles import Profiling
@@ -79,8 +84,15 @@ RATE_WINDOW = settings.JOB_RATE_WINDOW
 HOST_POLL = settings.JOB_HOST_POLL
 
 
+
 class JobStateError(JaxpodError, TypeError):
     """The job's state cannot be checkpointed or returned (a user error)."""
+
+
+class HungLoopError(SliceResetError):
+    """A loop ran past its hang limit (``JAXPOD_JOB_HANG_TIMEOUT_S`` beyond the slowest
+    of its length): every host's stacks went to the job's logs, the slice's workers
+    were restarted, and the job resumes from its newest checkpoint."""
 
 
 class Stopped(Exception):
@@ -151,7 +163,7 @@ class JobRun:
         self._stop = context.stop
         self._changed = context.on_progress
         self._clock = context.clock
-        self._loops = _LoopTimes(context.redo_until)
+        self._loops = LoopTimes(context.redo_until)
         self._next_host_poll = 0.0
         self._versions = dict(spec.runtime_versions or {})
         self.start_step = self.resume if self.resume is not None else 0
@@ -172,6 +184,11 @@ class JobRun:
         self._programs_before: tuple[int, int] | None = None
         #: Profiles asked of this attempt (``JobManager.profile``).
         self.profiling = Profiling(self.checkpoints.directory)
+        self._stragglers = Stragglers()
+        #: Why the hosts' stacks are to be read during the next loop (``None``: no).
+        self._stacks_wanted: str | None = None
+        self._stack_readers: list[threading.Timer] = []
+        self._loop_limit: float | None = None  # the running loop's, if it has one
 
     def run(self) -> Finished:
         """Runs the remaining steps; raises what the job's code raised, a slice
@@ -195,8 +212,15 @@ class JobRun:
                 k = min(spec.steps_per_run, spec.steps - self.step)
                 clock.switch(goodput.PRODUCTIVE)
                 started = time.monotonic()
-                state, raw = self._defined_call(step, functools.partial(
-                    self._loop, iterator, k, state))
+                self._loop_limit = self._loops.limit(k)
+                self._read_stacks_during_loop(k)
+                try:
+                    state, raw = self._defined_call(step, functools.partial(
+                        self._loop, iterator, k, state))
+                except SliceResetError as e:
+                    if e.host_stacks is None:  # not a time-out: a host's own failure
+                        raise
+                    raise self._hung(e.host_stacks) from e
                 clock.switch(goodput.METRICS)
                 clock.reattribute(self._loops.attribute(self.step, k,
                                                         time.monotonic() - started),
@@ -223,10 +247,15 @@ class JobRun:
             return Finished(outputs, self.step)
         except BaseException as e:
             ended = f"{type(e).__name__}: {e}"
+            if (isinstance(e, SliceResetError) and not isinstance(e, HungLoopError)
+                    and e.host_stacks is not None):  # another operation timed out
+                self._write_stacks(e.host_stacks, str(e).split(". ")[0])
             if not isinstance(e, SLICE_FAILURES):  # else the hosts cannot commit it
                 self._settle_checkpoints()
             raise
         finally:
+            for reader in self._stack_readers:
+                reader.cancel()
             self.profiling.finish(engine.stop_profile, ended)
             self._poll_hosts()  # what the job printed last
             with contextlib.suppress(Exception):  # the slice may be gone: nothing to stop
@@ -314,10 +343,54 @@ class JobRun:
     def _loop(self, iterator: GroupIterator, steps: int, state: Any, fn: DefinedFunction
               ) -> Any:
         """``steps`` steps of ``fn`` from ``state``: the new state and the outputs, once
-        computed (the loop's time is the steps' compute, not their dispatch)."""
+        computed (the loop's time is the steps' compute, not their dispatch), within
+        the loop's hang limit."""
         engine = self.engine
         return engine.make_values(fn, lambda f: ops.RunSteps(
-            f, iterator.id, steps, engine.handles(state), wait=True))
+            f, iterator.id, steps, engine.handles(state), wait=True),
+            timeout=self._loop_limit)
+
+    # ------------------------------------------------------------------ stragglers, hangs
+    def _read_stacks_during_loop(self, k: int) -> None:
+        """If a straggler was just flagged, reads every host's stacks halfway through
+        the loop about to start (between loops they show idle hosts) into the logs."""
+        why, self._stacks_wanted = self._stacks_wanted, None
+        if why is None:
+            return
+        paces = self._stragglers.paces
+        delay = 0.5 * k * max((p.step_s for p in paces), default=0.0)
+        reader = threading.Timer(delay, self._log_stacks, (why,))
+        reader.daemon = True
+        self._stack_readers = [r for r in self._stack_readers if r.is_alive()] + [reader]
+        reader.start()
+
+    def stacks(self) -> list[HostStacks]:
+        """Every host's Python stacks, read now."""
+        group = self.engine.group
+        where, texts = group.info, group.stacks()
+        return [HostStacks(i, str(where[i].get("node", "")) if i < len(where) else "",
+                           int(where[i].get("pid", 0)) if i < len(where) else 0, text)
+                for i, text in enumerate(texts)]
+
+    def _log_stacks(self, why: str) -> None:
+        self._write_stacks(self.engine.group.stacks(), why)
+
+    def _write_stacks(self, stacks: Sequence[str], why: str) -> None:
+        for host, text in enumerate(stacks):
+            self.store.append_logs(self.job_id, host, [
+                f"[jaxpod] {why}. Python stacks of host {host}:", *text.splitlines()])
+
+    def _hung(self, stacks: Sequence[str]) -> HungLoopError:
+        """The loop ran past its limit and the slice restarted: where each host was
+        goes to the logs; the error to end the attempt with."""
+        limit = self._loop_limit
+        said = (f"{limit:.4g} s (the slowest loop of its length + {HANG_TIMEOUT.env_var})"
+                if limit is not None else f"its limit ({settings.OPERATION_TIMEOUT.env_var})")
+        why = f"the loop from step {self.step} ran past {said} and is taken as hung"
+        self._write_stacks(stacks, f"{why}: the slice's workers restart and the job resumes "
+                                   "from its newest checkpoint")
+        return HungLoopError(f"{why[0].upper()}{why[1:]}; every host's Python stacks are in "
+                             "the job's logs (`jaxpod logs ID`).")
 
     def _defined_call(self, fn: tuple[ShippedFunction, list[DefinedFunction]],
                       call: Callable[[DefinedFunction], Any]) -> Any:
@@ -425,10 +498,22 @@ class JobRun:
         if news:
             self._commit(news[0].checkpoint)  # committed means every host committed
         where = self.engine.group.info
+        stragglers = self._stragglers
+        flagged = stragglers.update([HostCounters(n.loop_steps, n.loop_s, n.input_wait_s)
+                                     for n in news])
+        if flagged:
+            host = flagged[0]
+            self._stacks_wanted = f"host {host} straggles: {stragglers.flagged[host]}"
+            self.store.append_logs(self.job_id, host, [
+                f"[jaxpod] {self._stacks_wanted}; every host's Python stacks follow, read "
+                "during the next loop (`jaxpod job stacks ID` reads them now)."])
+        paces = stragglers.paces if len(stragglers.paces) == len(news) else ()
         self.hosts = tuple(HostInput(i, n.input_wait_s, n.input_queue_depth,
                                      str(where[i].get("node", "")),
                                      str(where[i].get("address", "")),
-                                     int(where[i].get("pid", 0)))
+                                     int(where[i].get("pid", 0)),
+                                     paces[i].step_s if paces else 0.0,
+                                     stragglers.flagged.get(i, ""))
                            for i, n in enumerate(news))
         waited = max((h.input_wait_s for h in self.hosts), default=0.0)
         if waited > self._input_waited:
@@ -436,70 +521,3 @@ class JobRun:
                                     source=goodput.PRODUCTIVE)
             self._input_waited = waited
         return news
-
-class StepRate:
-    """A running attempt's steps per wall-clock second, over its loops of the last
-    ``window_s`` (counted from the attempt's start until a loop is that old): what a
-    progress bar shows, compilation and input waits included.
-
-    Args:
-      start_step: the step the attempt started from.
-      window_s: the span of recent loops measured.
-      clock: wall-clock seconds (tests inject a fake).
-    """
-
-    def __init__(self, start_step: int, window_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._window_s = window_s
-        self._samples: collections.deque[tuple[float, int]] = collections.deque(
-            [(clock(), start_step)])
-        self._lock = threading.Lock()
-
-    def add(self, step: int) -> None:
-        """A loop ended: ``step`` steps are done."""
-        now = self._clock()
-        with self._lock:
-            self._samples.append((now, step))
-            while len(self._samples) > 2 and self._samples[1][0] <= now - self._window_s:
-                self._samples.popleft()
-
-    def steps_per_s(self) -> float | None:
-        """Steps per second over the window (``None`` before the first loop ended). A
-        job whose loops stopped coming slows down by the time since the last one."""
-        now = self._clock()
-        with self._lock:
-            (t0, s0), (t1, s1) = self._samples[0], self._samples[-1]
-        if s1 == s0:
-            return None
-        span = max(t1, now - self._window_s) - t0
-        return (s1 - s0) / span if span > 0 else None
-
-
-class _LoopTimes:
-    """Splits each loop's measured time into first-run steps, steps re-run after a
-    preemption (lost work) and, for a loop that compiled, the compilation: the excess
-    of the first loop of each length over the same length's steady time, known once a
-    second loop of that length ran (and then moved out of what was counted productive).
-
-    Args:
-      redo_until: steps up to this one were done before and are being re-done.
-    """
-
-    def __init__(self, redo_until: int) -> None:
-        self._redo_until = redo_until
-        self._first: dict[int, float] = {}  # loop length -> its first loop's seconds
-        self._settled: set[int] = set()
-
-    def attribute(self, start: int, k: int, seconds: float) -> dict[str, float]:
-        """Seconds to move out of productive for the loop of ``k`` steps from ``start``."""
-        parts: dict[str, float] = {}
-        redone = max(0, min(start + k, self._redo_until) - start)
-        if redone:
-            parts[goodput.LOST_WORK] = seconds * redone / k
-        if k not in self._first:
-            self._first[k] = seconds
-        elif k not in self._settled:
-            self._settled.add(k)
-            parts[goodput.COMPILING] = max(0.0, self._first[k] - seconds)
-        return parts

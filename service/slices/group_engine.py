@@ -135,19 +135,21 @@ class GroupEngine(GroupResults):
         return function_id
 
     def _call_defined(self, fn: Callable[..., Any] | DefinedFunction,
-                      operation: Callable[[str], ops.Operation[_R]]) -> list[_R]:
-        """Runs ``operation(fn's id)``. The workers keep functions in a bounded cache:
-        if they evicted this one since, it is defined again and the operation sent
-        once more (nothing ran the first time). A caller that holds only the id (a
-        ``DefinedFunction``) hears of the eviction and defines it again itself."""
+                      operation: Callable[[str], ops.Operation[_R]],
+                      timeout: float | None = None) -> list[_R]:
+        """Runs ``operation(fn's id)`` (``timeout``: its limit, as :meth:`_call`). The
+        workers keep functions in a bounded cache: if they evicted this one since, it
+        is defined again and the operation sent once more (nothing ran the first
+        time). A caller that holds only the id (a ``DefinedFunction``) hears of the
+        eviction and defines it again itself."""
         try:
-            return self._call(operation(self._define(fn)))
+            return self._call(operation(self._define(fn)), timeout=timeout)
         except UnknownFunctionError:
             if isinstance(fn, DefinedFunction):
                 raise
             with contextlib.suppress(KeyError, TypeError):
                 del self._functions[fn]
-            return self._call(operation(self._define(fn)))
+            return self._call(operation(self._define(fn)), timeout=timeout)
 
     def handles(self, tree: Any) -> Any:
         def convert(x: Any) -> Any:
@@ -212,10 +214,12 @@ class GroupEngine(GroupResults):
         return self.make_values(fn, lambda f: self.run_op(f, args, kwargs))
 
     def make_values(self, fn: Callable[..., Any] | DefinedFunction,
-                    operation: Callable[[str], ops.Operation[Any]]) -> Any:
+                    operation: Callable[[str], ops.Operation[Any]],
+                    timeout: float | None = None) -> Any:
         """Runs ``operation(fn's id)``, an operation that makes values (its value
-        arguments as :meth:`handles` gives them): the values it made."""
-        return self._wrap(self._call_defined(fn, operation)[0])
+        arguments as :meth:`handles` gives them): the values it made. ``timeout``: its
+        limit (``JAXPOD_OPERATION_TIMEOUT_S`` when ``None``)."""
+        return self._wrap(self._call_defined(fn, operation, timeout)[0])
 
 
     def run_spmd(self, fn: Callable[..., Any] | DefinedFunction,

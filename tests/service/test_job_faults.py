@@ -68,6 +68,34 @@ def pid_printing_step(state: Any, batch: Any) -> Any:
     return {"w": w, "n": state["n"] + 1}, {"total": total, "w0": w[0]}
 
 
+#: The step in which ``hanging_step``'s host 1 stops answering (once), and for how long.
+HANG_AT, HANG_S = 12, 3600
+#: A loop this much longer than the slowest of its length is hung (the service's
+#: JAXPOD_JOB_HANG_TIMEOUT_S).
+HANG_TIMEOUT_S = 6
+
+
+def hanging_step(marker: str) -> Any:
+    """``pid_printing_step``, except that host 1 sleeps for good in step ``HANG_AT`` the
+    first time (``marker`` says it did), as a host stuck in user code does."""
+
+    def step(state: Any, batch: Any) -> Any:
+        import jax
+
+        def hang_once(n: Any) -> Any:
+            if (jax.process_index() == 1 and int(n) == HANG_AT
+                    and not os.path.exists(marker)):
+                Path(marker).touch()
+                time.sleep(HANG_S)
+            return n
+
+        n = jax.pure_callback(hang_once, jax.ShapeDtypeStruct(state["n"].shape,
+                                                              state["n"].dtype), state["n"])
+        return pid_printing_step({**state, "n": n}, batch)
+
+    return step
+
+
 class StepError(Exception):
     """Raised by the job's code on the workers."""
 
@@ -115,14 +143,14 @@ def element_of_row(row: int) -> int:
     return epoch * len(ELEMENT_ROWS) + int(np.searchsorted(ends, within, side="right"))
 
 
-def submit(client: Any, **overrides: Any) -> Any:
+def submit(client: Any, step: Any = pid_printing_step, **overrides: Any) -> Any:
     kwargs: dict[str, Any] = dict(
         steps=STEPS, accelerator_type="v4-16", steps_per_run=STEPS_PER_RUN,
         initial_state={"w": np.linspace(0, 1, 5).astype(np.float32), "n": np.int32(0)},
         dataset=dataset(), outputs={"total": "MAX", "w0": "MEAN"},
         checkpoint_every=CHECKPOINT_EVERY, max_retries_preemption=3)
     kwargs.update(overrides)
-    return client.submit(pid_printing_step, **kwargs)
+    return client.submit(step, **kwargs)
 
 
 def host_pids(job: Any, host: int) -> list[int]:
@@ -184,7 +212,8 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _start(cluster: LocalTPUCluster, state_dir: Path, log: Path) -> Service:
     return start_service(log, None, args=("--state-dir", str(state_dir)),
-                         env={"JAXPOD_JOB_RETRY_BACKOFF_S": "0.2"},
+                         env={"JAXPOD_JOB_RETRY_BACKOFF_S": "0.2",
+                              "JAXPOD_JOB_HANG_TIMEOUT_S": str(HANG_TIMEOUT_S)},
                          ray_address=cluster.address)
 
 
@@ -280,6 +309,29 @@ def test_a_preemption_notice_checkpoints_at_once_and_loses_no_step(
     assert first.cause is not None and "preemption notice" in first.cause
     assert "0 step(s) lost" in first.cause
     assert f"starts at step {first.step_reached}" in first.cause
+
+
+def test_a_hung_host_is_shown_with_its_stacks_and_the_job_restarts_bit_for_bit(
+        client: Any, uninterrupted: Any, tmp_path: Path) -> None:
+    job = submit(client, step=hanging_step(str(tmp_path / "hung")))
+    final = job.wait(timeout=300, progress=False)
+    assert final.state == "SUCCEEDED", final.error
+    assert (tmp_path / "hung").exists()  # it did hang, once
+    assert_same_result(job.result(), uninterrupted)
+    first, second = job.attempts()
+    assert first.step_reached <= HANG_AT < second.step_reached == STEPS
+    assert "HungLoopError" in (first.cause or ""), first
+    logs = job.logs()
+    said = re.search(r"^\[host 1\] \[jaxpod\] the loop from step (\d+) ran past ([\d.]+) s "
+                     r"\(the slowest loop of its length \+ JAXPOD_JOB_HANG_TIMEOUT_S\) and "
+                     r"is taken as hung", logs, re.M)
+    assert said, logs[-3000:]
+    assert int(said.group(1)) <= HANG_AT and float(said.group(2)) >= HANG_TIMEOUT_S
+    # Host 1's stacks, read before its worker was killed, end in the sleeping frame.
+    host_1 = "\n".join(line.removeprefix("[host 1] ") for line in logs.splitlines()
+                       if line.startswith("[host 1] "))
+    assert re.search(r"in hang_once\n(thread|\[jaxpod\]|pid |read element|$)", host_1,
+                     re.M), host_1[-3000:]
 
 
 def test_a_raising_step_is_a_failure_with_its_own_budget(client: Any) -> None:

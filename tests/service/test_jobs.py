@@ -52,6 +52,29 @@ def linear_regression_step(state: Any, batch: Any) -> Any:
     return new, {"loss": err ** 2, "replicas": 1.0}
 
 
+#: How long host 1 sleeps in each replica's step of ``straggling_step``.
+STRAGGLE_S = 0.03
+
+
+def straggle(x: Any) -> Any:
+    import jax
+
+    if jax.process_index() == 1:
+        time.sleep(STRAGGLE_S)
+    return x
+
+
+def straggling_step(state: Any, batch: Any) -> Any:
+    """Host 1 sleeps in every step (a host callback). No collective joins the hosts
+    inside a step, so host 0's loops end without waiting for host 1's."""
+    import jax
+
+    ctx = jaxpod.get_replica_context()
+    rows = (batch * ctx.valid_row_mask.astype(batch.dtype)).sum()
+    rows = jax.pure_callback(straggle, jax.ShapeDtypeStruct(rows.shape, rows.dtype), rows)
+    return state, {"rows": rows}
+
+
 def counting_step(state: Any, batch: Any) -> Any:
     """Adds the batch's real rows' sum to the state: cheap, and order-sensitive."""
     ctx = jaxpod.get_replica_context()
@@ -315,7 +338,8 @@ def test_a_host_whose_input_lags_shows_its_input_wait(client: Any, service: Serv
     assert shown.returncode == 0, shown.stderr
     if running:  # it was still running after the CLI answered, so the CLI saw it run
         assert "hosts of the running attempt" in shown.stdout, shown.stdout
-        assert re.search(r"host 1  \S+ 127\.0\.0\.1 pid \d+  waited", shown.stdout), shown.stdout
+        assert re.search(r"host 1  \S+ 127\.0\.0\.1 pid \d+  \S+ s/step  waited",
+                         shown.stdout), shown.stdout
     assert all(h["input_queue_depth"] >= 0 for h in detail["hosts"])
     # Host 1's pipeline spent steps * per_step * delay_s making elements; its steps waited
     # for most of it (the loops themselves take little), and goodput counts that wait.
@@ -326,6 +350,49 @@ def test_a_host_whose_input_lags_shows_its_input_wait(client: Any, service: Serv
     assert sum(v for k, v in final.goodput.items()
                if k not in ("wall_s", "productive_share")) == pytest.approx(
                    final.finished_at - final.created_at, rel=0.01)
+
+
+def test_a_straggling_host_is_named_and_its_stacks_show_where_it_sleeps(
+        client: Any, service: Service) -> None:
+    steps = 400  # far more than the test waits for: it cancels the job
+    job = client.submit(straggling_step, steps=steps, accelerator_type="v4-16",
+                        initial_state={"total": np.float32(0)},
+                        dataset=[np.arange(8, dtype=np.float32)], steps_per_run=2,
+                        outputs={"rows": "SUM"}, name="straggler")
+    try:
+        hosts = wait_for(lambda: (h := job.hosts()) and any(x.straggler for x in h) and h,
+                         120)
+        assert hosts, (job.status(), job.hosts())
+        assert [h.host for h in hosts] == [0, 1]
+        assert hosts[1].straggler and not hosts[0].straggler, hosts
+        assert hosts[1].step_s > 3 * hosts[0].step_s > 0, hosts
+        shown = _cli(service, "job", job.id)
+        assert shown.returncode == 0 and "STRAGGLER" in shown.stdout, shown
+
+        def host_1_sleeping() -> str | None:
+            # A fresh interpreter, as users run it; retried, since a read between two
+            # loops finds the host idle.
+            done = _cli(service, "job", "stacks", job.id)
+            assert done.returncode == 0, done.stderr
+            sections = re.split(r"^== host (\d+)", done.stdout, flags=re.M)
+            by_host = dict(zip(sections[1::2], sections[2::2], strict=True))
+            assert sorted(by_host) == ["0", "1"], done.stdout
+            return by_host["1"] if "in straggle" in by_host["1"] else None
+
+        stack = wait_for(host_1_sleeping, 120)
+        # A thread's innermost frame is the one in time.sleep (a builtin: no frame of
+        # its own); shipped by value, the step's code shows no source line.
+        assert stack and re.search(r"in straggle\n(\s*time\.sleep.*\n)?(thread|\Z)",
+                                   stack), stack
+        # The logs keep the stacks read during the loop after the host was flagged.
+        logged = wait_for(lambda: "in straggle" in (text := job.logs()) and text, 60)
+        assert logged and "[host 1] [jaxpod] host 1 straggles" in logged, logged
+        # The last loop's metric is the global batch's sum (both hosts' rows).
+        assert job.status().metrics["rows"] == float(np.arange(8).sum()), job.status()
+    finally:
+        job.cancel()
+    with pytest.raises(ValueError, match="not running on a slice"):
+        job.stacks()
 
 
 def test_another_process_reattaches_and_gets_the_same_result(client: Any,

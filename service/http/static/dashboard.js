@@ -185,8 +185,10 @@
               ["started", "seconds", "trace files", "folder"]),
         table("hosts", "hosts of the running attempt", [
           "host", "node", "address", "pid",
+          ["s/step", "seconds per step of its recent loops"],
           ["input wait (s)", "seconds its steps waited for input not ready yet"],
-          ["queue depth", "chunks of steps ready in its infeed"]])));
+          ["queue depth", "chunks of steps ready in its infeed"],
+          ["straggler", "why it is flagged (jaxpod job stacks ID shows its stacks)"]])));
     const cancel = byId("cancel-job");
     if (cancel) cancel.addEventListener("click", () => cancelShown(cancel));
     const profile = byId("profile-job");
@@ -295,8 +297,9 @@
   }
 
   function fillHosts(hosts) {
-    fill("hosts", hosts.map(x => [x.host, x.node, x.address, x.pid, fmt(x.input_wait_s, 3),
-                                  x.input_queue_depth]));
+    fill("hosts", hosts.map(x => [x.host, x.node, x.address, x.pid, fmt(x.step_s, 3),
+                                  fmt(x.input_wait_s, 3), x.input_queue_depth,
+                                  x.straggler || null]));
   }
 
   function fillDetail(d) {  // last checkpoint, goodput, history, attempts, profiles, hosts
