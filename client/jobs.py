@@ -469,10 +469,12 @@ class Job:
                                  or host < 0):
             raise ValueError(f"log_lines: host must be a host index (an int >= 0). Got "
                              f"{host!r}.")
-        after = 0
+        after, over = 0, False
+        more = False  # the last page said more lines follow
         while True:
-            # Asked before the read: every line printed before the end is read after it.
-            over = follow and self.status().done
+            if not more:
+                # Asked before the read: every line printed before the end is read after.
+                over = follow and self.status().done
             reply = self._call("GetJobLogs", pb.JobLogsRequest(job_id=self.id, after=after),
                                "log_lines()")
             for line in reply.lines:
@@ -482,6 +484,9 @@ class Job:
                     yield f"[host {line.host}] {text}"
                 elif line.host == host:
                     yield text
+            more = reply.more
+            if more:
+                continue
             if not follow or over:
                 return
             if not reply.lines:

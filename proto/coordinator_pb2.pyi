@@ -824,12 +824,14 @@ class JobMetrics(_message.Message):
     def __init__(self, series: _Optional[_Iterable[_Union[MetricSeries, _Mapping]]] = ...) -> None: ...
 
 class JobLogsRequest(_message.Message):
-    __slots__ = ("job_id", "after")
+    __slots__ = ("job_id", "after", "limit")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     after: int
-    def __init__(self, job_id: _Optional[str] = ..., after: _Optional[int] = ...) -> None: ...
+    limit: int
+    def __init__(self, job_id: _Optional[str] = ..., after: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class LogLine(_message.Message):
     __slots__ = ("seq", "host", "line", "at")
@@ -844,10 +846,12 @@ class LogLine(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., host: _Optional[int] = ..., line: _Optional[str] = ..., at: _Optional[float] = ...) -> None: ...
 
 class JobLogs(_message.Message):
-    __slots__ = ("lines",)
+    __slots__ = ("lines", "more")
     LINES_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     lines: _containers.RepeatedCompositeFieldContainer[LogLine]
-    def __init__(self, lines: _Optional[_Iterable[_Union[LogLine, _Mapping]]] = ...) -> None: ...
+    more: bool
+    def __init__(self, lines: _Optional[_Iterable[_Union[LogLine, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class AuditRequest(_message.Message):
     __slots__ = ("limit", "before")

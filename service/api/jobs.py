@@ -33,6 +33,10 @@ WATCH_RECHECK = settings.JOB_WATCH_RECHECK
 CANCEL_WAIT = settings.JOB_CANCEL_WAIT
 #: The most audit records one ListAudit answer holds.
 MAX_AUDIT_PAGE = 10_000
+#: The most log lines one GetJobLogs answer holds, and about the most bytes: a long
+#: job's log (stacks of every host included) comes in pages, never one huge message.
+LOG_PAGE_LINES = 10_000
+LOG_PAGE_BYTES = 1 << 20
 
 
 class JobsServicer:
@@ -119,9 +123,21 @@ class JobsServicer:
         manager = self._manager()
         await self._blocking(manager.check_owner, request.job_id, self.caller(context),
                              "GetJobLogs")
-        lines = await self._blocking(manager.store.logs, request.job_id, request.after)
-        return pb.JobLogs(lines=[pb.LogLine(seq=x.seq, host=x.host, line=x.line, at=x.at)
-                                 for x in lines])
+        limit = request.limit or LOG_PAGE_LINES
+        if not 1 <= limit <= LOG_PAGE_LINES or request.after < 0:
+            raise ValueError(f"GetJobLogs: limit must be 1-{LOG_PAGE_LINES} (0: "
+                             f"{LOG_PAGE_LINES}) and after >= 0; got limit={request.limit}, "
+                             f"after={request.after}.")
+        lines = await self._blocking(manager.store.logs, request.job_id, request.after,
+                                     limit + 1)
+        page: list[pb.LogLine] = []
+        size = 0
+        for x in lines[:limit]:  # a page stays far under the message limit
+            size += len(x.line.encode()) + 32
+            if page and size > LOG_PAGE_BYTES:
+                break
+            page.append(pb.LogLine(seq=x.seq, host=x.host, line=x.line, at=x.at))
+        return pb.JobLogs(lines=page, more=len(page) < len(lines))
 
     async def GetJobStacks(self, request: pb.JobRequest, context: Any) -> pb.JobStacks:
         manager = self._manager()

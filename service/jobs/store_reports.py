@@ -105,13 +105,14 @@ class JobReports(JobDatabase):
             conn.executemany("INSERT INTO logs (job_id, host, line, at) VALUES (?, ?, ?, ?)",
                              [(job_id, int(host), str(line), now) for line in lines])
 
-    def logs(self, job_id: str, after: int = 0) -> list[LogLine]:
+    def logs(self, job_id: str, after: int = 0, limit: int | None = None) -> list[LogLine]:
         """The job's log lines in the order they were appended; ``after``: only lines with
-        a larger ``seq`` (to tail)."""
+        a larger ``seq`` (to tail); ``limit``: at most this many."""
         with self._read() as conn:
             self._require(conn, job_id)
             rows = conn.execute("SELECT seq, host, line, at FROM logs WHERE job_id = ? AND "
-                                "seq > ? ORDER BY seq", (job_id, after)).fetchall()
+                                "seq > ? ORDER BY seq LIMIT ?",
+                                (job_id, after, -1 if limit is None else limit)).fetchall()
         return [LogLine(*r) for r in rows]
 
     # ------------------------------------------------------------------ goodput

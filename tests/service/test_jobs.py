@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import numpy as np
 import pytest
@@ -27,11 +28,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_process import Service, crash_service, start_service, stop_service
 
 import jaxpod
+from jaxpod.proto import coordinator_pb2 as pb
+from jaxpod.service.api.server import SERVICE_NAME
 from jaxpod.timeouts import Deadline, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
 SLICES = "v4-8,v4-16"
+#: Lines each host of the printing job prints at trace time, and their width (under the
+#: hosts' 64 KiB cut).
+WIDE_LINES, WIDE_CHARS = 10, 60_000
 LR = 0.1
 FEATURES = 3
 RTOL, ATOL = 2e-5, 2e-6
@@ -596,6 +602,8 @@ def test_logs_hold_what_the_step_printed_on_each_host(service: Service,
         import jax
 
         print("tracing the printing step")
+        for i in range(WIDE_LINES):  # over a page of logs in all: they come in pages
+            print(f"wide {i} " + "x" * WIDE_CHARS)
         jax.debug.print("step {n} sum {s}", n=state, s=batch.sum())
         return state + 1, {}
 
@@ -629,6 +637,19 @@ def test_logs_hold_what_the_step_printed_on_each_host(service: Service,
     shown = _cli(service, "logs", job.id)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.splitlines() == lines
+    # The wide lines, 2 x WIDE_LINES x WIDE_CHARS bytes, are more than one answer holds:
+    # the first says more follow, and the SDK and the CLI read them all.
+    # (Each host traces the step more than once: each trace prints them again.)
+    wide = {(m.group(1), int(m.group(2))) for line in lines
+            if (m := re.match(rf"\[host ([01])\] wide (\d+) x{{{WIDE_CHARS}}}$", line))}
+    assert wide == {(h, i) for h in "01" for i in range(WIDE_LINES)}, sorted(wide)
+    with grpc.insecure_channel(service.address) as channel:
+        first = channel.unary_unary(f"/{SERVICE_NAME}/GetJobLogs",
+                                    request_serializer=lambda m: m.SerializeToString(),
+                                    response_deserializer=pb.JobLogs.FromString)(
+            pb.JobLogsRequest(job_id=job.id),
+            metadata=(("authorization", f"Bearer {service.token}"),))
+    assert first.more and 0 < len(first.lines) < len(lines), (first.more, len(first.lines))
 
 
 def test_the_cli_submits_waits_lists_and_cancels(service: Service, tmp_path: Path,
