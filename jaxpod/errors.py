@@ -154,6 +154,11 @@ class JobNotFoundError(JaxpodError, KeyError):
                 "`jaxpod jobs` or `client.jobs()` and pass one of their ids.")
 
 
+class JobNotRunningError(JaxpodError, ValueError):
+    """What needs a job's running attempt (a profile, its hosts' stacks) asked of a job
+    that is not running on a slice; the message says its state and what to do."""
+
+
 class JobFailedError(JaxpodError):
     """``result()`` of a job that ended ``FAILED``; ``error`` is the recorded reason (the
     user's exception type, message and remote traceback, or what the service saw)."""

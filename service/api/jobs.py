@@ -14,7 +14,14 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from jaxpod import settings
-from jaxpod.jobs import JobProfile, JobSpec, JobStatus, check_outputs, check_profile_seconds
+from jaxpod.jobs import (
+    HostStacks,
+    JobProfile,
+    JobSpec,
+    JobStatus,
+    check_outputs,
+    check_profile_seconds,
+)
 from jaxpod.proto import coordinator_pb2 as pb
 from jaxpod.proto.job_messages import from_message, to_message
 from jaxpod.service.api.stopping import Stopping
@@ -140,10 +147,8 @@ class JobsServicer:
         return pb.JobLogs(lines=page, more=len(page) < len(lines))
 
     async def GetJobStacks(self, request: pb.JobRequest, context: Any) -> pb.JobStacks:
-        manager = self._manager()
-        await self._blocking(manager.check_owner, request.job_id, self.caller(context),
-                             "GetJobStacks")
-        stacks = await self._blocking(manager.stacks, request.job_id)
+        stacks = await job_stacks(self._manager(), request.job_id, self._blocking,
+                                  self.caller(context))
         return pb.JobStacks(hosts=[to_message(s) for s in stacks])
 
     async def ProfileJob(self, request: pb.ProfileJobRequest, context: Any
@@ -215,6 +220,14 @@ async def profile_job(manager: JobManager, job_id: str, seconds: float,
     await blocking(manager.check_owner, job_id, caller, "profile")
     await blocking(manager.audit, caller.name, "profile", job_id, f"{seconds:g} s")
     return await blocking(manager.profile, job_id, seconds)
+
+
+async def job_stacks(manager: JobManager, job_id: str, blocking: _Blocking,
+                     caller: Principal) -> list[HostStacks]:
+    """Every host's Python stacks of the running job, read now, if ``caller`` owns it
+    (or is an admin); the gRPC and HTTP edges share it."""
+    await blocking(manager.check_owner, job_id, caller, "stacks")
+    return await blocking(manager.stacks, job_id)
 
 
 async def cancel_and_wait(manager: JobManager, job_id: str, blocking: _Blocking,

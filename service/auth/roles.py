@@ -49,6 +49,7 @@ ROUTE_ROLES: Mapping[tuple[str, str], Role | None] = MappingProxyType({
     ("GET", "/api/v1/jobs/{job_id}/events"): _VIEWER,
     ("POST", "/api/v1/jobs/{job_id}/cancel"): _SUBMITTER,  # its own jobs, or an admin
     ("POST", "/api/v1/jobs/{job_id}/profile"): _SUBMITTER,  # the same
+    ("GET", "/api/v1/jobs/{job_id}/stacks"): _SUBMITTER,  # the same
     ("GET", "/api/v1/audit"): Role.ADMIN,
 })
 

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 import jaxpod
-from jaxpod.errors import JobNotFoundError, PermissionDeniedError
+from jaxpod.errors import JobNotFoundError, JobNotRunningError, PermissionDeniedError
 from jaxpod.service.auth.roles import ROUTE_ROLES
 from jaxpod.service.auth.tokens import TokenBook, denial
 from jaxpod.service.http import auth, page, routes
@@ -135,6 +135,10 @@ def create_app(backend: Backend | None, tokens: TokenBook | None = None) -> Fast
     @app.exception_handler(JobNotFoundError)
     async def not_found(request: Request, exc: JobNotFoundError) -> Response:
         return _error(404, "not_found", f"{exc} (GET /api/v1/jobs lists them.)")
+
+    @app.exception_handler(JobNotRunningError)
+    async def not_running(request: Request, exc: JobNotRunningError) -> Response:
+        return _error(409, "not_running", str(exc))
 
     @app.exception_handler(NoJobsError)
     async def no_jobs(request: Request, exc: NoJobsError) -> Response:

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from jaxpod import settings
-from jaxpod.jobs import MAX_PROFILE_SECONDS, HostInput, JobProfile
+from jaxpod.jobs import MAX_PROFILE_SECONDS, HostInput, HostStacks, JobProfile
 from jaxpod.service.api import jobs as handlers
 from jaxpod.service.http import models
 from jaxpod.service.http.backend import Backend
@@ -50,6 +50,8 @@ NOT_FOUND: dict[int | str, dict[str, Any]] = {
 FORBIDDEN: dict[int | str, dict[str, Any]] = {
     403: {"model": models.ErrorBody, "description": "a role too low, another's job (for a "
                                                    "submitter), or a cross-origin change"}}
+NOT_RUNNING: dict[int | str, dict[str, Any]] = {
+    409: {"model": models.ErrorBody, "description": "the job is not running on a slice"}}
 
 
 class Recent:
@@ -224,7 +226,7 @@ async def cancel_job(request: Request, backend: BackendDep, job_id: JobId
 
 
 @jobs.post("/jobs/{job_id}/profile", response_model=JobProfile,
-           responses={**NOT_FOUND, **FORBIDDEN},
+           responses={**NOT_FOUND, **FORBIDDEN, **NOT_RUNNING},
            summary="Trace every host of a running job with jax.profiler for `seconds` "
                    "(from its next loop boundary); answers once the trace is written")
 async def profile_job(request: Request, backend: BackendDep, job_id: JobId,
@@ -232,6 +234,16 @@ async def profile_job(request: Request, backend: BackendDep, job_id: JobId,
                       ) -> JobProfile:
     return await handlers.profile_job(backend.jobs, job_id, seconds, _blocking,
                                       request.state.principal)
+
+
+@jobs.get("/jobs/{job_id}/stacks", response_model=list[HostStacks],
+          responses={**NOT_FOUND, **FORBIDDEN, **NOT_RUNNING},
+          summary="Every thread's Python stack on each host of a running job, read now "
+                  "(`jaxpod job stacks ID`)")
+async def job_stacks(request: Request, backend: BackendDep, job_id: JobId
+                     ) -> list[HostStacks]:
+    return await handlers.job_stacks(backend.jobs, job_id, _blocking,
+                                     request.state.principal)
 
 
 @jobs.get("/jobs/{job_id}/events", response_class=StreamingResponse, responses={

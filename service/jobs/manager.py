@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 from jaxpod import settings
-from jaxpod.errors import PermissionDeniedError
+from jaxpod.errors import JobNotRunningError, PermissionDeniedError
 from jaxpod.jobs import (
     HostInput,
     HostStacks,
@@ -216,7 +216,7 @@ class JobManager:
         now (its hosts answer while they run a loop).
 
         Raises:
-          ValueError: the job is not running on a slice.
+          JobNotRunningError: the job is not running on a slice (a ``ValueError``).
         """
         return self._running(
             job_id, "stacks are read from the hosts of a running attempt. Ask again while "
@@ -234,13 +234,13 @@ class JobManager:
         return controller.run_now if controller is not None else None
 
     def _running(self, job_id: str, why: str) -> JobRun:
-        """The job's running attempt; else ``ValueError`` saying the job's state and
-        ``why`` it must run."""
+        """The job's running attempt; else ``JobNotRunningError`` saying the job's state
+        and ``why`` it must run."""
         status = self.store.get(job_id)
         run = self._run_now(job_id)
         if run is None:
-            raise ValueError(f"Job {job_id} is {status.state.value}, not running on a slice: "
-                             f"{why}")
+            raise JobNotRunningError(f"Job {job_id} is {status.state.value}, not running on a "
+                                     f"slice: {why}")
         return run
 
     def result(self, job_id: str, with_state: bool = True) -> dict[str, Any]:

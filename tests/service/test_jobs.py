@@ -395,6 +395,15 @@ def test_a_straggling_host_is_named_and_its_stacks_show_where_it_sleeps(
         assert logged and "[host 1] [jaxpod] host 1 straggles" in logged, logged
         # The last loop's metric is the global batch's sum (both hosts' rows).
         assert job.status().metrics["rows"] == float(np.arange(8).sum()), job.status()
+        # The HTTP API reads them too (what the page's Stacks button shows).
+        with httpx.Client(base_url=service.http_url, timeout=60,
+                          headers={"Authorization": f"Bearer {service.token}"}) as api:
+            hosts_read = api.get(f"/api/v1/jobs/{job.id}/stacks").json()
+            assert [h["host"] for h in hosts_read] == [0, 1], hosts_read
+            assert all("most recent call last" in h["stacks"] for h in hosts_read)
+            job.cancel()
+            refused = api.get(f"/api/v1/jobs/{job.id}/stacks")
+            assert refused.status_code == 409 and refused.json()["error"] == "not_running"
     finally:
         job.cancel()
     with pytest.raises(ValueError, match="not running on a slice"):

@@ -190,8 +190,8 @@ def test_every_route_has_a_role_and_is_refused_exactly_below_it(
 
 def _cancel_on_the_page(service: Service, issued: dict[str, str], job_id: str) -> None:
     """Each holder signs in to the page showing ``job_id`` (alice's, not over): who may
-    cancel or profile it sees the buttons, the others do not; alice takes a profile
-    with hers and root cancels the job."""
+    cancel, profile or read its stacks sees the buttons, the others do not; alice takes
+    a profile and reads the stacks with hers and root cancels the job."""
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=chromium_path(), headless=True)
         try:
@@ -210,6 +210,7 @@ def _cancel_on_the_page(service: Service, issued: dict[str, str], job_id: str) -
                 if name in ("vera", "bob"):
                     expect(button).to_have_count(0)
                     expect(page.locator("#profile-job")).to_have_count(0)
+                    expect(page.locator("#stacks-job")).to_have_count(0)
                 else:
                     expect(button).to_be_visible()
                 if name == "alice":  # her job's profile: a trace file per host, listed
@@ -218,6 +219,12 @@ def _cancel_on_the_page(service: Service, issued: dict[str, str], job_id: str) -
                     page.locator("#profile-job").click()
                     expect(page.locator("#profiles tbody tr td").nth(2)).to_have_text(
                         "2", timeout=120_000)
+                    # and every host's stacks, read now (its two hosts, their threads)
+                    page.locator("#stacks-job").click()
+                    stacks = page.locator("#detail-stacks")
+                    expect(stacks).to_contain_text("== host 1", timeout=60_000)
+                    shown = stacks.inner_text()
+                    assert shown.count("== host ") == 2 and "most recent call last" in shown
                 if name == "root":
                     button.click()
                     expect(page.locator("#detail-state")).to_have_text("CANCELLED",

@@ -170,8 +170,12 @@
         mayControl(d) ? h("button", {id: "profile-job", type: "button",
                                     title: "trace every host with jax.profiler for " +
                                            PROFILE_SECONDS + " s"},
-                         "Profile " + PROFILE_SECONDS + " s") : null),
+                         "Profile " + PROFILE_SECONDS + " s") : null,
+        mayControl(d) ? h("button", {id: "stacks-job", type: "button",
+                                    title: "every thread's Python stack on each host, now"},
+                         "Stacks") : null),
       h("pre", {id: "detail-error", class: "bad", hidden: ""}),
+      h("pre", {id: "detail-stacks", hidden: ""}),
       h("p", {id: "detail-wait", class: "muted", hidden: ""}),
       h("p", {id: "detail-checkpoint", class: "muted"}),
       h("div", {class: "charts"},
@@ -193,6 +197,8 @@
     if (cancel) cancel.addEventListener("click", () => cancelShown(cancel));
     const profile = byId("profile-job");
     if (profile) profile.addEventListener("click", () => profileShown(profile));
+    const stacks = byId("stacks-job");
+    if (stacks) stacks.addEventListener("click", () => stacksShown(stacks));
     showStatus(d);
     fillDetail(d);
     addPoints(d.series);
@@ -223,6 +229,23 @@
       await refreshDetail(shown);
     } finally {
       text(button, "Profile " + PROFILE_SECONDS + " s");
+      button.disabled = false;
+    }
+  }
+
+  // Every host's stacks, read when asked: where a straggling or stuck host is.
+  async function stacksShown(button) {
+    button.disabled = true;
+    try {
+      const r = await fetch("/api/v1/jobs/" + encodeURIComponent(shown) + "/stacks", {
+        credentials: "same-origin", headers: {Accept: "application/json"}});
+      const body = await r.json();
+      const pre = byId("detail-stacks");
+      text(pre, r.ok ? body.map(x => "== host " + x.host + "  " + x.node + "  pid " + x.pid +
+                                     "\n" + x.stacks).join("\n")
+                     : body.message);
+      pre.hidden = false;
+    } finally {
       button.disabled = false;
     }
   }
@@ -272,6 +295,8 @@
     if (cancel) cancel.hidden = over;
     const profile = byId("profile-job");
     if (profile) profile.hidden = j.state !== "RUNNING";
+    const stacks = byId("stacks-job");
+    if (stacks) stacks.hidden = j.state !== "RUNNING";
     text(byId("detail-step"), j.step);
     const wait = byId("detail-wait");
     if (wait) {
