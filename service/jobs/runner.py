@@ -60,6 +60,7 @@ from jaxpod.service.jobs.checkpoints import JobCheckpoints
 from jaxpod.service.jobs.codec import JobStoreError, check_storable
 from jaxpod.service.jobs.goodput import GoodputClock
 from jaxpod.service.jobs.loop_times import HANG_TIMEOUT, LoopTimes, StepRate
+from jaxpod.service.jobs.scalars import TensorBoardScalars
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.jobs.stragglers import HostCounters, Stragglers
 from jaxpod.service.slices.group_engine import GroupEngine
@@ -189,6 +190,7 @@ class JobRun:
         self._stacks_wanted: str | None = None
         self._stack_readers: list[threading.Timer] = []
         self._loop_limit: float | None = None  # the running loop's, if it has one
+        self._scalars = TensorBoardScalars(self.checkpoints.directory, self.start_step)
 
     def run(self) -> Finished:
         """Runs the remaining steps; raises what the job's code raised, a slice
@@ -254,6 +256,7 @@ class JobRun:
                 self._settle_checkpoints()
             raise
         finally:
+            self._write_scalars()  # what it recorded since the last write
             for reader in self._stack_readers:
                 reader.cancel()
             self.profiling.finish(engine.stop_profile, ended)
@@ -305,6 +308,7 @@ class JobRun:
         self.store.set_checkpoints(self.job_id, {s: self.checkpoints.state_path(s)
                                                  for s in kept})
         self._committed = step
+        self._write_scalars()
         self._changed()
 
     def _settle_checkpoints(self) -> None:
@@ -467,11 +471,28 @@ class JobRun:
             self.store.add_metrics(self.job_id, step, scalars)
         else:
             self.store.set_step(self.job_id, step)
+        if self._scalars.due():
+            self._write_scalars()
         if step - self.start_step <= self.spec.steps_per_run:  # the attempt's first loop
             now, before = self._programs(self._poll_hosts()), self._programs_before
             self.store.first_loop_done(self.job_id, None if now is None or before is None
                                        else (now[0] - before[0], now[1] - before[1]))
         self._changed()
+
+    def _write_scalars(self) -> None:
+        """The metrics recorded since the last write, with the attempt's rate and
+        goodput, as TensorBoard scalars in the job's folder (:mod:`.scalars`)."""
+        try:
+            series = self.store.metrics(self.job_id, after=self._scalars.after)
+        except Exception as e:  # a report must never fail the job
+            logger.debug("job %s: reading its metrics failed: %s", self.job_id, e)
+            return
+        extra = {f"goodput/{name}": value
+                 for name, value in goodput.summary(self._clock.totals()).items()}
+        rate = self.rate.steps_per_s()
+        if rate is not None:
+            extra["steps_per_s"] = rate
+        self._scalars.write(series, extra)
 
     @staticmethod
     def _programs(news: Sequence[HostNews]) -> tuple[int, int] | None:

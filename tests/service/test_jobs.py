@@ -258,7 +258,7 @@ def _assert_lr_result(result: Any, status: Any, batches: list[dict[str, np.ndarr
 
 
 # ------------------------------------------------------------------ tests
-def test_linear_regression_job_matches_numpy(client: Any) -> None:
+def test_linear_regression_job_matches_numpy(client: Any, state_dir: Path) -> None:
     # Global batches of 14 rows over 4 replicas (4, 4, 3, 3): padding on the devices;
     # 37 rows in all, so epochs start in the middle of a global batch.
     batches = lr_batches([14, 14, 9], seed=0)
@@ -268,10 +268,24 @@ def test_linear_regression_job_matches_numpy(client: Any) -> None:
     assert job.name == "linear-regression"
     final = job.wait(timeout=300, progress=False)
     assert final.state == "SUCCEEDED", final.error
-    _assert_lr_result(job.result(), final, stream_steps(batches, 12), steps=12,
-                      steps_per_run=5)
+    result = job.result()
+    _assert_lr_result(result, final, stream_steps(batches, 12), steps=12, steps_per_run=5)
     assert final.attempts == 1 and final.started_at is not None
     assert final.created_at <= final.started_at <= final.finished_at
+    # Its folder holds TensorBoard scalars: the loss at every recorded step, as
+    # TensorBoard's own reader reads them, and the attempt's rate and goodput.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(state_dir / "checkpoints" / job.id / "tensorboard"))
+    events.Reload()
+    loss = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert [s for s, _ in loss] == [s for s, _ in result.metrics["loss"]]
+    np.testing.assert_allclose([v for _, v in loss], [v for _, v in result.metrics["loss"]],
+                               rtol=1e-6)
+    tags = events.Tags()["scalars"]
+    assert "steps_per_s" in tags and "goodput/productive_share" in tags, tags
+    share = events.Scalars("goodput/productive_share")[-1]
+    assert share.step == 12 and 0 < share.value <= 1
 
 
 def test_dataset_fn_job_on_two_hosts_matches_numpy(client: Any) -> None:
