@@ -443,6 +443,8 @@ def _line(status: JobStatus) -> str:
         parts.append(f"queue #{status.queue_position}")
     if status.metrics:
         parts.append(_metrics(status.metrics))
+    if status.stragglers:
+        parts.append("straggler(s): " + ", ".join(f"host {h}" for h in status.stragglers))
     return "  ".join(parts)
 
 

@@ -104,6 +104,9 @@ class JobStatus:
         it, a lower-priority job giving its slice up, or no free slice (``None``: not
         queued).
       priority: its priority (higher runs first, preempting lower ones).
+      stragglers: the hosts of its running attempt flagged as stragglers now
+        (:class:`HostInput` ``straggler`` says why; ``jaxpod job stacks ID`` shows what
+        they are doing).
     """
 
     id: str
@@ -124,6 +127,7 @@ class JobStatus:
     owner: str = ""
     wait_reason: str | None = None
     priority: int = 0
+    stragglers: tuple[int, ...] = ()
 
     @property
     def done(self) -> bool:

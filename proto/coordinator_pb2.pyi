@@ -664,7 +664,7 @@ class JobAttempt(_message.Message):
     def __init__(self, number: _Optional[int] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., cause: _Optional[str] = ..., step_reached: _Optional[int] = ..., running_at: _Optional[float] = ..., start_step: _Optional[int] = ..., first_step_at: _Optional[float] = ..., programs_loaded: _Optional[int] = ..., programs_compiled: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "goodput", "steps_per_s", "owner", "wait_reason", "priority")
+    __slots__ = ("id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "goodput", "steps_per_s", "owner", "wait_reason", "priority", "stragglers")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -697,6 +697,7 @@ class JobStatus(_message.Message):
     OWNER_FIELD_NUMBER: _ClassVar[int]
     WAIT_REASON_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLERS_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: str
     name: str
@@ -715,7 +716,8 @@ class JobStatus(_message.Message):
     owner: str
     wait_reason: str
     priority: int
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., attempts: _Optional[int] = ..., queue_position: _Optional[int] = ..., error: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., goodput: _Optional[_Mapping[str, float]] = ..., steps_per_s: _Optional[float] = ..., owner: _Optional[str] = ..., wait_reason: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    stragglers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., attempts: _Optional[int] = ..., queue_position: _Optional[int] = ..., error: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., goodput: _Optional[_Mapping[str, float]] = ..., steps_per_s: _Optional[float] = ..., owner: _Optional[str] = ..., wait_reason: _Optional[str] = ..., priority: _Optional[int] = ..., stragglers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HostInput(_message.Message):
     __slots__ = ("host", "input_wait_s", "input_queue_depth", "node", "address", "pid", "step_s", "straggler")

@@ -275,7 +275,8 @@ class JobManager:
 
     def _live(self, status: JobStatus, positions: dict[str, int]) -> JobStatus:
         """``status`` as stored, with what only this process knows now: its queue
-        position, its running clock's goodput and its running attempt's rate."""
+        position, its running clock's goodput, its running attempt's rate and
+        stragglers."""
         totals = self.goodput.totals(status.id)
         controller = self.dispatcher.controller(status.id)
         run = controller.run_now if controller is not None else None
@@ -283,7 +284,8 @@ class JobManager:
             status, queue_position=positions.get(status.id),
             wait_reason=self.dispatcher.why_waiting(status, positions.get(status.id)),
             goodput=summary(totals) if totals else status.goodput,
-            steps_per_s=run.rate.steps_per_s() if run is not None else status.steps_per_s)
+            steps_per_s=run.rate.steps_per_s() if run is not None else status.steps_per_s,
+            stragglers=tuple(h.host for h in run.hosts if h.straggler) if run else ())
 
     # ------------------------------------------------------------------ running
     def checkpoints(self, job_id: str) -> JobCheckpoints:

@@ -386,6 +386,8 @@ def test_a_straggling_host_is_named_and_its_stacks_show_where_it_sleeps(
         assert [h.host for h in hosts] == [0, 1]
         assert hosts[1].straggler and not hosts[0].straggler, hosts
         assert hosts[1].step_s > 3 * hosts[0].step_s > 0, hosts
+        # The job's status names it too (a read of its own, so waited for as well).
+        assert wait_for(lambda: job.status().stragglers == (1,), 60), job.status()
         shown = _cli(service, "job", job.id)
         assert shown.returncode == 0 and "STRAGGLER" in shown.stdout, shown
 
