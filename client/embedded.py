@@ -100,7 +100,7 @@ class EmbeddedService:
                 proc.wait(STOP_TIMEOUT.resolve(timeout_s))
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait()
+                proc.wait()  # bounded: SIGKILLed just now
                 killed = True
         if proc.stdin:
             proc.stdin.close()

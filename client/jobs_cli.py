@@ -233,7 +233,7 @@ def run_submit(args: argparse.Namespace) -> int:
         if not args.wait:
             return 0
         try:
-            status = job.wait()
+            status = job.wait()  # bounded: `submit --wait` follows the job to its end
         except KeyboardInterrupt:
             print(f"\njaxpod: job {job.id} goes on running: `jaxpod job {job.id} --watch` "
                   f"follows it, `jaxpod cancel {job.id}` stops it.", file=sys.stderr)

@@ -353,6 +353,9 @@ JOB_HANG_TIMEOUT = seconds("JAXPOD_JOB_HANG_TIMEOUT_S", 300, "How much longer th
                            "and the job restarts from its newest checkpoint. A loop of a "
                            "length not run yet (it compiles) has JAXPOD_OPERATION_TIMEOUT_S.",
                            "service")
+STORAGE_READ_TIMEOUT = seconds("JAXPOD_STORAGE_READ_TIMEOUT_S", 300, "How long one read of a "
+                               "job's stored state (an array opened, a block of one) may "
+                               "take while the service streams the job's result.", "service")
 JOB_CHECKPOINTS_KEPT = count("JAXPOD_JOB_CHECKPOINTS_KEPT", 2, "Committed checkpoints kept "
                              "per job (the hosts remove older ones as they commit).",
                              "service")

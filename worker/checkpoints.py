@@ -399,6 +399,7 @@ class HostCheckpoints:
         """Waits for the save call under way under ``directory``; raises its error."""
         saving = self._saving.pop(directory, None)
         if saving is not None:
+            # bounded: the coordinator's operation time-out resets a stuck slice
             saving.result()
 
     def committed(self, directory: str) -> int | None:
@@ -457,6 +458,7 @@ class HostCheckpoints:
             abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
         restored = manager.restore(step, args=ocp.args.Composite(**{STATE: restore}))[STATE]
         stored, treedef = jax.tree.flatten(restored)
+        # bounded: a compile, under the coordinator's operation time-out
         values = program.result()(*stored)
         return jax.tree.unflatten(treedef, [PerReplica(v) for v in values]), position
 
@@ -499,7 +501,7 @@ class HostCheckpoints:
             saving, self._saving = list(self._saving.values()), {}
             self._committed.clear()
         for call in saving:
-            try:
+            try:  # bounded: a stuck worker is killed after JAXPOD_WORKER_STOP_TIMEOUT_S
                 call.result()
             except Exception as e:
                 logger.warning("a checkpoint's save call failed: %s", e)

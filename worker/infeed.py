@@ -177,6 +177,7 @@ class Infeed:
         with self._changed:
             if not self._front_ready():  # the input is behind: the caller waits for it
                 started = time.perf_counter_ns()
+                # bounded: the coordinator's operation time-out resets a stuck slice
                 self._changed.wait_for(self._front_ready)
                 self.waits.add(time.perf_counter_ns() - started)
             item = self._items[0]
@@ -248,7 +249,7 @@ class Infeed:
                 waiting = sum(chunk.num_steps for chunk in host)
                 if not ended and (not host or waiting + self._steps <= self._lookahead):
                     return "read"
-                self._changed.wait()
+                self._changed.wait()  # bounded: a step taking a chunk, or close, wakes it
             return None
 
     def _read(self) -> None:

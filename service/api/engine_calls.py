@@ -211,6 +211,7 @@ def _streamed(tree: Any) -> Any:
     def leaf(g: Any) -> Any:
         if not isinstance(g, GatherParts):
             return g
+        # bounded: GatherParts.join joins arrays; it waits on nothing
         return tensors.RowParts(g.shape, g.dtype, g.parts) if g.axis == 0 else g.join()
 
     return jax.tree.map(leaf, tree, is_leaf=lambda x: isinstance(x, GatherParts))

@@ -274,6 +274,7 @@ class LocalTPUCluster:
             )
         if not line:
             raise RuntimeError(
+                # bounded: its output ended, so it exited
                 f"The simulated TPU cluster launcher exited with code {self._proc.wait()} "
                 f"before it was ready. Log tail:\n{self._log_tail()}"
             )
@@ -372,7 +373,7 @@ def _wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
 def _kill_and_reap(proc: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         proc.kill()
-    proc.wait()
+    proc.wait()  # bounded: SIGKILLed just now
 
 
 def descendants(pid: int) -> dict[int, str]:

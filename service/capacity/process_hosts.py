@@ -61,6 +61,7 @@ class HostProcess:
         except EOFError:
             raise WorkerStartError(
                 f"Host {self.index}'s worker process {self.pid} exited (status "
+                # bounded: its pipe closed, so the process exited
                 f"{self.process.wait()}) before it answered; its output is in the "
                 "service's log.") from None
         self.owed -= 1
@@ -133,7 +134,7 @@ class ProcessWorkers:
         for worker in workers:
             with contextlib.suppress(OSError):
                 worker.process.kill()
-            worker.process.wait()
+            worker.process.wait()  # bounded: SIGKILLed just now
             worker.close()
 
 

@@ -142,7 +142,7 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
         await set_serving(health, True)
         grpc_serving = True
         logger.info("jaxpod serve: ready on %s:%d", host, port)
-        await stop.wait()
+        await stop.wait()  # bounded: the service serves until told to stop
     finally:
         logger.info("jaxpod serve: stopping (grace %.0fs)", SHUTDOWN_GRACE.seconds())
         provider.failed(ServiceUnavailableError(
@@ -173,7 +173,7 @@ async def _reap(service: CoordinatorService, stop: asyncio.Event) -> None:
     interval = max(0.05, min(1.0, service.sessions.default_lease_s / 4))
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=interval)
+            await asyncio.wait_for(stop.wait(), timeout=interval)  # bounded: timeout
         try:
             await service.reap_expired()
         except Exception:  # a failed release must not stop the reaper

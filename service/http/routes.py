@@ -290,6 +290,7 @@ async def _events(backend: Backend, job_id: str) -> AsyncIterator[bytes]:
         return fresh
 
     watch = handlers.watch_statuses(manager, job_id, _blocking)
+    # bounded: raced with the next status below, and cancelled when the stream ends
     stop = asyncio.ensure_future(backend.stopping.wait())
     following: asyncio.Future[Any] | None = None
     try:
@@ -299,7 +300,7 @@ async def _events(backend: Backend, job_id: str) -> AsyncIterator[bytes]:
             if not following.done():
                 return  # the service is stopping
             try:
-                status = following.result()
+                status = following.result()  # bounded: done (asyncio.wait above)
             except StopAsyncIteration:
                 break
             yield _sse("status", models.summary_of(status).model_dump())

@@ -207,7 +207,7 @@ class JobManager:
         run = self._running(job_id, "a profile traces a running job's steps. Profile it "
                                     f"while `jaxpod job {job_id}` says RUNNING.")
         run.profiling.ask(request)
-        profile = request.wait()
+        profile = request.wait()  # bounded: the seconds + JAXPOD_JOB_PROFILE_WAIT_S
         self.store.add_profile(job_id, profile)
         return profile
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxpod import settings
 from jaxpod.pieces import CHUNK_BYTES
 
 #: Bytes read ahead of the stream at most (besides the block it is sending).
@@ -77,7 +78,7 @@ class StateReader:
                 return
             block, future = self._issued.popleft()
             self._ahead -= block.nbytes
-            yield np.ascontiguousarray(future.result())
+            yield np.ascontiguousarray(_result(future, "a block of its state"))
 
     # --------------------------------------------------------------- internals
     def _start(self) -> None:
@@ -133,7 +134,7 @@ class StateReader:
                 del self._stores[block.leaf], self._last_block[block.leaf]
 
     def _plan_leaf(self, leaf: int) -> None:
-        store = self._opening.pop(leaf).result()
+        store = _result(self._opening.pop(leaf), "an array of its state")
         self._planned += 1
         shape = tuple(int(n) for n in store.shape)
         itemsize = np.dtype(store.dtype.numpy_dtype).itemsize
@@ -162,3 +163,19 @@ def _format(path: str) -> tuple[bool, bool]:
     except FileNotFoundError:
         return True, False
     return bool(raw.get("use_ocdbt", True)), bool(raw.get("use_zarr3", False))
+
+
+#: How long one read of a stored state (opening an array, a block of one) may take.
+READ_TIMEOUT = settings.STORAGE_READ_TIMEOUT
+
+
+def _result(future: Any, what: str) -> Any:
+    """A TensorStore future's result within :data:`READ_TIMEOUT` (a clear error after)."""
+    limit = READ_TIMEOUT.seconds()
+    try:
+        return future.result(timeout=limit)
+    except TimeoutError:
+        raise TimeoutError(f"Reading {what} from the job's checkpoint took over {limit:g}s "
+                           f"({READ_TIMEOUT.env_var}): the checkpoint storage is slow or "
+                           "unreachable from the service. Try again, or raise "
+                           f"{READ_TIMEOUT.env_var}.") from None

@@ -297,10 +297,11 @@ def _ahead(first: _Part, fetch: Callable[[_Span], _Part], rest: Sequence[_Span]
         ahead = [pool.submit(fetch, r) for r in rest[:1]]
         yield first
         for r in rest[1:]:
+            # bounded: a fetch from the hosts, under the operation time-out
             current = ahead.pop().result()
             ahead.append(pool.submit(fetch, r))
             yield current
         if ahead:
-            yield ahead.pop().result()
+            yield ahead.pop().result()  # bounded: as above
     finally:
         pool.shutdown(wait=False, cancel_futures=True)  # a cancelled reader need not wait
