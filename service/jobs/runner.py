@@ -84,6 +84,9 @@ RATE_WINDOW = settings.JOB_RATE_WINDOW
 #: of grace): short loops do not pay three extra round trips each.
 HOST_POLL = settings.JOB_HOST_POLL
 
+#: The least time between two automatic logs of every host's stacks (stragglers).
+STACKS_EVERY_S = 600.0
+
 
 
 class JobStateError(JaxpodError, TypeError):
@@ -188,6 +191,7 @@ class JobRun:
         self._stragglers = Stragglers()
         #: Why the hosts' stacks are to be read during the next loop (``None``: no).
         self._stacks_wanted: str | None = None
+        self._next_stacks = 0.0  # when flagging a straggler may log stacks again
         self._stack_readers: list[threading.Timer] = []
         self._loop_limit: float | None = None  # the running loop's, if it has one
         self._scalars = TensorBoardScalars(self.checkpoints.directory, self.start_step)
@@ -522,12 +526,18 @@ class JobRun:
         stragglers = self._stragglers
         flagged = stragglers.update([HostCounters(n.loop_steps, n.loop_s, n.input_wait_s)
                                      for n in news])
-        if flagged:
-            host = flagged[0]
-            self._stacks_wanted = f"host {host} straggles: {stragglers.flagged[host]}"
+        for host in flagged:
+            why = f"host {host} straggles: {stragglers.flagged[host]}"
+            # Every host's stacks at most every STACKS_EVERY_S: a host that keeps
+            # being flagged and let go must not fill the logs with 256 hosts' stacks.
+            dump = time.monotonic() >= self._next_stacks
             self.store.append_logs(self.job_id, host, [
-                f"[jaxpod] {self._stacks_wanted}; every host's Python stacks follow, read "
-                "during the next loop (`jaxpod job stacks ID` reads them now)."])
+                f"[jaxpod] {why}" + ("; every host's Python stacks follow, read during the "
+                                     "next loop" if dump else "") +
+                " (`jaxpod job stacks ID` reads them now)."])
+            if dump:
+                self._stacks_wanted = why
+                self._next_stacks = time.monotonic() + STACKS_EVERY_S
         paces = stragglers.paces if len(stragglers.paces) == len(news) else ()
         self.hosts = tuple(HostInput(i, n.input_wait_s, n.input_queue_depth,
                                      str(where[i].get("node", "")),
