@@ -78,13 +78,15 @@ def add_commands(sub: Any) -> None:
         "job", help="show a job's status (--watch: follow it to the end); `job stacks ID`: "
                     "every host's Python stacks now",
         usage="jaxpod job [-h] [--watch] [--json] [--address ADDRESS] ID\n"
-              "       jaxpod job stacks [--address ADDRESS] ID")
+              "       jaxpod job stacks [--host N] [--address ADDRESS] ID")
     job.add_argument("job_id", metavar="ID", help="the job's id")
     job.add_argument("stacks_of", nargs="?", metavar="ID", default=None,
                      help=argparse.SUPPRESS)  # `jaxpod job stacks ID`
     job.add_argument("--watch", action="store_true",
                      help="print a line per change until the job is over")
     job.add_argument("--json", action="store_true", help="print JSON (one object per line)")
+    job.add_argument("--host", type=int, default=None, metavar="N",
+                     help="with `stacks`: only host N's (its index in the slice)")
     _add_address(job)
     job.set_defaults(handler=_pipe_safe(run_job))
 
@@ -291,10 +293,15 @@ def _print_rows(rows: Sequence[Sequence[str]]) -> None:
 
 
 def run_job(args: argparse.Namespace) -> int:
+    if args.host is not None and args.stacks_of is None:
+        print("jaxpod job: --host goes with `jaxpod job stacks ID`.", file=sys.stderr)
+        return 2
     if args.stacks_of is not None:
-        if args.job_id != "stacks":
-            print(f"jaxpod job: got two words, {args.job_id!r} and {args.stacks_of!r}; "
-                  "expected `jaxpod job ID` or `jaxpod job stacks ID`.", file=sys.stderr)
+        if args.job_id != "stacks" or args.watch or args.json:
+            print(f"jaxpod job: got {args.job_id!r} and {args.stacks_of!r}"
+                  f"{' with --watch/--json' if args.watch or args.json else ''}; expected "
+                  "`jaxpod job ID [--watch] [--json]` or `jaxpod job stacks ID [--host N]`.",
+                  file=sys.stderr)
             return 2
         return run_stacks(args.stacks_of, args)
     with _connect(args) as client:
@@ -321,9 +328,16 @@ def run_job(args: argparse.Namespace) -> int:
 
 
 def run_stacks(job_id: str, args: argparse.Namespace) -> int:
-    """``jaxpod job stacks ID``: every host's Python stacks, host by host."""
+    """``jaxpod job stacks ID [--host N]``: every host's Python stacks (or host N's),
+    host by host."""
     with _connect(args) as client:
         hosts = client.job(job_id).stacks()
+    if args.host is not None:
+        if not 0 <= args.host < len(hosts):
+            print(f"jaxpod job stacks: --host {args.host} is not a host of job {job_id}'s "
+                  f"running attempt; it has hosts 0-{len(hosts) - 1}.", file=sys.stderr)
+            return 2
+        hosts = [hosts[args.host]]
     for h in hosts:
         print(f"== host {h.host}  {h.node}  pid {h.pid}")
         print(h.stacks)

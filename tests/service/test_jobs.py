@@ -402,6 +402,11 @@ def test_a_straggling_host_is_named_and_its_stacks_show_where_it_sleeps(
             return by_host["1"] if "in straggle" in by_host["1"] else None
 
         stack = wait_for(host_1_sleeping, 120)
+        only = _cli(service, "job", "stacks", job.id, "--host", "1")
+        assert only.returncode == 0 and only.stdout.count("== host ") == 1, only
+        assert only.stdout.startswith("== host 1  "), only.stdout[:200]
+        wrong = _cli(service, "job", "stacks", job.id, "--host", "2")
+        assert wrong.returncode == 2 and "hosts 0-1" in wrong.stderr, wrong
         # A thread's innermost frame is the one in time.sleep (a builtin: no frame of
         # its own); shipped by value, the step's code shows no source line.
         assert stack and re.search(r"in straggle\n(\s*time\.sleep.*\n)?(thread|\Z)",
