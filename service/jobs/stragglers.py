@@ -19,7 +19,6 @@ profile (``job.profile()``) tell it, not these figures.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,9 +75,11 @@ class Stragglers:
             return []
         self.paces = tuple(HostPace(seconds / steps, max(0.0, waited) / steps)
                            for steps, seconds, waited in deltas)
+        step_medians = medians_of_others([p.step_s for p in self.paces])
+        input_medians = medians_of_others([p.input_s for p in self.paces])
         new = []
-        for host in range(len(self.paces)):
-            why = slow_reason(host, self.paces)
+        for host, pace in enumerate(self.paces):
+            why = slow_reason(pace, step_medians[host], input_medians[host])
             self._runs[host] = self._runs[host] + 1 if why else 0
             if why is None:
                 self.flagged.pop(host, None)
@@ -89,18 +90,35 @@ class Stragglers:
         return new
 
 
-def slow_reason(host: int, paces: Sequence[HostPace]) -> str | None:
-    """Why ``host`` is slow against the other hosts' median in this window (``None``:
-    it is not; a single host has nothing to be compared with)."""
-    others = [p for h, p in enumerate(paces) if h != host]
-    if not others:
+def medians_of_others(values: Sequence[float]) -> list[float | None]:
+    """For each position, the median of every other value (``None`` for a single
+    value): one sort for all, not one per host, since a pod has hundreds of hosts and
+    the runner asks at every report."""
+    n = len(values)
+    if n < 2:
+        return [None] * n
+    order = sorted(range(n), key=lambda i: values[i])
+    ranked = [values[i] for i in order]
+    rank = [0] * n
+    for r, i in enumerate(order):
+        rank[i] = r
+    m = n - 1  # the others' count; their j-th smallest skips the value's own rank
+
+    def nth(j: int, own: int) -> float:
+        return ranked[j if j < own else j + 1]
+
+    return [(nth((m - 1) // 2, rank[i]) + nth(m // 2, rank[i])) / 2 for i in range(n)]
+
+
+def slow_reason(pace: HostPace, step: float | None, waited: float | None) -> str | None:
+    """Why a host of this ``pace`` is slow against the other hosts' median seconds per
+    step (``step``) and input wait per step (``waited``); ``None``: it is not, or it
+    has no other host to be compared with."""
+    if step is None or waited is None:
         return None
-    pace = paces[host]
-    step = statistics.median(p.step_s for p in others)
     if pace.step_s > STRAGGLER_RATIO * step:
         return (f"its loops take {pace.step_s:.3g} s per step, {_times(pace.step_s, step)} "
                 f"the other hosts' median ({step:.3g} s)")
-    waited = statistics.median(p.input_s for p in others)
     if pace.input_s > STRAGGLER_RATIO * waited and pace.input_s >= INPUT_SHARE * pace.step_s:
         return (f"its steps wait {pace.input_s:.3g} s each for its input, "
                 f"{_times(pace.input_s, waited)} the other hosts' median ({waited:.3g} s), "

@@ -11,6 +11,7 @@ from jaxpod.service.jobs.stragglers import (
     STRAGGLER_REPORTS,
     HostCounters,
     Stragglers,
+    medians_of_others,
 )
 
 
@@ -77,3 +78,13 @@ def test_a_single_host_is_never_a_straggler() -> None:
     step_s = np.full((6, 1), 5.0)
     tracker, new = _flags(_reports(step_s, np.zeros_like(step_s)))
     assert not any(new) and tracker.flagged == {}
+
+
+def test_each_hosts_median_of_the_others_equals_numpys() -> None:
+    rng = np.random.default_rng(3)
+    for n in (2, 3, 4, 7, 256):
+        values = rng.exponential(size=n).round(2)  # ties included
+        got = medians_of_others(list(values))
+        expected = [float(np.median(np.delete(values, i))) for i in range(n)]
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12)
+    assert medians_of_others([1.0]) == [None]
