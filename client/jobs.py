@@ -447,6 +447,20 @@ class Job:
         return status_from(self._call("CancelJob", pb.JobRequest(job_id=self.id),
                                       "cancel()"))
 
+    def pin(self, pinned: bool = True) -> JobStatus:
+        """Keeps the job whole for ever: the service's retention (``jaxpod serve
+        --retain-days/--retain-jobs``) never prunes its logs, metrics, result and
+        checkpoints. ``pin(False)`` (or :meth:`unpin`) lets it prune the job once it is
+        finished and past the limits. A job already pruned cannot be pinned
+        (``ValueError``): what it lost is gone."""
+        return status_from(self._call("PinJob", pb.PinJobRequest(job_id=self.id,
+                                                                  pinned=pinned),
+                                      "pin()" if pinned else "unpin()"))
+
+    def unpin(self) -> JobStatus:
+        """``pin(False)``."""
+        return self.pin(False)
+
     def stacks(self) -> list[HostStacks]:
         """Every thread's Python stack on each host of the job's running attempt, read
         now (what ``jaxpod job stacks ID`` prints): where a straggling or stuck host

@@ -1,4 +1,5 @@
-"""The job commands of the ``jaxpod`` CLI: ``submit``, ``jobs``, ``job`` and ``cancel``.
+"""The job commands of the ``jaxpod`` CLI: ``submit``, ``jobs``, ``job``, ``logs``,
+``cancel``, ``pin``, ``unpin``, ``profile`` and ``audit``.
 
 They talk to a running ``jaxpod serve`` (``--address``, default ``$JAXPOD_ADDRESS``;
 token from ``$JAXPOD_TOKEN``) and never start the embedded local service: a job must
@@ -106,6 +107,14 @@ def add_commands(sub: Any) -> None:
     cancel.add_argument("job_id", metavar="ID", help="the job's id")
     _add_address(cancel)
     cancel.set_defaults(handler=_pipe_safe(run_cancel))
+
+    for verb, says in (("pin", "keep a job whole for ever: retention never prunes it"),
+                       ("unpin", "let retention prune a job once it is finished and past "
+                                 "the service's limits")):
+        pin = sub.add_parser(verb, help=says)
+        pin.add_argument("job_id", metavar="ID", help="the job's id")
+        _add_address(pin)
+        pin.set_defaults(handler=_pipe_safe(run_pin), pinned=verb == "pin")
 
     profile = sub.add_parser(
         "profile", help="trace every host of a running job with jax.profiler and print "
@@ -373,6 +382,13 @@ def run_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_pin(args: argparse.Namespace) -> int:
+    with _connect(args) as client:
+        status = client.job(args.job_id).pin(args.pinned)
+    print(f"{status.id}: {'pinned' if status.pinned else 'not pinned'}")
+    return 0
+
+
 def run_profile(args: argparse.Namespace) -> int:
     with _connect(args) as client:
         print(f"jaxpod: tracing job {args.job_id} for {args.seconds:g} s from its next loop "
@@ -406,6 +422,10 @@ def _print_details(details: JobDetails, as_json: bool) -> None:
         ("created", _time(status.created_at)), ("started", _time(status.started_at)),
         ("finished", _time(status.finished_at)),
         ("metrics", _metrics(status.metrics) or "-"),
+        *([("kept", "pinned (retention never prunes it)")] if status.pinned else []),
+        *([("kept", f"a summary since {_time(status.pruned_at)} (pruned by retention: "
+                    "logs, result and checkpoints deleted)")]
+          if status.pruned_at is not None else []),
     ]
     for key, value in fields:
         print(f"{key + ':':<16}{value}")

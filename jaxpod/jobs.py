@@ -107,6 +107,11 @@ class JobStatus:
       stragglers: the hosts of its running attempt flagged as stragglers now
         (:class:`HostInput` ``straggler`` says why; ``jaxpod job stacks ID`` shows what
         they are doing).
+      pinned: kept whole for ever: retention never prunes it (``job.pin()``).
+      pruned_at: when retention pruned the finished job (seconds since the epoch;
+        ``None``: kept whole): its row, the first and last of its history, its
+        attempts, goodput and a few points of each metric stay; its logs, spec, result
+        and checkpoints are gone.
     """
 
     id: str
@@ -128,6 +133,8 @@ class JobStatus:
     wait_reason: str | None = None
     priority: int = 0
     stragglers: tuple[int, ...] = ()
+    pinned: bool = False
+    pruned_at: float | None = None
 
     @property
     def done(self) -> bool:

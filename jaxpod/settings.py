@@ -368,6 +368,21 @@ JOB_WATCH_RECHECK = seconds("JAXPOD_JOB_WATCH_RECHECK_S", 5, "How often, at leas
 JOB_CANCEL_WAIT = seconds("JAXPOD_JOB_CANCEL_WAIT_S", 10, "How long cancelling a running "
                           "job waits for it to stop at its next loop boundary before "
                           "answering with the state it is in.", "service")
+RETAIN_DAYS = count("JAXPOD_RETAIN_DAYS", 30, "Days a finished job is kept whole (jaxpod "
+                    "serve --retain-days); then retention cuts it to its row, a few points "
+                    "of each metric and how it ended, and deletes its checkpoints, unless "
+                    "pinned.", "service")
+RETAIN_JOBS = count("JAXPOD_RETAIN_JOBS", 1000, "The newest finished jobs kept whole "
+                    "whatever their age (jaxpod serve --retain-jobs); older ones are "
+                    "pruned as by JAXPOD_RETAIN_DAYS.", "service")
+RETAIN_METRIC_POINTS = count("JAXPOD_RETAIN_METRIC_POINTS", 32, "Points of each metric a "
+                             "pruned job keeps (evenly spaced steps, the last included).",
+                             "service")
+AUDIT_RETAIN_DAYS = count("JAXPOD_AUDIT_RETAIN_DAYS", 365, "Days audit records are kept "
+                          "(besides the newest 100,000 at most).", "service")
+RETENTION_EVERY = seconds("JAXPOD_RETENTION_EVERY_S", 600, "How often the service prunes "
+                          "finished jobs past retention, trims the audit log and gives "
+                          "freed database pages back.", "service")
 HTTP_CACHE = seconds("JAXPOD_HTTP_CACHE_S", 0.25, "How old a job list or cluster answer "
                      "of the HTTP API may be when concurrent requests share it.", "service")
 HTTP_EVENTS_INTERVAL = seconds("JAXPOD_HTTP_EVENTS_INTERVAL_S", 0.2, "An HTTP event "

@@ -617,6 +617,14 @@ class JobRequest(_message.Message):
     without_state: bool
     def __init__(self, job_id: _Optional[str] = ..., detail: _Optional[bool] = ..., without_state: _Optional[bool] = ...) -> None: ...
 
+class PinJobRequest(_message.Message):
+    __slots__ = ("job_id", "pinned")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    pinned: bool
+    def __init__(self, job_id: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
 class ListJobsRequest(_message.Message):
     __slots__ = ("state", "limit", "offset")
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -664,7 +672,7 @@ class JobAttempt(_message.Message):
     def __init__(self, number: _Optional[int] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., cause: _Optional[str] = ..., step_reached: _Optional[int] = ..., running_at: _Optional[float] = ..., start_step: _Optional[int] = ..., first_step_at: _Optional[float] = ..., programs_loaded: _Optional[int] = ..., programs_compiled: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "goodput", "steps_per_s", "owner", "wait_reason", "priority", "stragglers")
+    __slots__ = ("id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "goodput", "steps_per_s", "owner", "wait_reason", "priority", "stragglers", "pinned", "pruned_at")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -698,6 +706,8 @@ class JobStatus(_message.Message):
     WAIT_REASON_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     STRAGGLERS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    PRUNED_AT_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: str
     name: str
@@ -717,7 +727,9 @@ class JobStatus(_message.Message):
     wait_reason: str
     priority: int
     stragglers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., attempts: _Optional[int] = ..., queue_position: _Optional[int] = ..., error: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., goodput: _Optional[_Mapping[str, float]] = ..., steps_per_s: _Optional[float] = ..., owner: _Optional[str] = ..., wait_reason: _Optional[str] = ..., priority: _Optional[int] = ..., stragglers: _Optional[_Iterable[int]] = ...) -> None: ...
+    pinned: bool
+    pruned_at: float
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., attempts: _Optional[int] = ..., queue_position: _Optional[int] = ..., error: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., goodput: _Optional[_Mapping[str, float]] = ..., steps_per_s: _Optional[float] = ..., owner: _Optional[str] = ..., wait_reason: _Optional[str] = ..., priority: _Optional[int] = ..., stragglers: _Optional[_Iterable[int]] = ..., pinned: _Optional[bool] = ..., pruned_at: _Optional[float] = ...) -> None: ...
 
 class HostInput(_message.Message):
     __slots__ = ("host", "input_wait_s", "input_queue_depth", "node", "address", "pid", "step_s", "straggler")

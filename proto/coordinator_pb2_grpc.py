@@ -169,6 +169,11 @@ class CoordinatorStub:
                 request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.ProfileJobRequest.SerializeToString,
                 response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobProfile.FromString,
                 _registered_method=True)
+        self.PinJob = channel.unary_unary(
+                '/jaxpod.v1.Coordinator/PinJob',
+                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.PinJobRequest.SerializeToString,
+                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.FromString,
+                _registered_method=True)
         self.GetJobStacks = channel.unary_unary(
                 '/jaxpod.v1.Coordinator/GetJobStacks',
                 request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
@@ -363,6 +368,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PinJob(self, request, context):
+        """Keeps a job whole for ever (pinned) or lets retention prune it once finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetJobStacks(self, request, context):
         """Every thread's Python stack on each host of a running job, read now.
         """
@@ -514,6 +526,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ProfileJob,
                     request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.ProfileJobRequest.FromString,
                     response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobProfile.SerializeToString,
+            ),
+            'PinJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinJob,
+                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.PinJobRequest.FromString,
+                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.SerializeToString,
             ),
             'GetJobStacks': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJobStacks,
@@ -1255,6 +1272,33 @@ class Coordinator:
             '/jaxpod.v1.Coordinator/ProfileJob',
             jaxpod_dot_proto_dot_coordinator__pb2.ProfileJobRequest.SerializeToString,
             jaxpod_dot_proto_dot_coordinator__pb2.JobProfile.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxpod.v1.Coordinator/PinJob',
+            jaxpod_dot_proto_dot_coordinator__pb2.PinJobRequest.SerializeToString,
+            jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.FromString,
             options,
             channel_credentials,
             insecure,

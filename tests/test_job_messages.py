@@ -35,7 +35,7 @@ def strategy_for(hint: Any) -> st.SearchStrategy[Any]:
         return st.dictionaries(st.text(max_size=8), strategy_for(args[1]), max_size=3)
     if dataclasses.is_dataclass(hint):
         return of(hint)
-    return {int: _INT32, float: _FLOAT, str: st.text(max_size=12),
+    return {int: _INT32, float: _FLOAT, str: st.text(max_size=12), bool: st.booleans(),
             bytes: st.binary(max_size=16), jobs.JobState: st.sampled_from(jobs.JobState)
             }[hint]
 

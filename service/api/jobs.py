@@ -109,6 +109,10 @@ class JobsServicer:
         return to_message(await cancel_and_wait(self._manager(), request.job_id,
                                                 self._blocking, self.caller(context)))
 
+    async def PinJob(self, request: pb.PinJobRequest, context: Any) -> pb.JobStatus:
+        return to_message(await pin_job(self._manager(), request.job_id, request.pinned,
+                                        self._blocking, self.caller(context)))
+
     def GetJobResult(self, request: pb.JobRequest, context: Any) -> AsyncIterator[Any]:
         manager, caller = self._manager(), self.caller(context)
 
@@ -228,6 +232,17 @@ async def job_stacks(manager: JobManager, job_id: str, blocking: _Blocking,
     (or is an admin); the gRPC and HTTP edges share it."""
     await blocking(manager.check_owner, job_id, caller, "stacks")
     return await blocking(manager.stacks, job_id)
+
+
+async def pin_job(manager: JobManager, job_id: str, pinned: bool, blocking: _Blocking,
+                  caller: Principal) -> JobStatus:
+    """Pins (or unpins) the job, if ``caller`` owns it (or is an admin); the gRPC and
+    HTTP edges share it."""
+    what = "pin" if pinned else "unpin"
+    await blocking(manager.check_owner, job_id, caller, what)
+    status = await blocking(manager.pin, job_id, pinned)
+    await blocking(manager.audit, caller.name, what, job_id)
+    return status
 
 
 async def cancel_and_wait(manager: JobManager, job_id: str, blocking: _Blocking,

@@ -137,6 +137,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default ${TLS_CERT_ENV}); needs --tls-key")
     parser.add_argument("--tls-key", default=None, metavar="PEM",
                         help=f"the certificate's private key (default ${TLS_KEY_ENV})")
+    parser.add_argument("--retain-days", type=float, default=None, metavar="D",
+                        help="finished jobs older than D days are pruned to a summary and "
+                             "their checkpoints deleted, unless pinned (default "
+                             f"${settings.RETAIN_DAYS.name}, "
+                             f"{settings.RETAIN_DAYS.default_text()})")
+    parser.add_argument("--retain-jobs", type=int, default=None, metavar="N",
+                        help="the newest N finished jobs are kept whole whatever their age "
+                             f"(default ${settings.RETAIN_JOBS.name}, "
+                             f"{settings.RETAIN_JOBS.default_text()})")
     parser.add_argument("--platform", default="cpu", choices=("cpu", "tpu"),
                         help="what the host workers run JAX on (default cpu: simulated)")
 
@@ -287,11 +296,14 @@ def _serve(args: argparse.Namespace, address: str, tokens: TokenBook | None, clu
             "filesystem), or a job resumes from nothing after a lost host. Give "
             "--checkpoint-dir gs://BUCKET/PATH (or $%s).",
             checkpoint_dir or state_dir / "checkpoints", CHECKPOINT_DIR_ENV)
+    from jaxpod.service.jobs.retention import RetentionPolicy
+
+    retention = RetentionPolicy.from_settings(args.retain_days, args.retain_jobs)
     try:
         asyncio.run(serve(address, make_slices, tokens, args.lease, listening,
                           args.stop_on_stdin_eof, state_dir=state_dir,
                           http_port=None if args.http_port < 0 else args.http_port,
-                          checkpoint_dir=checkpoint_dir, tls=tls,
+                          checkpoint_dir=checkpoint_dir, tls=tls, retention=retention,
                           provider_kind=("processes" if args.local and
                                          args.provider == "processes" else "ray")))
     finally:

@@ -37,6 +37,7 @@ from jaxpod.service.auth.quotas import SliceQuotas
 from jaxpod.service.auth.tokens import TokenBook
 from jaxpod.service.capacity.deferred import DeferredSlices
 from jaxpod.service.jobs.manager import JobManager
+from jaxpod.service.jobs.retention import RetentionPolicy
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.sessions import SessionManager
 
@@ -50,7 +51,8 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
                 on_listening: Callable[..., None] | None = None,
                 stop_on_stdin_eof: bool = False, state_dir: Path | None = None,
                 http_port: int | None = None, checkpoint_dir: str | None = None,
-                tls: TlsFiles | None = None, provider_kind: str = "ray") -> None:
+                tls: TlsFiles | None = None, provider_kind: str = "ray",
+                retention: RetentionPolicy | None = None) -> None:
     """Runs the coordinator until SIGTERM or SIGINT, then stops gracefully.
 
     Args:
@@ -71,12 +73,13 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
       tls: serve gRPC and HTTP over TLS with this certificate.
       provider_kind: what ``make_slices`` connects to, ``"ray"`` or ``"processes"``
         (the name of ``/readyz``'s check of it).
+      retention: what is kept of finished jobs (``None``: the settings').
     """
     sessions = SessionManager(lease_s)
     quotas = SliceQuotas(tokens, sessions)
     provider = DeferredSlices()
     store = JobStore(state_dir) if state_dir is not None else None
-    jobs = (JobManager(store, provider, checkpoint_dir, quotas=quotas)
+    jobs = (JobManager(store, provider, checkpoint_dir, quotas=quotas, retention=retention)
             if store is not None else None)
     service = CoordinatorService(provider, sessions, jobs=jobs, tokens=tokens, quotas=quotas,
                                  checkpoint_dir=checkpoint_dir)

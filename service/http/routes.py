@@ -225,6 +225,23 @@ async def cancel_job(request: Request, backend: BackendDep, job_id: JobId
     return models.summary_of(status)
 
 
+@jobs.post("/jobs/{job_id}/pin", response_model=models.JobSummary,
+           responses={**NOT_FOUND, **FORBIDDEN},
+           summary="Pin a job: retention never prunes it (`job.pin()`)")
+async def pin_job(request: Request, backend: BackendDep, job_id: JobId) -> models.JobSummary:
+    return models.summary_of(await handlers.pin_job(backend.jobs, job_id, True, _blocking,
+                                                    request.state.principal))
+
+
+@jobs.delete("/jobs/{job_id}/pin", response_model=models.JobSummary,
+             responses={**NOT_FOUND, **FORBIDDEN},
+             summary="Unpin a job: retention prunes it once finished and past the limits")
+async def unpin_job(request: Request, backend: BackendDep, job_id: JobId
+                    ) -> models.JobSummary:
+    return models.summary_of(await handlers.pin_job(backend.jobs, job_id, False, _blocking,
+                                                    request.state.principal))
+
+
 @jobs.post("/jobs/{job_id}/profile", response_model=JobProfile,
            responses={**NOT_FOUND, **FORBIDDEN, **NOT_RUNNING},
            summary="Trace every host of a running job with jax.profiler for `seconds` "

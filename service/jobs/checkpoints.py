@@ -70,6 +70,15 @@ class JobCheckpoints:
         steps = self.committed_steps()
         return steps[-1] if steps else None
 
+    def remove(self) -> None:
+        """Deletes the job's whole folder (its checkpoints, TensorBoard scalars and
+        profiles), as retention does to a pruned job."""
+        from etils import epath
+
+        folder = epath.Path(self.directory)
+        if folder.exists():
+            folder.rmtree()
+
     def meta(self, step: int) -> dict[str, Any]:
         """Step ``step``'s meta item (each leaf's shape and dtype, the input positions)."""
         import orbax.checkpoint as ocp

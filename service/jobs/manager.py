@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 from typing import Any
 
 from jaxpod import settings
@@ -48,6 +49,7 @@ from jaxpod.service.jobs.policies import (
     QueuePolicy,
     RetryBudgets,
 )
+from jaxpod.service.jobs.retention import Retention, RetentionPolicy
 from jaxpod.service.jobs.runner import JobRun
 from jaxpod.service.jobs.states import Cancelled
 from jaxpod.service.jobs.store import JobStore
@@ -71,11 +73,14 @@ class JobManager:
       quotas: the owners' slice quotas (``None``: none); jobs over theirs wait.
       preemption: which running job yields its slice to a queued one of higher
         priority (default: the lowest priority below the waiting job's).
+      retention: what is kept of finished jobs (default: the settings', as
+        ``jaxpod serve`` without ``--retain-days``/``--retain-jobs``).
     """
 
     def __init__(self, store: JobStore, slices: JobSlices, checkpoint_dir: str | None = None,
                  queue: QueuePolicy | None = None, quotas: SliceQuotas | None = None,
-                 preemption: PreemptionPolicy | None = None) -> None:
+                 preemption: PreemptionPolicy | None = None,
+                 retention: RetentionPolicy | None = None) -> None:
         self.store = store
         self.slices = slices
         self.quotas = quotas
@@ -88,6 +93,8 @@ class JobManager:
             self.events, self._controller)
         if quotas is not None:
             quotas.count_jobs_with(self.dispatcher.slices_of)
+        self.retention = Retention(store, retention or RetentionPolicy.from_settings(),
+                                   lambda job_id: self.checkpoints(job_id).remove())
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -108,11 +115,13 @@ class JobManager:
         if recovery.requeue:
             logger.info("queued %d unfinished job(s) again", len(recovery.requeue))
         self.dispatcher.start()
+        self.retention.start()
 
     def close(self, timeout: float | None = None) -> None:
         """Stops dispatching; running jobs checkpoint and stop at their next loop
         boundary and give their slices back, staying ``RUNNING`` in the store (a
         coordinator restarted on the state dir resumes them)."""
+        self.retention.close()
         self.dispatcher.close(JOB_STOP_TIMEOUT.resolve(timeout))
 
     def wake(self) -> None:
@@ -167,6 +176,13 @@ class JobManager:
             self.goodput.stop(job_id)
 
         self.dispatcher.cancel(job_id, reason, cancelled_in_queue)
+        self.events.changed(job_id)
+        return self.status(job_id)
+
+    def pin(self, job_id: str, pinned: bool = True) -> JobStatus:
+        """Keeps the job whole for ever (``pinned``), or lets retention prune it once it
+        is finished and past the limits."""
+        self.store.set_pinned(job_id, pinned)
         self.events.changed(job_id)
         return self.status(job_id)
 
@@ -252,6 +268,12 @@ class JobManager:
         """
         status = self.store.get(job_id)
         kept = self.store.load_result(job_id)
+        if status.pruned_at is not None:
+            raise ValueError(
+                f"Job {status.id} {status.state.value} and was pruned by retention at "
+                f"{time.ctime(status.pruned_at)}: its result and checkpoints are gone; its "
+                "status keeps its last metrics. Pin jobs whose results you will want "
+                "(job.pin()), or raise jaxpod serve's --retain-jobs/--retain-days.")
         if status.state is not JobState.SUCCEEDED or kept is None:
             raise ValueError(
                 f"Job {status.id} is {status.state.value}: only a SUCCEEDED job has a "

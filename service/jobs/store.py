@@ -23,6 +23,7 @@ from __future__ import annotations
 import builtins
 import itertools
 import secrets
+import shutil
 import sqlite3
 import time
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from jaxpod.service.jobs.store_rows import (
     check_step,
     default_reason,
     job_status,
+    metric_rows,
 )
 
 #: Payloads up to this size are kept in the database; larger ones in a file beside it
@@ -86,8 +88,12 @@ class JobStore(JobReports):
                     "INSERT INTO jobs (id, name, accelerator_type, payload, payload_path,"
                     " created_at, state, steps, owner, priority)"
                     " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (job_id, name or job_id, accelerator_type, inline, rel_path, now,
+                    (job_id, name or job_id, accelerator_type,
+                     None if inline is None else b"", rel_path, now,
                      JobState.PENDING.value, steps, owner, priority))
+                if inline is not None:
+                    conn.execute("INSERT INTO payloads (job_id, payload) VALUES (?, ?)",
+                                 (job_id, inline))
                 conn.execute("INSERT INTO transitions (job_id, from_state, to_state, at, reason)"
                              " VALUES (?, NULL, ?, ?, 'submitted')",
                              (job_id, JobState.PENDING.value, now))
@@ -109,10 +115,14 @@ class JobStore(JobReports):
     def load_payload(self, job_id: str) -> bytes:
         """The payload shipped with the job (from the database or its file)."""
         with self._read() as conn:
-            row = conn.execute("SELECT payload, payload_path FROM jobs WHERE id = ?",
+            row = conn.execute("SELECT (SELECT payload FROM payloads WHERE job_id = id), "
+                               "payload_path, pruned_at FROM jobs WHERE id = ?",
                                (job_id,)).fetchone()
         if row is None:
             raise self._not_found(job_id)
+        if row[2] is not None:
+            raise JobStoreError(f"Job {job_id}'s spec was removed by retention at "
+                                f"{time.ctime(row[2])}; pin jobs (job.pin()) to keep it.")
         return bytes(row[0]) if row[1] is None else (self.state_dir / row[1]).read_bytes()
 
     def get(self, job_id: str) -> JobStatus:
@@ -258,6 +268,76 @@ class JobStore(JobReports):
                 "SELECT seq, at, who, action, target, detail FROM audit WHERE seq < ? "
                 "ORDER BY seq DESC LIMIT ?", (min(before or 2**62, 2**62), limit)).fetchall()
         return [AuditRecord(*row) for row in reversed(rows)]
+
+    # ------------------------------------------------------------------ retention
+
+    def set_pinned(self, job_id: str, pinned: bool) -> JobStatus:
+        """Pin the job (retention never prunes it) or unpin it.
+
+        Raises:
+          JobStoreError: pinning a job retention already pruned (what it lost is gone).
+        """
+        with self._write() as conn:
+            self._require(conn, job_id)
+            (pruned_at,) = conn.execute("SELECT pruned_at FROM jobs WHERE id = ?",
+                                        (job_id,)).fetchone()
+            if pinned and pruned_at is not None:
+                raise JobStoreError(
+                    f"Job {job_id} was pruned by retention at {time.ctime(pruned_at)}: its "
+                    "logs, spec, result and checkpoints are gone, so there is nothing "
+                    "left to pin. Pin a job before it finishes, or while it is among the "
+                    "newest finished ones (jaxpod serve --retain-jobs/--retain-days).")
+            conn.execute("UPDATE jobs SET pinned = ? WHERE id = ?", (int(pinned), job_id))
+            return self._get(conn, job_id)
+
+    def prunable(self, *, finished_before: float, keep_newest: int, limit: int
+                 ) -> builtins.list[str]:
+        """Finished jobs retention should prune, oldest first, at most ``limit``: not
+        pinned, not pruned, and finished before ``finished_before`` or not among the
+        ``keep_newest`` finished last."""
+        with self._read() as conn:
+            rows = conn.execute(
+                "SELECT id FROM jobs WHERE pruned_at IS NULL AND finished_at IS NOT NULL "
+                "AND pinned = 0 AND (finished_at < :before OR finished_at < COALESCE("
+                " (SELECT finished_at FROM jobs WHERE finished_at IS NOT NULL "
+                "  ORDER BY finished_at DESC LIMIT 1 OFFSET :keep - 1), -1)) "
+                "ORDER BY finished_at LIMIT :limit",
+                {"before": finished_before, "keep": max(keep_newest, 1), "limit": limit}
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def prune(self, job_id: str, metric_points: int) -> bool:
+        """Cut a finished job down to what says what it was and how it ended: its row,
+        the first and last of its history, its attempts and goodput, ``metric_points``
+        points of each metric (the last included). Its logs, spec, stored result,
+        checkpoint and profile records go, and its files in the state dir. Returns
+        whether it was pruned (not if it is pinned, unfinished or pruned already)."""
+        with self._write() as conn:
+            row = conn.execute("SELECT pinned, pruned_at, finished_at FROM jobs WHERE id = ?",
+                               (job_id,)).fetchone()
+            if row is None or row[0] or row[1] is not None or row[2] is None:
+                return False
+            summary = metric_rows(conn, job_id, -1, metric_points)
+            conn.execute("DELETE FROM metrics WHERE job_id = ?", (job_id,))
+            conn.executemany("INSERT INTO metrics (job_id, name, step, value) "
+                             "VALUES (?, ?, ?, ?)", [(job_id, *r) for r in summary])
+            conn.execute("DELETE FROM transitions WHERE job_id = :job AND seq NOT IN ("
+                         "(SELECT MIN(seq) FROM transitions WHERE job_id = :job), "
+                         "(SELECT MAX(seq) FROM transitions WHERE job_id = :job))",
+                         {"job": job_id})
+            for table in ("logs", "checkpoints", "profiles", "results", "payloads"):
+                conn.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
+            conn.execute("UPDATE jobs SET payload = x'', payload_path = NULL, "
+                         "state_skeleton = NULL, pruned_at = ? WHERE id = ?",
+                         (self._clock(), job_id))
+        # After the commit: no row names these files any more.
+        shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
+        return True
+
+    def trim_audit(self, before: float) -> int:
+        """Deletes the audit records older than ``before``; returns how many."""
+        with self._write() as conn:
+            return conn.execute("DELETE FROM audit WHERE at < ?", (before,)).rowcount
 
     # ------------------------------------------------------------------ listing, recovery
 

@@ -15,6 +15,7 @@ write is one ``BEGIN IMMEDIATE`` transaction, a read one snapshot.
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 import time
@@ -28,6 +29,12 @@ from jaxpod.jobs import JobState
 from jaxpod.service.jobs.codec import JobStoreError
 from jaxpod.service.jobs.states import TERMINAL_STATES
 
+logger = logging.getLogger(__name__)
+
+#: PRAGMA auto_vacuum's value for INCREMENTAL.
+_INCREMENTAL = 2
+#: The bytes the write-ahead log keeps after a checkpoint.
+WAL_SIZE_LIMIT = 16 * 2**20
 #: How long a write waits for another process's transaction before giving up.
 BUSY_TIMEOUT_S = 30.0
 
@@ -191,12 +198,52 @@ _V12 = ["ALTER TABLE attempts ADD COLUMN programs_loaded INTEGER",
         "ALTER TABLE attempts ADD COLUMN programs_compiled INTEGER"]
 
 
+# v13: the metrics table clustered on its key (WITHOUT ROWID): a point is stored once,
+# not as a row plus an index entry, so a long job's history takes half the file. A
+# one-time copy of the table at upgrade.
+_V13 = ["""CREATE TABLE metrics_v13 (
+        job_id TEXT NOT NULL REFERENCES jobs(id),
+        name TEXT NOT NULL,
+        step INTEGER NOT NULL,
+        value REAL,                             -- NULL is NaN (SQLite stores NaN as NULL)
+        PRIMARY KEY (job_id, name, step)
+    ) WITHOUT ROWID""",
+        "INSERT INTO metrics_v13 SELECT job_id, name, step, value FROM metrics",
+        "DROP TABLE metrics",
+        "ALTER TABLE metrics_v13 RENAME TO metrics"]
+
+
+# v14: payloads in a table of their own. In the jobs row, a payload of a few KiB filled
+# a page per job, and a page a pruned row left nearly empty stayed in the file for
+# ever; now the row is small (many to a page) and pruning frees the payload's pages.
+# jobs.payload keeps x'' (its CHECK still holds) or names nothing when payload_path
+# does: the payload is in payloads, or in the file.
+_V14 = ["""CREATE TABLE payloads (
+        job_id TEXT PRIMARY KEY REFERENCES jobs(id),
+        payload BLOB NOT NULL
+    )""",
+        "INSERT INTO payloads SELECT id, payload FROM jobs WHERE payload_path IS NULL",
+        "UPDATE jobs SET payload = x'' WHERE payload_path IS NULL"]
+
+
+# v15: retention. A pinned job is never pruned; a pruned one keeps its row, the first
+# and last of its history, its attempts, goodput and a few points of each metric
+# (service/jobs/retention.py). The partial index finds the finished jobs not yet pruned
+# without reading the pruned ones, which only grow.
+_V15 = ["ALTER TABLE jobs ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN pruned_at REAL",
+        "CREATE INDEX jobs_by_finish ON jobs(finished_at) WHERE finished_at IS NOT NULL",
+        "CREATE INDEX jobs_to_prune ON jobs(finished_at) "
+        "WHERE pruned_at IS NULL AND finished_at IS NOT NULL"]
+
+
 #: MIGRATIONS[i] takes a database from schema version i to i + 1. Append only: never
 #: edit a released one (databases in the field were built by it).
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _statements(_V1), _statements(_V2), _statements(_V3), _statements(_V4),
     _statements(_V5), _statements(_V6), _statements(_V7), _statements(_V8),
-    _statements(_V9), _statements(_V10), _statements(_V11), _statements(_V12)]
+    _statements(_V9), _statements(_V10), _statements(_V11), _statements(_V12),
+    _statements(_V13), _statements(_V14), _statements(_V15)]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -238,6 +285,9 @@ def connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
                            timeout=BUSY_TIMEOUT_S)
     try:
+        # Before anything is written: a new database frees pages as retention deletes
+        # rows (JobDatabase.vacuum); an older one is converted once at open.
+        conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise JobStoreError(f"Could not put {path} in WAL mode (SQLite answered "
@@ -245,6 +295,9 @@ def connect(path: Path) -> sqlite3.Connection:
         # NORMAL in WAL mode: a committed write survives the process being killed (only
         # an OS crash can lose the last ones), and writes need no fsync each.
         conn.execute("PRAGMA synchronous = NORMAL")
+        # The log is reused after each checkpoint; past this size it is cut back, so a
+        # burst of writes does not leave a large file for ever.
+        conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT}")
         conn.execute("PRAGMA foreign_keys = ON")
     except BaseException:
         conn.close()
@@ -265,6 +318,11 @@ class JobDatabase:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._conn = connect(self.path)
         try:
+            if self._conn.execute("PRAGMA auto_vacuum").fetchone()[0] != _INCREMENTAL:
+                # A database made before retention: one full rewrite turns incremental
+                # vacuuming on (SQLite can switch it only so); minutes for a huge one.
+                logger.info("converting %s for incremental vacuuming (once)", self.path)
+                self._conn.execute("VACUUM")
             with self._write() as conn:
                 migrate(conn, where=str(self.path))
         except BaseException:
@@ -274,6 +332,28 @@ class JobDatabase:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+    def vacuum(self, pages: int) -> tuple[int, int]:
+        """Gives up to ``pages`` free pages back to the file system (deleted rows leave
+        free pages inside the file); returns the pages freed and those still free.
+        Bounded, so it never holds the write lock for long."""
+        with self._lock:
+            before = int(self._conn.execute("PRAGMA freelist_count").fetchone()[0])
+            # executescript: execute() steps the pragma once, freeing one page; 0 would
+            # mean every free page (never unbounded).
+            self._conn.executescript(f"PRAGMA incremental_vacuum({max(int(pages), 1)})")
+            after = int(self._conn.execute("PRAGMA freelist_count").fetchone()[0])
+            # The file shrinks when the log is copied back into it; PASSIVE waits for
+            # no reader (what a reader still needs is copied next time).
+            self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        return before - after, after
+
+    def size_bytes(self) -> int:
+        """The database file's size (its write-ahead log not included)."""
+        with self._lock:
+            count = self._conn.execute("PRAGMA page_count").fetchone()[0]
+            size = self._conn.execute("PRAGMA page_size").fetchone()[0]
+        return int(count) * int(size)
 
     def __enter__(self) -> Self:
         return self

@@ -19,15 +19,12 @@ from jaxpod.service.jobs.codec import load_trees, save_trees
 from jaxpod.service.jobs.store_database import JobDatabase
 from jaxpod.service.jobs.store_rows import (
     LATEST_METRICS,
-    METRIC_ENDS,
-    METRIC_RANGE,
-    METRIC_TICKS,
-    METRICS_AFTER,
     LogLine,
     StoredResult,
     check_step,
     goodput_category,
     goodput_seconds,
+    metric_rows,
     metric_value,
 )
 
@@ -70,22 +67,7 @@ class JobReports(JobDatabase):
             raise ValueError(f"points must be >= 0 (0: every point), got {points}")
         with self._read() as conn:
             self._require(conn, job_id)
-            if points == 0:
-                rows = conn.execute(METRICS_AFTER, {"job": job_id, "after": after}
-                                    ).fetchall()
-            else:
-                rows = []
-                for name, first, last in conn.execute(
-                        METRIC_ENDS, {"job": job_id, "after": after}).fetchall():
-                    if first is None:
-                        continue
-                    if points == 1:
-                        first = last
-                    span = {"job": job_id, "name": name, "first": first, "last": last,
-                            "points": points}
-                    thinned = last - first + 1 > points
-                    rows += [(name, step, value) for step, value in conn.execute(
-                        METRIC_TICKS if thinned else METRIC_RANGE, span)]
+            rows = metric_rows(conn, job_id, after, points)
         series: dict[str, list[tuple[int, float]]] = {}
         for name, step, value in rows:
             series.setdefault(name, []).append((step, math.nan if value is None else value))
@@ -220,3 +202,4 @@ class JobReports(JobDatabase):
     def job_dir(self, job_id: str) -> Path:
         """Where the job's files live (a large payload, the result)."""
         return self.state_dir / "jobs" / job_id
+

@@ -58,7 +58,7 @@ class Recovery:
 #: A job's row as :func:`job_status` reads it: its columns, its attempts so far, the rate
 #: of its last attempt that ran steps and ended, and its last transition's reason.
 JOB_COLUMNS = ("id, name, accelerator_type, state, step, steps, error, created_at, "
-               "started_at, finished_at, owner, priority, "
+               "started_at, finished_at, owner, priority, pinned, pruned_at, "
                "(SELECT COUNT(*) FROM attempts a WHERE a.job_id = jobs.id), "
                "(SELECT (a.step_reached - a.start_step) / (a.ended_at - a.running_at) "
                " FROM attempts a WHERE a.job_id = jobs.id AND a.ended_at > a.running_at "
@@ -72,7 +72,8 @@ def job_status(conn: sqlite3.Connection, row: Sequence[Any]) -> JobStatus:
     goodput (read in the caller's transaction). A cancelled job's ``error`` is who or
     what cancelled it."""
     (job_id, name, accelerator_type, state, step, steps, error, created_at, started_at,
-     finished_at, owner, priority, attempts, steps_per_s, last_reason) = row
+     finished_at, owner, priority, pinned, pruned_at, attempts, steps_per_s,
+     last_reason) = row
     metrics = {n: math.nan if v is None else v
                for n, v in conn.execute(LATEST_METRICS, {"job": job_id}).fetchall()}
     totals = dict(conn.execute("SELECT category, seconds FROM goodput WHERE job_id = ? "
@@ -84,7 +85,7 @@ def job_status(conn: sqlite3.Connection, row: Sequence[Any]) -> JobStatus:
         metrics=metrics, goodput=summary(totals) if totals else None, created_at=created_at,
         started_at=started_at, finished_at=finished_at,
         accelerator_type=accelerator_type or "", steps_per_s=steps_per_s, owner=owner,
-        priority=priority)
+        priority=priority, pinned=bool(pinned), pruned_at=pruned_at)
 
 
 # ------------------------------------------------------------------- metric queries
@@ -192,3 +193,24 @@ def default_reason(new: JobStateData) -> str:
     if isinstance(new, Retrying):
         return new.cause
     return ""
+
+
+def metric_rows(conn: sqlite3.Connection, job_id: str, after: int, points: int
+                ) -> list[tuple[str, int, float | None]]:
+    """The ``(name, step, value)`` rows
+    :meth:`~jaxpod.service.jobs.store_reports.JobReports.metrics` reads, in the caller's
+    transaction (``None``: NaN)."""
+    if points == 0:
+        return list(conn.execute(METRICS_AFTER, {"job": job_id, "after": after}))
+    rows: list[tuple[str, int, float | None]] = []
+    for name, first, last in conn.execute(
+            METRIC_ENDS, {"job": job_id, "after": after}).fetchall():
+        if first is None:
+            continue
+        if points == 1:
+            first = last
+        span = {"job": job_id, "name": name, "first": first, "last": last, "points": points}
+        thinned = last - first + 1 > points
+        rows += [(name, step, value) for step, value in conn.execute(
+            METRIC_TICKS if thinned else METRIC_RANGE, span)]
+    return rows
