@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -293,15 +293,18 @@ class ServeProcess:
     users run it."""
 
     def __init__(self, log_path: str, slices: str, tls: bool = False,
-                 provider: str = "ray") -> None:
+                 provider: str = "ray", state_dir: str | None = None,
+                 args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
         self.token = secrets.token_hex(16)
-        self.state_dir = tempfile.mkdtemp(prefix="jaxpod-bench-dashboard-")
+        #: A state dir of its own (removed at stop) unless ``state_dir`` is given.
+        self._owns_state = state_dir is None
+        self.state_dir = state_dir or tempfile.mkdtemp(prefix="jaxpod-bench-dashboard-")
         self.log_path = log_path
-        env = {**os.environ, "JAXPOD_TOKEN": self.token}
+        env = {**os.environ, **(env or {}), "JAXPOD_TOKEN": self.token}
         env.pop("JAXPOD_ADDRESS", None)
         command = [sys.executable, "-m", "jaxpod.cli", "serve", "--local", "--slices", slices,
                    "--provider", provider, "--port", "0", "--http-port", "0",
-                   "--stop-on-stdin-eof", "--state-dir", self.state_dir]
+                   "--stop-on-stdin-eof", "--state-dir", self.state_dir, *args]
         #: The certificate clients trust (self-signed, for 127.0.0.1), with --tls.
         self.ca: bytes | None = None
         if tls:
@@ -353,7 +356,8 @@ class ServeProcess:
 
     def stop(self) -> None:
         stop_process(self.process, SERVE_STOP_S)
-        shutil.rmtree(self.state_dir, ignore_errors=True)
+        if self._owns_state:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
