@@ -383,6 +383,12 @@ AUDIT_RETAIN_DAYS = count("JAXPOD_AUDIT_RETAIN_DAYS", 365, "Days audit records a
 RETENTION_EVERY = seconds("JAXPOD_RETENTION_EVERY_S", 600, "How often the service prunes "
                           "finished jobs past retention, trims the audit log and gives "
                           "freed database pages back.", "service")
+SERVICE_LOG_MAX_BYTES = count("JAXPOD_SERVICE_LOG_MAX_BYTES", 100 * 2**20, "The size at "
+                              "which jaxpod serve --log-file starts a new file (keeping "
+                              "JAXPOD_SERVICE_LOG_BACKUPS old ones).", "service",
+                              kind=Kind.BYTES)
+SERVICE_LOG_BACKUPS = count("JAXPOD_SERVICE_LOG_BACKUPS", 5, "Old files of jaxpod serve "
+                            "--log-file kept (FILE.1 ... FILE.N).", "service")
 HTTP_CACHE = seconds("JAXPOD_HTTP_CACHE_S", 0.25, "How old a job list or cluster answer "
                      "of the HTTP API may be when concurrent requests share it.", "service")
 HTTP_EVENTS_INTERVAL = seconds("JAXPOD_HTTP_EVENTS_INTERVAL_S", 0.2, "An HTTP event "

@@ -146,6 +146,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the newest N finished jobs are kept whole whatever their age "
                              f"(default ${settings.RETAIN_JOBS.name}, "
                              f"{settings.RETAIN_JOBS.default_text()})")
+    parser.add_argument("--log-file", default=None, metavar="PATH",
+                        help="also write the service's log to PATH, starting a new file at "
+                             f"${settings.SERVICE_LOG_MAX_BYTES.name} bytes and keeping "
+                             f"${settings.SERVICE_LOG_BACKUPS.name} old ones (stderr "
+                             "stays as it is: under Kubernetes its log rotates there)")
     parser.add_argument("--platform", default="cpu", choices=("cpu", "tpu"),
                         help="what the host workers run JAX on (default cpu: simulated)")
 
@@ -155,8 +160,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from jaxpod.service.cli.malloc import tune_malloc
 
     tuned = tune_malloc()  # first: before gRPC and Ray start their threads
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    log_format = "%(asctime)s %(name)s %(levelname)s: %(message)s"
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=log_format)
+    if args.log_file:
+        add_log_file(args.log_file, log_format)
     # orbax logs every read at INFO, and warns that a state item read alone has no
     # step metadata beside it: noise in a service log.
     logging.getLogger("absl").setLevel(logging.ERROR)
@@ -208,6 +215,18 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         if cluster is not None:
             cluster.stop()
+
+
+def add_log_file(path: str, log_format: str) -> None:
+    """The service's log also goes to ``path``, rotated by size (a service that runs
+    for months must not fill its disk with its log)."""
+    from logging.handlers import RotatingFileHandler
+
+    handler = RotatingFileHandler(os.path.expanduser(path),
+                                  maxBytes=int(settings.SERVICE_LOG_MAX_BYTES.value()),
+                                  backupCount=int(settings.SERVICE_LOG_BACKUPS.value()))
+    handler.setFormatter(logging.Formatter(log_format))
+    logging.getLogger().addHandler(handler)
 
 
 def tls_files(cert: str | None, key: str | None) -> Any:

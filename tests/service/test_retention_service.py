@@ -22,6 +22,7 @@ from jaxpod.timeouts import wait_for
 pytestmark = pytest.mark.multiprocess
 
 STEPS, STEPS_PER_RUN = 6, 2
+LOG_BYTES = 600  # --log-file's size limit: a few records a file
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,11 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def service(root: Path) -> Iterator[Service]:
     running = start_service(root / "serve.log", "v4-8",
                             args=(*PROCESSES, "--state-dir", str(root / "state"),
-                                  "--retain-jobs", "1"),
-                            env={"JAXPOD_RETENTION_EVERY_S": "0.5"})
+                                  "--retain-jobs", "1", "--log-file",
+                                  str(root / "service.log")),
+                            env={"JAXPOD_RETENTION_EVERY_S": "0.5",
+                                 "JAXPOD_SERVICE_LOG_MAX_BYTES": str(LOG_BYTES),
+                                 "JAXPOD_SERVICE_LOG_BACKUPS": "2"})
     try:
         yield running
     finally:
@@ -108,3 +112,17 @@ def test_old_jobs_keep_a_summary_and_pinned_ones_stay_whole(service: Service,
         assert api.post(f"/api/v1/jobs/{newest.id}/pin").json()["pinned"] is True
         audit = {(r.action, r.target) for r in client.audit()}
         assert {("pin", pinned.id), ("unpin", pinned.id), ("pin", newest.id)} <= audit
+
+
+def test_the_log_file_rotates_by_size(service: Service, root: Path) -> None:
+    with service.connect() as client:
+        run(client, seed=4)  # the service logs as it runs the job
+    files = sorted(p.name for p in root.glob("service.log*"))
+    # the current file and the 2 backups kept; the oldest dropped
+    assert files == ["service.log", "service.log.1", "service.log.2"], files
+    for name in files:
+        text = (root / name).read_text()
+        assert " INFO: " in text
+        # a file grows past the limit by at most the record that crossed it
+        assert len(text.encode()) <= LOG_BYTES + max(map(len, text.splitlines())) + 1
+    assert "jaxpod serve: ready on" not in (root / "service.log").read_text()
