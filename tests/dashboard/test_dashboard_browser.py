@@ -73,6 +73,16 @@ def test_the_page_follows_a_running_job_to_the_end(service: Service, client: Any
         assert int(page.locator("#chart-rate").get_attribute("data-points") or 0) >= 1
         assert page.locator("#chart-loss polyline").count() == 1
         assert page.locator(".slice .chip").count() == 4  # the v4-8's host and chips
+        # Pin and unpin from the page: the service records it, the page says so.
+        pin, kept = page.locator("#pin-job"), page.locator("#detail-kept")
+        expect(pin).to_have_text("Pin")
+        pin.click()
+        expect(kept).to_contain_text("pinned: retention never prunes it", timeout=30_000)
+        expect(pin).to_have_text("Unpin")
+        assert job.status().pinned
+        pin.click()
+        expect(kept).to_be_hidden(timeout=30_000)
+        assert not job.status().pinned
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
     finally:

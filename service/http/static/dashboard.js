@@ -173,7 +173,11 @@
                          "Profile " + PROFILE_SECONDS + " s") : null,
         mayControl(d) ? h("button", {id: "stacks-job", type: "button",
                                     title: "every thread's Python stack on each host, now"},
-                         "Stacks") : null),
+                         "Stacks") : null,
+        mayControl(d) ? h("button", {id: "pin-job", type: "button",
+                                    title: "a pinned job is kept whole: retention never prunes it"},
+                         "Pin") : null),
+      h("p", {id: "detail-kept", class: "muted", hidden: ""}),
       h("pre", {id: "detail-error", class: "bad", hidden: ""}),
       h("pre", {id: "detail-stacks", hidden: ""}),
       h("p", {id: "detail-wait", class: "muted", hidden: ""}),
@@ -199,6 +203,8 @@
     if (profile) profile.addEventListener("click", () => profileShown(profile));
     const stacks = byId("stacks-job");
     if (stacks) stacks.addEventListener("click", () => stacksShown(stacks));
+    const pin = byId("pin-job");
+    if (pin) pin.addEventListener("click", () => pinShown(pin));
     showStatus(d);
     fillDetail(d);
     addPoints(d.series);
@@ -216,6 +222,19 @@
       method: "POST", credentials: "same-origin", headers: {Accept: "application/json"}});
     if (r.ok) showStatus(await r.json());
     else button.disabled = false;
+  }
+
+  // Pin toggles: POST pins, DELETE unpins; the answer is the job's status.
+  async function pinShown(button) {
+    button.disabled = true;
+    try {
+      const r = await fetch("/api/v1/jobs/" + encodeURIComponent(shown) + "/pin", {
+        method: button.dataset.pinned === "true" ? "DELETE" : "POST",
+        credentials: "same-origin", headers: {Accept: "application/json"}});
+      if (r.ok) showStatus(await r.json());
+    } finally {
+      button.disabled = false;
+    }
   }
 
   // A profile answers once the hosts wrote it: the button says so meanwhile.
@@ -298,6 +317,20 @@
     const stacks = byId("stacks-job");
     if (stacks) stacks.hidden = j.state !== "RUNNING";
     text(byId("detail-step"), j.step);
+    const pin = byId("pin-job");
+    if (pin) {
+      pin.dataset.pinned = String(j.pinned);
+      text(pin, j.pinned ? "Unpin" : "Pin");
+      pin.hidden = j.pruned_at !== null;  // nothing left to keep
+    }
+    const kept = byId("detail-kept");
+    if (kept) {
+      text(kept, j.pinned ? "pinned: retention never prunes it"
+        : j.pruned_at !== null ? "pruned by retention at " + when(j.pruned_at) +
+          ": a summary of each metric stays; its logs, result and checkpoints were deleted"
+        : "");
+      kept.hidden = !j.pinned && j.pruned_at === null;
+    }
     const wait = byId("detail-wait");
     if (wait) {
       text(wait, j.wait_reason ? "waiting: " + j.wait_reason : "");
