@@ -121,24 +121,75 @@ def with_summary(readme: str, results: dict[str, Any]) -> str:
     return pattern.sub(lambda _: block, readme)
 
 
+def spread_of(entry: dict[str, Any], name: str) -> str:
+    """`` [min, max]`` of a figure that varied between the entry's runs, else ``""``."""
+    low_high = entry.get("spread", {}).get(name)
+    return f" [{fmt(low_high[0])}, {fmt(low_high[1])}]" if low_high else ""
+
+
 def target_rows(script: str, entry: dict[str, Any]) -> list[str]:
     figures = entry.get("figures", {})
     rows = ["| Target | jaxpod | Lower bound / peer | Value | Target | Met |",
             "|---|---|---|---|---|---|"]
     for name, t in entry.get("targets", {}).items():
         mine, bound = PAIRS.get(script, {}).get(name, (None, None))
-        left = f"{mine} = {fmt(figures[mine])}" if mine in figures else "-"
-        right = f"{bound} = {fmt(figures[bound])}" if bound in figures else "-"
+        left = (f"{mine} = {fmt(figures[mine])}{spread_of(entry, mine)}"
+                if mine in figures else "-")
+        right = (f"{bound} = {fmt(figures[bound])}{spread_of(entry, bound)}"
+                 if bound in figures else "-")
         met = "**met**" if t["met"] else "**not met**"
-        rows.append(f"| `{name}` | {left} | {right} | {fmt(t['value'])} | {t['target']} "
+        rows.append(f"| `{name}` | {left} | {right} | "
+                    f"{fmt(t['value'])}{spread_of(entry, 'target:' + name)} | {t['target']} "
                     f"| {met} |")
     return rows if len(rows) > 2 else []
 
 
 def figure_rows(entry: dict[str, Any]) -> list[str]:
     rows = ["| Figure | Value |", "|---|---|"]
-    rows += [f"| `{k}` | {fmt(v)} |" for k, v in entry.get("figures", {}).items()]
+    rows += [f"| `{k}` | {fmt(v)}{spread_of(entry, k)} |"
+             for k, v in entry.get("figures", {}).items()]
     return rows
+
+
+def area_lines(area: Any, entry: dict[str, Any], notes: dict[str, str]) -> list[str]:
+    """One script's section: what it answers, how it ran, its targets and figures."""
+    when = f", run {entry['ran_at']}" if "ran_at" in entry else ""
+    runs = entry.get("repeats", 1)
+    lines = [area.question, "",
+             *([getattr(area, "explains", ""), ""] if getattr(area, "explains", "") else []),
+             f"`{entry['command']}` ({fmt(entry['seconds'])} s"
+             + (f" a run, median of {runs}" if runs > 1 else "") + f"{when})", ""]
+    if "error" in entry:
+        return [*lines, "**The script failed** (exit "
+                f"{entry['exit']}); its last lines:", "", "```", entry["error"], "```", ""]
+    if area.script in notes:
+        lines += [notes[area.script], ""]
+    if area.script == "growth":
+        lines += [*growth_section(entry["figures"]), ""]
+    rows = target_rows(area.script, entry)
+    if rows:
+        lines += [*rows, ""]
+    return [*lines, "<details><summary>Every figure of this run</summary>", "",
+            *figure_rows(entry), "", "</details>", ""]
+
+
+def rerun_lines(reruns: Sequence[Any], areas: Sequence[Any]) -> list[str]:
+    """The ``--only`` runs after the full one, each dated, in a section of its own."""
+    dated = [r for r in reruns if isinstance(r, dict)]
+    if not dated:
+        return []
+    lines = ["## Reruns of some scripts", "",
+             "Run after the full run above, on their own; their figures are not part of "
+             "its tables or its count of targets met.", ""]
+    titles = {a.script: a for a in areas}
+    for rerun in dated:
+        lines += [f"### `{rerun['command']}`, {rerun['generated_at']}", ""]
+        for script, entry in rerun["benchmarks"].items():
+            area = titles.get(script)
+            if area is not None:
+                lines += [f"#### {area.title}", "",
+                          *area_lines(area, entry, rerun.get("notes", {}))]
+    return lines
 
 
 def growth_section(figures: dict[str, Any]) -> list[str]:
@@ -201,8 +252,15 @@ def render(results: dict[str, Any], areas: Sequence[Any]) -> str:
         "",
         f"Figures of {kind}, generated {results['generated_at']} by `{results['command']}` "
         f"in {fmt(results.get('seconds'))} s"
-        + "".join(f"; then `{c}`" for c in results.get("reruns", []))
+        + "".join(f"; then `{c}`" for c in results.get("reruns", []) if isinstance(c, str))
         + f". **{met} of {len(all_targets)} targets met.**",
+        "",
+        *([f"Each script ran {results['repeats']} times, in rounds; every figure is the "
+           "median of its runs, with their [min, max] beside it where they differ, and a "
+           "target is judged on the median.", ""] if results.get("repeats", 1) > 1 else []),
+        "Figures in seconds, and rates, depend on what else runs on this machine (the "
+        "simulated hosts share its cores); ratios of two figures measured in the same "
+        "run depend on it less.",
         "",
         f"Machine: {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB, {m['system']}; "
         f"Python {m['python']}, JAX {m['jax']}, jaxpod {m['jaxpod']}; accelerators: "
@@ -216,27 +274,10 @@ def render(results: dict[str, Any], areas: Sequence[Any]) -> str:
     ]
     for area in areas:
         entry = results["benchmarks"].get(area.script)
-        if entry is None:
-            continue
-        when = f", run {entry['ran_at']}" if "ran_at" in entry else ""
-        lines += [f"## {area.title}", "", area.question, "",
-                  *([getattr(area, "explains", ""), ""] if getattr(area, "explains", "")
-                    else []),
-                  f"`{entry['command']}` ({fmt(entry['seconds'])} s{when})", ""]
-        if "error" in entry:
-            lines += ["**The script failed** (exit "
-                      f"{entry['exit']}); its last lines:", "", "```",
-                      entry["error"], "```", ""]
-            continue
-        if area.script in results.get("notes", {}):
-            lines += [results["notes"][area.script], ""]
-        if area.script == "growth":
-            lines += [*growth_section(entry["figures"]), ""]
-        rows = target_rows(area.script, entry)
-        if rows:
-            lines += [*rows, ""]
-        lines += ["<details><summary>Every figure of this run</summary>", "",
-                  *figure_rows(entry), "", "</details>", ""]
+        if entry is not None:
+            lines += [f"## {area.title}", "",
+                      *area_lines(area, entry, results.get("notes", {}))]
+    lines += rerun_lines(results.get("reruns", []), areas)
     return "\n".join(lines)
 
 

@@ -12,12 +12,15 @@ its last line (the JSON report) and writes:
 
 A full run writes them in the repository (``benchmarks/results.json`` and the docs);
 ``--quick`` (under 5 minutes on 2 cores) writes them under ``--out`` (a temporary
-folder unless given), so a smoke run never replaces the published figures. ``--only``
-runs some scripts and replaces just their entries of the results already there (the
-page says when each ran). A script that fails is recorded as failed and makes this
-one exit 1, after the others ran.
+folder unless given), so a smoke run never replaces the published figures. A full run
+runs every script ``--repeats`` times (5) in rounds and shows each figure's median with
+its min-max (:mod:`repeats`); targets are judged on the median. ``--only`` runs some
+scripts and keeps them beside the last full run as a dated rerun, shown in a section
+of its own, never mixed into the full run's tables. A script that fails is recorded as
+failed and makes this one exit 1, after the others ran.
 
-Usage: ``python benchmarks/run_all.py [--quick] [--only engine,service,...] [--out DIR]``
+Usage: ``python benchmarks/run_all.py [--quick] [--repeats N] [--only engine,...]
+[--out DIR]``
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from jaxpod import settings
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+#: Runs of each script in a full run: every figure is their median.
+FULL_REPEATS = 5
 #: Longest one script may run (a full checkpoint run takes ~20 min on 2 cores).
 SCRIPT_TIMEOUT_S = settings.BENCH_SCRIPT_TIMEOUT.seconds()
 
@@ -175,8 +180,9 @@ def run_script(area: Area, args: list[str], logs: Path) -> dict[str, Any]:
 
 
 def merged(results: dict[str, Any], out: Path) -> dict[str, Any]:
-    """``results`` of some scripts over those published under ``out`` by an earlier
-    run of the same kind (its other entries kept); ``results`` when none was."""
+    """A run of some scripts kept beside the full run published under ``out`` (of the
+    same kind), as a dated rerun of its own: never mixed into the full run's tables.
+    ``results`` alone when there is none, or when it ran every script."""
     published = out / "benchmarks" / "results.json"
     if not published.exists():
         return results
@@ -184,9 +190,9 @@ def merged(results: dict[str, Any], out: Path) -> dict[str, Any]:
     if earlier.get("quick") != results["quick"] or \
             set(results["benchmarks"]) >= set(earlier.get("benchmarks", {})):
         return results
-    earlier["benchmarks"].update(results["benchmarks"])
-    earlier.setdefault("notes", {}).update(results["notes"])
-    earlier.setdefault("reruns", []).append(results["command"])
+    earlier.setdefault("reruns", []).append(
+        {key: results[key] for key in ("command", "generated_at", "seconds", "repeats",
+                                       "benchmarks", "notes") if key in results})
     return earlier
 
 
@@ -212,6 +218,9 @@ def main() -> int:
     parser.add_argument("--only", default=None,
                         help="comma-separated scripts (default: all): "
                              + ",".join(a.script for a in AREAS))
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs of each script, in rounds; every figure is their "
+                             "median, min-max beside it (default 5, 1 with --quick)")
     parser.add_argument("--out", default=None,
                         help="where results.json and docs/ go (default: the repository "
                              "for a full run, a temporary folder with --quick)")
@@ -230,22 +239,31 @@ def main() -> int:
         "command": "python benchmarks/run_all.py" + (" --quick" if args.quick else "")
                    + (f" --only {args.only}" if args.only else ""),
         "quick": args.quick, "machine": machine(), "benchmarks": {}, "notes": notes}
-    for area in chosen:
-        print(f"run_all: {area.script} ...", flush=True)
-        entry = run_script(area, script_args(area, args.quick, notes), logs)
-        results["benchmarks"][area.script] = entry
-        met = [t["met"] for t in entry.get("targets", {}).values()]
-        print(f"run_all: {area.script} {'FAILED' if 'error' in entry else 'done'} in "
-              f"{entry['seconds']:.0f} s; targets met {sum(met)}/{len(met)}", flush=True)
-        if "error" in entry:
-            print(entry["error"], flush=True)
+    repeats = args.repeats or (1 if args.quick else FULL_REPEATS)
+    if repeats < 1:
+        parser.error(f"--repeats must be >= 1; got {repeats}")
+    results["repeats"] = repeats
+    runs: dict[str, list[dict[str, Any]]] = {a.script: [] for a in chosen}
+    for round_ in range(1, repeats + 1):  # rounds: a busy spell falls on several scripts
+        for area in chosen:
+            print(f"run_all: {area.script} ({round_}/{repeats}) ...", flush=True)
+            entry = run_script(area, script_args(area, args.quick, notes), logs)
+            runs[area.script].append(entry)
+            met = [t["met"] for t in entry.get("targets", {}).values()]
+            print(f"run_all: {area.script} {'FAILED' if 'error' in entry else 'done'} in "
+                  f"{entry['seconds']:.0f} s; targets met {sum(met)}/{len(met)}", flush=True)
+            if "error" in entry:
+                print(entry["error"], flush=True)
+    from repeats import combine
+
+    own = results["benchmarks"] = {a.script: combine(runs[a.script]) for a in chosen}
     elapsed = results["seconds"] = round(time.time() - started, 1)
     results = merged(results, out)
 
     from publish import write_pages
 
     written = write_pages(results, out, AREAS)
-    failed = [a.script for a in chosen if "error" in results["benchmarks"][a.script]]
+    failed = [a.script for a in chosen if "error" in own[a.script]]
     print(f"run_all: {len(chosen) - len(failed)}/{len(chosen)} scripts ran in "
           f"{elapsed:.0f} s; wrote " + ", ".join(str(p) for p in written)
           + (f"; logs in {logs}" if failed else ""), flush=True)
@@ -254,7 +272,7 @@ def main() -> int:
     from _common import report
 
     report("run_all", {"scripts": len(chosen), "failed": failed, "seconds": elapsed},
-           {f"{name}.{figure}": t for name, e in results["benchmarks"].items()
+           {f"{name}.{figure}": t for name, e in own.items()
             for figure, t in e.get("targets", {}).items()})
     return 1 if failed else 0
 
