@@ -448,7 +448,8 @@ def _print_details(details: JobDetails, as_json: bool) -> None:
     if details.checkpoints:
         print("checkpoints:")
         for c in details.checkpoints:
-            print(f"  step {c.step}  {_time(c.saved_at)}  {c.path}")
+            stall = "" if c.stall_s is None else f"  steps waited {c.stall_s:.3g} s"
+            print(f"  step {c.step}  {_time(c.saved_at)}  {c.path}{stall}")
     if details.profiles:
         print("profiles:")
         for p in details.profiles:

@@ -205,11 +205,16 @@ class HostInput:
 @dataclass(frozen=True)
 class JobCheckpoint:
     """A committed checkpoint of a job: ``step`` steps were done; ``path`` is where the
-    service's hosts wrote it; ``saved_at`` when (seconds since the epoch)."""
+    service's hosts wrote it; ``saved_at`` when (seconds since the epoch); ``stall_s``
+    the seconds the job's steps waited for it: a periodic one, while the hosts set the
+    state apart (the write goes on behind the next steps); the final one, or one before
+    giving the slice up, until it was committed (``None``: not known, as for one found
+    on storage after the coordinator restarted)."""
 
     step: int
     path: str
     saved_at: float
+    stall_s: float | None = None
 
 
 @dataclass(frozen=True)

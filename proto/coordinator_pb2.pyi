@@ -770,14 +770,16 @@ class JobStacks(_message.Message):
     def __init__(self, hosts: _Optional[_Iterable[_Union[HostStacks, _Mapping]]] = ...) -> None: ...
 
 class JobCheckpoint(_message.Message):
-    __slots__ = ("step", "path", "saved_at")
+    __slots__ = ("step", "path", "saved_at", "stall_s")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SAVED_AT_FIELD_NUMBER: _ClassVar[int]
+    STALL_S_FIELD_NUMBER: _ClassVar[int]
     step: int
     path: str
     saved_at: float
-    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., saved_at: _Optional[float] = ...) -> None: ...
+    stall_s: float
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., saved_at: _Optional[float] = ..., stall_s: _Optional[float] = ...) -> None: ...
 
 class JobProfile(_message.Message):
     __slots__ = ("path", "started_at", "seconds", "files")

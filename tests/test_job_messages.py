@@ -98,6 +98,7 @@ def test_a_field_that_may_be_none_needs_presence_on_the_wire(
         step: int | None  # JobCheckpoint.step has no presence
         path: str
         saved_at: float
+        stall_s: float | None
 
     monkeypatch.setitem(job_messages.MESSAGES, Loose, pb.JobCheckpoint)
     with pytest.raises(TypeError, match=r"Loose\.step does not match .*optional"):

@@ -176,6 +176,8 @@ class JobRun:
         #: The steps checkpoints were asked for, oldest first (a resumed attempt's
         #: start with those its hosts keep).
         self._saved = [c.step for c in self.store.checkpoints(job_id)]
+        #: Seconds each checkpoint not yet recorded as committed stalled the steps.
+        self._stalls: dict[int, float] = {}
         self._checkpointed = self.start_step  # the last step a checkpoint was asked for
         self._committed = self.start_step  # the last step recorded as committed
         self._iterator: Any = None
@@ -293,14 +295,21 @@ class JobRun:
         (:meth:`jaxpod.worker.checkpoints.HostCheckpoints.save`), then goes on while
         it reaches storage, unless ``wait`` (until it is committed).
         The time counts as ``during`` (the final state's checkpoint is the result)."""
+        start = time.monotonic()
         with self._clock.during(during):
             if self.step != self._checkpointed:
                 self.engine.save_checkpoint(self.checkpoints.directory, self.step,
                                             self.checkpoints.keep, state, self._iterator)
                 self._checkpointed = self.step
                 self._saved.append(self.step)
+                self._stalls[self.step] = time.monotonic() - start
             if wait:
-                self._commit(self.engine.wait_checkpoints(self.checkpoints.directory))
+                waited_from = time.monotonic()
+                committed = self.engine.wait_checkpoints(self.checkpoints.directory)
+                if committed == self.step:
+                    self._stalls[self.step] = (self._stalls.get(self.step, 0.0)
+                                               + time.monotonic() - waited_from)
+                self._commit(committed)
 
     def _commit(self, step: int | None) -> None:
         """The hosts committed checkpoint ``step``: it is recorded (and resumable), with
@@ -309,8 +318,9 @@ class JobRun:
             return
         kept = [s for s in self._saved if s <= step][-self.checkpoints.keep:]
         self._saved = kept + [s for s in self._saved if s > step]
+        self._stalls = {s: t for s, t in self._stalls.items() if s in self._saved}
         self.store.set_checkpoints(self.job_id, {s: self.checkpoints.state_path(s)
-                                                 for s in kept})
+                                                 for s in kept}, self._stalls)
         self._committed = step
         self._write_scalars()
         self._changed()

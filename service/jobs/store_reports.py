@@ -134,15 +134,18 @@ class JobReports(JobDatabase):
                                (job_id,)).fetchone()
         return None if row[0] is None else bytes(row[0])
 
-    def set_checkpoints(self, job_id: str, kept: Mapping[int, str]) -> None:
-        """Record the steps the hosts keep committed (step -> the state item's path):
-        the job's rows become exactly these (a row already there keeps its time)."""
+    def set_checkpoints(self, job_id: str, kept: Mapping[int, str],
+                        stalls: Mapping[int, float] | None = None) -> None:
+        """Record the steps the hosts keep committed (step -> the state item's path),
+        with the seconds each stalled the steps when known (``stalls``): the job's rows
+        become exactly these (a row already there keeps its time and stall)."""
         now = self._clock()
         with self._write() as conn:
             self._require(conn, job_id)
-            conn.executemany("INSERT OR IGNORE INTO checkpoints (job_id, step, path, saved_at) "
-                             "VALUES (?, ?, ?, ?)",
-                             [(job_id, step, path, now) for step, path in kept.items()])
+            conn.executemany("INSERT OR IGNORE INTO checkpoints (job_id, step, path, saved_at,"
+                             " stall_s) VALUES (?, ?, ?, ?, ?)",
+                             [(job_id, step, path, now, (stalls or {}).get(step))
+                              for step, path in kept.items()])
             marks = ", ".join("?" * len(kept))
             conn.execute(f"DELETE FROM checkpoints WHERE job_id = ? AND step NOT IN ({marks})",
                          (job_id, *kept))
@@ -151,8 +154,8 @@ class JobReports(JobDatabase):
         """The job's recorded checkpoints, oldest first."""
         with self._read() as conn:
             self._require(conn, job_id)
-            rows = conn.execute("SELECT step, path, saved_at FROM checkpoints WHERE "
-                                "job_id = ? ORDER BY step", (job_id,)).fetchall()
+            rows = conn.execute("SELECT step, path, saved_at, stall_s FROM checkpoints "
+                                "WHERE job_id = ? ORDER BY step", (job_id,)).fetchall()
         return [JobCheckpoint(*r) for r in rows]
 
     def add_profile(self, job_id: str, profile: JobProfile) -> None:

@@ -101,6 +101,9 @@ def test_a_large_state_never_passes_the_coordinator_and_opens_with_plain_orbax(
         assert float(result.outputs["total"]) == 4.0 * 4  # 4 replicas' sums of 4 ones
         saved = job.checkpoints()
         assert [c.step for c in saved] == [4, 6]  # every 2 steps, the last 2 kept
+        # how long each held the steps: a periodic one its setting apart, the final
+        # one until committed
+        assert all(c.stall_s is not None and c.stall_s > 0 for c in saved), saved
         # The state streams back through the coordinator in bounded blocks.
         Path(f"/proc/{service.process.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
         before_result = rss(service.process.pid)

@@ -504,12 +504,14 @@ def test_checkpoint_rows_follow_what_the_hosts_keep(tmp_path: Path) -> None:
 def _checkpoint_rows(store: JobStore) -> None:
     store.create_job(steps=10, payload=b"", job_id="j")
     assert store.checkpoints("j") == [] and store.state_skeleton("j") is None
-    store.set_checkpoints("j", {4: "/c/j/4/state"})
-    store.set_checkpoints("j", {4: "/c/j/4/state", 8: "/c/j/8/state"})
+    store.set_checkpoints("j", {4: "/c/j/4/state"}, {4: 0.5})
+    store.set_checkpoints("j", {4: "/c/j/4/state", 8: "/c/j/8/state"}, {8: 0.25})
+    # read back from storage (no stalls known): the rows keep theirs
     store.set_checkpoints("j", {8: "/c/j/8/state", 12: "/c/j/12/state"})
     got = store.checkpoints("j")
     assert [(c.step, c.path) for c in got] == [(8, "/c/j/8/state"), (12, "/c/j/12/state")]
     assert got[0].saved_at < got[1].saved_at  # 8's row was written before 12's
+    assert [c.stall_s for c in got] == [0.25, None]
     store.set_checkpoints("j", {})
     assert store.checkpoints("j") == []
     store.set_state_skeleton("j", b"\x01\x02")

@@ -363,7 +363,8 @@
   function fillDetail(d) {  // last checkpoint, goodput, history, attempts, profiles, hosts
     const saved = d.checkpoints[d.checkpoints.length - 1];
     text(byId("detail-checkpoint"), saved
-      ? "last checkpoint: step " + saved.step + ", " + when(saved.saved_at) + ", " + saved.path
+      ? "last checkpoint: step " + saved.step + ", " + when(saved.saved_at) + ", " + saved.path +
+        (saved.stall_s === null ? "" : " (steps waited " + fmt(saved.stall_s, 3) + " s)")
       : "no checkpoint yet");
     fill("goodput", Object.entries(d.goodput).map(([k, v]) => [k, fmt(v, 3)]), "none yet");
     fill("history", d.history.map(t => [when(t.at), t.from_state, t.to_state, t.reason]));
