@@ -5,10 +5,13 @@ Two parts run one after the other on this machine, never at once:
 * **plain** (the lower bound): two ``jax.distributed`` processes (4 CPU devices each,
   gloo) hold the state as jobs write it, one replica's copy as a global array
   replicated over all 8 devices, and call ``orbax.checkpoint.CheckpointManager``
-  themselves: ``save`` (``StandardSave``, asynchronous) until it returns, then until
+  themselves: ``save`` (``StandardSave``, asynchronous, replica-parallel: each device
+  writes its share of the replicated array) until it returns, then until
   ``wait_until_finished`` (committed), then ``restore`` onto the same shardings; and
   the device-to-host copy a save needs (each device's share of the replica-parallel
-  write, copied to numpy; the slower process).
+  write, copied to numpy; the slower process). orbax is set up as the hosts set it up
+  (barriers on the coordination service, 4 MiB chunks: :func:`best_settings`), so a
+  ratio measures jaxpod around orbax, not a setting.
 * **jobs**: the same state through jobs on a simulated v4-16 (2 hosts x 4 chips, the
   same 8 devices) served by a real ``jaxpod serve``: a job whose ``init_fn`` makes the
   state and whose step holds each step for half the plain save time, so the writes of
@@ -21,11 +24,12 @@ Figures (medians over repeats, the plain ones over at least 3 in a full run; sta
    job's final checkpoint's seconds (goodput ``result``: from its last loop to the
    hosts' commit, the step wait for the previous write included if any).
 2. ``stall_vs_d2h`` (target <= 1.2): the job's steady step wait per periodic
-   checkpoint (goodput ``checkpointing``: what a job of 44 steps, 10 checkpoints, adds
-   over one of 12 steps, 2 checkpoints, per extra checkpoint) over the plain
-   device-to-host copy time. ``stall_vs_orbax_save_call`` compares it with the plain
-   ``save`` call instead; ``job_first_checkpoint_extra_s`` is what a job's first
-   checkpoint costs more (orbax's manager made, the layout program compiled).
+   checkpoint (the median of each kept periodic checkpoint's own ``stall_s``, a job's
+   first left out: from the loop boundary until the hosts set the state apart and
+   orbax's save call returned) over the plain device-to-host copy time (what any save
+   must wait for). ``stall_vs_orbax_save_call`` compares it with the plain ``save``
+   call instead; ``job_first_checkpoint_extra_s`` is what a job's first checkpoint
+   costs more (orbax's manager made, the layout program compiled).
 3. ``restore_vs_orbax`` (target <= 1.1): a resumed attempt's ``restoring`` seconds (a
    preemption notice sent to host 1 after its second step; the next attempt restores
    the state and input positions) over plain orbax restoring the same job's
@@ -66,6 +70,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import follow_job, free_port, parse_parts, report, run_processes, target
 from jobs import rounded, running_service
+
+from jaxpod.worker.checkpoints import CHUNK_BYTES
 
 ACCELERATOR = "v4-16"
 PARTS = ("plain", "jobs")
@@ -143,6 +149,8 @@ def plain_process(process_id: int, port: int, mib: int, repeats: int, folder: st
         def cold_restore() -> Any:
             import orbax.checkpoint as ocp
 
+            best_settings()
+
             manager = ocp.CheckpointManager(folder, item_names=("state",))
             restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract)))["state"]
@@ -163,13 +171,17 @@ def plain_process(process_id: int, port: int, mib: int, repeats: int, folder: st
                 r = shard.device.id
                 np.array(shard.data[r * share:(r + 1) * share])
 
+        best_settings()
         manager = ocp.CheckpointManager(folder, options=ocp.CheckpointManagerOptions(
             max_to_keep=2, enable_async_checkpointing=True, create=True),
             item_names=("state",))
+        chunked = {"w": ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES)}
+
         def save(step: int) -> None:  # the call, then until committed
             multihost_utils.sync_global_devices(f"save {step}")
             start = time.perf_counter()
-            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": w})))
+            manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave({"w": w}, save_args=chunked)))
             times.setdefault("save_call_s", []).append(time.perf_counter() - start)
             manager.wait_until_finished()
             times.setdefault("save_s", []).append(time.perf_counter() - start)
@@ -189,6 +201,20 @@ def plain_process(process_id: int, port: int, mib: int, repeats: int, folder: st
         times = {k: v[warm.get(k, 1):] for k, v in times.items()}  # without the warm-up
     print("PLAIN " + json.dumps({k: statistics.median(v) for k, v in times.items()}),
           flush=True)
+
+
+def best_settings() -> None:
+    """Plain orbax set up as the hosts set it up (``jaxpod.worker.checkpoints``): its
+    barriers on ``jax.distributed``'s coordination service, not a device collective
+    (over gloo on CPU, each costs a collective round); with 4 MiB chunks (below), so
+    each host writes many chunks at once. The same library at the same settings: the
+    ratios say what jaxpod adds or saves around it, not what a setting does."""
+    from absl import flags
+    from orbax.checkpoint._src.multihost import multihost
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS(["plain"], known_only=True)
+    flags.FLAGS.set_default(multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.name, True)
 
 
 def plain_run(mib: int, repeats: int, folder: str, role: str) -> dict[str, float]:
@@ -289,7 +315,12 @@ def big_state_job(client: Any, n: int, pause_s: float, name: str, notice: bool,
     follow_job(job, notify_past(job, NOTICE_AFTER) if notice else lambda status: None,
                JOB_TIMEOUT_S)
     check_final_checkpoint(job, n, steps)
-    goodput = dict(job.status().goodput or {})
+    goodput: dict[str, Any] = dict(job.status().goodput or {})
+    # The periodic checkpoints the job keeps, but a job's first (it also creates
+    # orbax's manager and compiles the layout program) and the final one (the result,
+    # waited for until committed): how long each held the steps, as the job recorded.
+    goodput["stalls"] = [c.stall_s for c in job.checkpoints()
+                         if CHECKPOINT_EVERY < c.step < steps and c.stall_s is not None]
     attempts = len(job.attempts())
     if attempts != (2 if notice else 1):
         raise RuntimeError(f"job {job.id} took {attempts} attempts")
@@ -377,16 +408,23 @@ def measure_jobs(client: Any, mib: int, repeats: int, plain: dict[str, float],
     periodic = STEPS // CHECKPOINT_EVERY - 1
     more = long_steps // CHECKPOINT_EVERY - 1 - periodic
 
-    def med(runs: list[dict[str, float]], key: str, per: int = 1) -> float:
+    def med(runs: list[dict[str, Any]], key: str, per: int = 1) -> float:
         return float(statistics.median(r.get(key, 0.0) / per for r in runs))
 
-    # The steady stall per checkpoint: what the longer job's extra checkpoints added
-    # (the first save of a job also creates orbax's manager and compiles the layout).
-    stall = (med(longer, "checkpointing") - med(saving, "checkpointing")) / more
+    # The steady stall per checkpoint: each periodic checkpoint's own record of how
+    # long it held the steps (never a difference of two jobs' totals, which noise
+    # could make negative); a job's first is left out (it also creates orbax's manager
+    # and compiles the layout program): the whole first checkpointing minus the
+    # steady ones is what it costs more.
+    stalls = [s for r in saving + longer for s in r["stalls"]]
+    stall = float(statistics.median(stalls))
     return {
         "step_pause_s": pause_s,
         "job_save_s": med(saving + longer, "result"),
         "job_stall_per_checkpoint_s": stall,
+        "job_stall_samples": len(stalls),
+        "job_checkpointing_per_checkpoint_s": (med(longer, "checkpointing")
+                                               / (periodic + more)),
         "job_first_checkpoint_extra_s": med(saving, "checkpointing") - periodic * stall,
         "job_restore_s": med(restoring, "restoring"),
         "plain_restore_job_checkpoint_s": med(restoring, "plain_restore"),
