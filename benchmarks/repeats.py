@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 _OPS: dict[str, Callable[[float, float], bool]] = {
-    "<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt}
+    "<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt,
+    "==": operator.eq}
 
 
 def is_number(value: Any) -> bool:
@@ -53,7 +54,9 @@ def combine(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The entry of ``runs`` (``run_all.run_script``'s entries of one script, oldest
     first): a failed run makes the whole entry failed (its error shown); else figures
     and targets are medians, ``spread`` holds each varying figure's and target's
-    ``[min, max]``, and a target is met when its median meets it."""
+    ``[min, max]``, and a target is met when its median meets it; an exact one
+    (``"== 0"``: corrupt checkpoints, steps lost) only when every run met it, its value
+    the run furthest from it."""
     first = runs[0]
     entry: dict[str, Any] = {
         "command": first["command"], "ran_at": first["ran_at"], "repeats": len(runs),
@@ -75,8 +78,14 @@ def combine(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     targets: dict[str, Any] = {}
     for name, t in first["targets"].items():
         values = [r["targets"][name]["value"] for r in runs if name in r["targets"]]
-        value = _median(values)
-        targets[name] = {**t, "value": value, "met": judge(value, t["target"])}
+        op, bound = t["target"].split()
+        if op == "==":  # a count that must be exact (0 mismatches): every run, the worst
+            value = max(values, key=lambda v: abs(v - float(bound)))
+            met = all(r["targets"][name]["met"] for r in runs if name in r["targets"])
+        else:
+            value = _median(values)
+            met = judge(value, t["target"])
+        targets[name] = {**t, "value": value, "met": met}
         if (low_high := _spread(values)) is not None:
             spread[f"target:{name}"] = low_high
     entry.update(figures=figures, targets=targets, spread=spread)

@@ -110,6 +110,11 @@ def test_repeated_runs_become_medians_with_their_spread() -> None:
     # judged again on the median, whatever the runs said
     assert target["value"] == np.median(ratios) == 0.95 and target["met"] is True
     assert entry["spread"]["target:save_throughput_vs_orbax"] == [0.7, 1.4]
+    # an exact target holds only if it held in every run: one bad run shows
+    exact = [{**r, "targets": {"corrupt": {"value": bad, "target": "== 0", "met": bad == 0}}}
+             for r, bad in zip(runs, [0, 0, 2, 0, 0], strict=True)]
+    assert combine(exact)["targets"]["corrupt"] == {"value": 2, "target": "== 0",
+                                                    "met": False}
     failed = combine([*runs[:2], {**runs[2], "exit": 1, "error": "boom"}])
     assert failed["error"] == "boom" and failed["exit"] == 1 and "figures" not in failed
 
