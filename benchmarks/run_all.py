@@ -99,10 +99,12 @@ AREAS = (
          "restoring against plain orbax restoring the same checkpoint in fresh "
          "processes. The quick run (64 MiB, one run of each) depends on the machine "
          "being quiet: the coordinator's calls cost about 0.1 s a checkpoint, a third "
-         "of a 64 MiB save and under a tenth of the full run's 1 GiB one. Quiet, it met "
-         "all four targets (save 2.14x, stall 1.09, restore 0.98, far/near 0.92); beside "
-         "another benchmark it missed three (0.69, 1.25, 1.18). Why the job's save beats "
-         "orbax's own save-to-commit at the same settings is not explained yet."),
+         "of a 64 MiB save and under a tenth of the full run's 1 GiB one. Three quick "
+         "runs on 2026-12-01 (save, stall, restore, far/near): 2.14, 1.09, 0.98, 0.92 "
+         "(all met); 0.81, 1.88, 0.90, 1.11 (in CI); 0.69, 1.25, 1.18, 0.98 (beside "
+         "another benchmark): one run of each is too few at this size. Why the job's "
+         "save can beat orbax's own save-to-commit at the same settings is not "
+         "explained yet."),
     Area("results", "Reading results back", "`job.result()` against plain orbax restoring "
          "the same checkpoint at 10 to 1,000 leaves and 16 to 256 MiB; the coordinator's "
          "peak memory while a 256 MiB result, gather, local results or fetch passes "
