@@ -117,8 +117,10 @@ class Retention:
         if pruned or audit:
             logger.info("retention: pruned %d finished job(s), %d audit record(s); "
                         "%d database page(s) given back, %d free", pruned, audit, freed, free)
+        # More at once only while passes make progress: folders that cannot be deleted
+        # (a bucket refusing) wait for the next pass instead of being retried in a loop.
         return PassReport(pruned, audit, free,
-                          more=len(due) == max_jobs or (free > 0 and freed > 0))
+                          more=(len(due) == max_jobs and pruned > 0) or (free > 0 and freed > 0))
 
     def start(self, every_s: float | None = None) -> None:
         """Runs a pass now and then every ``every_s`` (``JAXPOD_RETENTION_EVERY_S``), on
