@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -26,13 +26,22 @@ CHECKS = [not_a_server_error, response_schema_conformance, status_code_conforman
           content_type_conformance]
 
 
-@schema.parametrize()
-@settings(max_examples=25, deadline=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
-def test_no_server_error_and_every_answer_fits_the_schema(case: Any, service: Service,
+#: One test per operation, each with an id of its own (schemathesis's ``parametrize``
+#: gives all of them one node id, and pytest-xdist runs one test per node id).
+OPERATIONS = [result.ok() for result in schema.get_all_operations()]
+
+
+@pytest.mark.parametrize("operation", OPERATIONS, ids=lambda operation: operation.label)
+def test_no_server_error_and_every_answer_fits_the_schema(operation: Any, service: Service,
                                                           finished_job: str) -> None:
-    case.call_and_validate(base_url=service.http_url, checks=CHECKS, timeout=60,
-                           headers={"Authorization": f"Bearer {service.token}"})
+    @given(case=operation.as_strategy())
+    @settings(max_examples=25, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    def answers_fit(case: Any) -> None:
+        case.call_and_validate(base_url=service.http_url, checks=CHECKS, timeout=60,
+                               headers={"Authorization": f"Bearer {service.token}"})
+
+    answers_fit()
 
 
 @pytest.fixture(scope="module")
