@@ -14,6 +14,10 @@ jax.config.update("jax_platforms", "cpu")
 #: The state dir this run made for the services its tests start (``None``: the user's
 #: own ``JAXPOD_STATE_DIR`` stays).
 _OWN_STATE_DIR: list[str] = []
+#: The pid of the pytest process that made ``JAXPOD_STATE_DIR``.
+_STATE_DIR_OWNER = "PYTEST_STATE_DIR_OWNER_PID"
+#: Test packages whose tests share fixtures wider than a module.
+_SHARED_FIXTURE_PACKAGES = ("tests/engine/", "tests/dashboard/")
 
 
 def pytest_configure(config: object) -> None:
@@ -22,8 +26,13 @@ def pytest_configure(config: object) -> None:
     import os
     import tempfile
 
-    if "JAXPOD_STATE_DIR" not in os.environ:
-        os.environ["JAXPOD_STATE_DIR"] = tempfile.mkdtemp(prefix="jaxpod-test-state-")
+    # Under pytest-xdist each worker inherits the controller's folder: it makes its
+    # own, since two services must not share one job database.
+    inherited = os.environ.get(_STATE_DIR_OWNER) not in (None, str(os.getpid()))
+    if "JAXPOD_STATE_DIR" not in os.environ or inherited:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+        os.environ["JAXPOD_STATE_DIR"] = tempfile.mkdtemp(prefix=f"jaxpod-test-state-{worker}")
+        os.environ[_STATE_DIR_OWNER] = str(os.getpid())
         _OWN_STATE_DIR.append(os.environ["JAXPOD_STATE_DIR"])
     # Nor do their hosts' compiled programs go to the user's ~/.cache.
     os.environ.setdefault("JAXPOD_COMPILATION_CACHE_DIR",
@@ -36,5 +45,26 @@ def pytest_unconfigure(config: object) -> None:
 
     for folder in _OWN_STATE_DIR:
         os.environ.pop("JAXPOD_STATE_DIR", None)
+        os.environ.pop(_STATE_DIR_OWNER, None)
         os.environ.pop("JAXPOD_COMPILATION_CACHE_DIR", None)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config: object, items: list) -> None:
+    # pytest-xdist (``-n``) hands each group to one worker: a test module with its
+    # module-scoped cluster or service; a package whose fixtures are session- or
+    # package-scoped (the engine suite's remote backends, the dashboard's service).
+    import collections
+
+    import pytest
+
+    repeated = [nodeid for nodeid, n in collections.Counter(i.nodeid for i in items).items()
+                if n > 1]
+    if repeated:  # pytest-xdist would run one of each and drop the others unseen
+        raise pytest.UsageError(f"tests share node ids {repeated}; give each its own "
+                                "(pytest.mark.parametrize ids=...)")
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        group = next((package for package in _SHARED_FIXTURE_PACKAGES
+                      if path.startswith(package)), path)
+        item.add_marker(pytest.mark.xdist_group(group))
