@@ -11,7 +11,7 @@ its last line (the JSON report) and writes:
 * the headline summary between the ``benchmarks:summary`` markers of ``README.md``.
 
 A full run writes them in the repository (``benchmarks/results.json`` and the docs);
-``--quick`` (under 5 minutes on 2 cores) writes them under ``--out`` (a temporary
+``--quick`` (about 15 minutes on 2 cores) writes them under ``--out`` (a temporary
 folder unless given), so a smoke run never replaces the published figures. A full run
 runs every script ``--repeats`` times (5) in rounds and shows each figure's median with
 its min-max (:mod:`repeats`); targets are judged on the median. ``--only`` runs some
@@ -231,7 +231,7 @@ def machine() -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="every script's --quick (a smoke run, < 5 min on 2 cores)")
+                        help="every script's --quick, once (about 15 min on 2 cores)")
     parser.add_argument("--only", default=None,
                         help="comma-separated scripts (default: all): "
                              + ",".join(a.script for a in AREAS))
