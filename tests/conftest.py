@@ -16,8 +16,6 @@ jax.config.update("jax_platforms", "cpu")
 _OWN_STATE_DIR: list[str] = []
 #: The pid of the pytest process that made ``JAXPOD_STATE_DIR``.
 _STATE_DIR_OWNER = "PYTEST_STATE_DIR_OWNER_PID"
-#: Test packages whose tests share fixtures wider than a module.
-_SHARED_FIXTURE_PACKAGES = ("tests/engine/", "tests/dashboard/")
 
 
 def pytest_configure(config: object) -> None:
@@ -51,20 +49,14 @@ def pytest_unconfigure(config: object) -> None:
 
 
 def pytest_collection_modifyitems(config: object, items: list) -> None:
-    # pytest-xdist (``-n``) hands each group to one worker: a test module with its
-    # module-scoped cluster or service; a package whose fixtures are session- or
-    # package-scoped (the engine suite's remote backends, the dashboard's service).
+    # pytest-xdist (.ci/run: ``-n 2 --dist loadfile``) keys tests by node id: of tests
+    # sharing one it would run one and drop the others unseen.
     import collections
 
     import pytest
 
     repeated = [nodeid for nodeid, n in collections.Counter(i.nodeid for i in items).items()
                 if n > 1]
-    if repeated:  # pytest-xdist would run one of each and drop the others unseen
+    if repeated:
         raise pytest.UsageError(f"tests share node ids {repeated}; give each its own "
                                 "(pytest.mark.parametrize ids=...)")
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        group = next((package for package in _SHARED_FIXTURE_PACKAGES
-                      if path.startswith(package)), path)
-        item.add_marker(pytest.mark.xdist_group(group))
