@@ -14,8 +14,6 @@ jax.config.update("jax_platforms", "cpu")
 #: The state dir this run made for the services its tests start (``None``: the user's
 #: own ``JAXPOD_STATE_DIR`` stays).
 _OWN_STATE_DIR: list[str] = []
-#: The pid of the pytest process that made ``JAXPOD_STATE_DIR``.
-_STATE_DIR_OWNER = "PYTEST_STATE_DIR_OWNER_PID"
 
 
 def pytest_configure(config: object) -> None:
@@ -24,13 +22,12 @@ def pytest_configure(config: object) -> None:
     import os
     import tempfile
 
-    # Under pytest-xdist each worker inherits the controller's folder: it makes its
-    # own, since two services must not share one job database.
-    inherited = os.environ.get(_STATE_DIR_OWNER) not in (None, str(os.getpid()))
-    if "JAXPOD_STATE_DIR" not in os.environ or inherited:
-        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-        os.environ["JAXPOD_STATE_DIR"] = tempfile.mkdtemp(prefix=f"jaxpod-test-state-{worker}")
-        os.environ[_STATE_DIR_OWNER] = str(os.getpid())
+    # A pytest-xdist worker (PYTEST_XDIST_WORKER) always makes its own: it inherits the
+    # controller's folder, and two services must not share one job database.
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if "JAXPOD_STATE_DIR" not in os.environ or worker is not None:
+        os.environ["JAXPOD_STATE_DIR"] = tempfile.mkdtemp(
+            prefix=f"jaxpod-test-state-{worker or ''}")
         _OWN_STATE_DIR.append(os.environ["JAXPOD_STATE_DIR"])
     # Nor do their hosts' compiled programs go to the user's ~/.cache.
     os.environ.setdefault("JAXPOD_COMPILATION_CACHE_DIR",
@@ -43,7 +40,6 @@ def pytest_unconfigure(config: object) -> None:
 
     for folder in _OWN_STATE_DIR:
         os.environ.pop("JAXPOD_STATE_DIR", None)
-        os.environ.pop(_STATE_DIR_OWNER, None)
         os.environ.pop("JAXPOD_COMPILATION_CACHE_DIR", None)
         shutil.rmtree(folder, ignore_errors=True)
 
