@@ -157,8 +157,8 @@ class Attempt:
     """One attempt at running a job (1 is the first). ``ended_at`` and ``step_reached``
     are ``None`` while it runs; ``running_at`` and ``start_step`` say when it began
     running steps and from which, ``first_step_at`` when its first loop of steps was
-    done (``None``: it never got that far). By then its first host had loaded
-    ``programs_loaded`` programs from the compilation cache and compiled
+    done (``None``: it never got that far). By then each of its hosts had loaded at
+    least ``programs_loaded`` programs from the compilation cache and compiled at most
     ``programs_compiled`` (``None`` until then, or with the hosts' cache off; both 0:
     a warm slice that had them compiled already)."""
 

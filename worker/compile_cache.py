@@ -5,6 +5,7 @@ cache instead of compiling them again (JAX keys an entry by the program, the dev
 and the compiler's options). Only a group's first process writes entries (JAX's rule:
 many hosts racing on one bucket would clash); every host reads them, so the folder must
 be one every host of a slice reaches (``JAXPOD_COMPILATION_CACHE_DIR``).
+
 :func:`programs` counts what this process loaded from the cache and what it compiled.
 """
 
@@ -17,11 +18,14 @@ from pathlib import Path
 from jaxpod import settings
 
 _LOADED = "/jax/compilation_cache/cache_hits"
-_COMPILED = "/jax/compilation_cache/cache_misses"
+# Every compile with the cache on asks it first; what it did not load, it compiled.
+# (JAX's own "cache_misses" event counts entries written, which only the first
+# process does, and never a program with host callbacks.)
+_ASKED = "/jax/compilation_cache/compile_requests_use_cache"
 
 # JAX's event listeners are process-wide; so is what they count.
 _lock = threading.Lock()
-_counts = {_LOADED: 0, _COMPILED: 0}
+_counts = {_LOADED: 0, _ASKED: 0}
 _listening = False
 
 
@@ -63,7 +67,7 @@ def programs() -> tuple[int, int] | None:
     """Programs this process loaded from the cache and compiled (missing from it),
     since it started; ``None`` when the cache is off (JAX then counts nothing)."""
     with _lock:
-        return (_counts[_LOADED], _counts[_COMPILED]) if _listening else None
+        return (_counts[_LOADED], _counts[_ASKED] - _counts[_LOADED]) if _listening else None
 
 
 def _count(event: str, **kwargs: object) -> None:

@@ -185,9 +185,9 @@ class JobRun:
         self.hosts: tuple[HostInput, ...] = ()
         self.rate = StepRate(self.start_step, RATE_WINDOW.seconds())
         self._input_waited = 0.0  # the longest host input wait moved to INPUT_WAIT so far
-        #: The first host's programs loaded and compiled when the attempt began (its
+        #: Each host's programs loaded and compiled when the attempt began (its
         #: process may have run earlier holders' work).
-        self._programs_before: tuple[int, int] | None = None
+        self._programs_before: list[tuple[int, int]] | None = None
         #: Profiles asked of this attempt (``JobManager.profile``).
         self.profiling = Profiling(self.checkpoints.directory)
         self._stragglers = Stragglers()
@@ -488,9 +488,9 @@ class JobRun:
         if self._scalars.due():
             self._write_scalars()
         if step - self.start_step <= self.spec.steps_per_run:  # the attempt's first loop
-            now, before = self._programs(self._poll_hosts()), self._programs_before
-            self.store.first_loop_done(self.job_id, None if now is None or before is None
-                                       else (now[0] - before[0], now[1] - before[1]))
+            self.store.first_loop_done(
+                self.job_id, self._programs_since(self._programs(self._poll_hosts()),
+                                                  self._programs_before))
         self._changed()
 
     def _write_scalars(self) -> None:
@@ -509,12 +509,24 @@ class JobRun:
         self._scalars.write(series, extra)
 
     @staticmethod
-    def _programs(news: Sequence[HostNews]) -> tuple[int, int] | None:
-        """The first host's programs loaded from the compilation cache and compiled
-        (``None``: its news could not be read, or its cache is off)."""
-        if not news or news[0].programs_loaded is None or news[0].programs_compiled is None:
+    def _programs(news: Sequence[HostNews]) -> list[tuple[int, int]] | None:
+        """Each host's programs loaded from the compilation cache and compiled
+        (``None``: a host's news could not be read, or its cache is off)."""
+        if not news or any(n.programs_loaded is None or n.programs_compiled is None
+                           for n in news):
             return None
-        return news[0].programs_loaded, news[0].programs_compiled
+        return [(n.programs_loaded or 0, n.programs_compiled or 0) for n in news]
+
+    @staticmethod
+    def _programs_since(now: list[tuple[int, int]] | None,
+                        before: list[tuple[int, int]] | None) -> tuple[int, int] | None:
+        """What the attempt's first loop cost its hosts: the fewest programs a host
+        loaded from the cache and the most a host compiled (the slice waits for the
+        slowest host, so one host compiling is the whole slice waiting)."""
+        if now is None or before is None or len(now) != len(before):
+            return None
+        since = [(n[0] - b[0], n[1] - b[1]) for n, b in zip(now, before, strict=True)]
+        return min(s[0] for s in since), max(s[1] for s in since)
 
     def _poll_hosts(self) -> list[HostNews]:
         """One report from every host: the lines the job printed (to its logs), its
