@@ -426,9 +426,10 @@ COMPILATION_CACHE_DIR = _text(
     "JAXPOD_COMPILATION_CACHE_DIR", "Where hosts keep JAX's persistent compilation cache, "
     "so a restarted attempt and later jobs of the same code load their programs instead "
     "of compiling them: a path or gs:// URL every host of a slice reaches (the first "
-    "host writes, all read). Default: compilation-cache/ in JAXPOD_CHECKPOINT_DIR when "
-    "the hosts have it, else ~/.cache/jaxpod/compilation-cache (one machine's: enough "
-    "for single-host and simulated slices). off: no cache.", "worker")
+    "host writes, all read; simulated hosts each write their own). Default: "
+    "compilation-cache/ in JAXPOD_CHECKPOINT_DIR when the hosts have it, else "
+    "~/.cache/jaxpod/compilation-cache (one machine's: enough for single-host and "
+    "simulated slices). off: no cache.", "worker")
 COMPILATION_CACHE_MIN_COMPILE = seconds(
     "JAXPOD_COMPILATION_CACHE_MIN_COMPILE_S", 1.0, "Programs that compile faster than "
     "this are not written to the compilation cache.", "worker")

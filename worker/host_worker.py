@@ -78,7 +78,7 @@ class HostWorker:
         from jaxpod.worker import compile_cache
 
         # Before anything compiles: a restarted attempt loads its programs.
-        compile_cache.enable()
+        compile_cache.enable(every_process_writes=platform == SIMULATED_PLATFORM)
         self.process_id = process_id
         self.num_processes = num_processes
         self._host: HostOperations | None = None
