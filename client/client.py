@@ -221,7 +221,8 @@ class Client:
 
     # --------------------------------------------------------------------- jobs
     def submit(self, step_fn: Callable[..., Any], *, steps: int,
-               accelerator_type: str | None = None, init_fn: Callable[[], Any] | None = None,
+               accelerator_type: str | Sequence[str] | None = None,
+               init_fn: Callable[[], Any] | None = None,
                initial_state: Any = None, dataset: Any = None,
                dataset_fn: Callable[..., Any] | None = None, steps_per_run: int = 1,
                outputs: Mapping[str, Any] | None = None, checkpoint_every: int | None = None,
@@ -237,7 +238,11 @@ class Client:
             ``strategy.run_steps`` (the replica context is available).
           steps: steps to run (>= 1); the input starts over when it runs out.
           accelerator_type: slice type, e.g. ``"v4-16"`` (``None``: the type of the
-            cluster's first slice).
+            cluster's first slice), or several in order of preference, e.g.
+            ``("v4-16", "v4-8")``: an elastic job, which starts and resumes on the most
+            preferred type free at the time, keeps its global batch and input position
+            across types, and moves back up at a checkpoint once a more preferred type
+            is free.
           init_fn: builds the state, run per replica (as ``strategy.run(init_fn)``).
           initial_state: the state every replica starts from (instead of ``init_fn``).
             With neither, the state is ``None``.

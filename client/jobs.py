@@ -63,7 +63,8 @@ _SPEC_SLACK_BYTES = 64 * 1024
 
 
 # ------------------------------------------------------------------------ the spec
-def build_spec(step_fn: Callable[..., Any], *, steps: int, accelerator_type: str | None,
+def build_spec(step_fn: Callable[..., Any], *, steps: int,
+               accelerator_type: str | Sequence[str] | None,
                init_fn: Callable[[], Any] | None, initial_state: Any, dataset: Any,
                dataset_fn: Callable[..., Any] | None, steps_per_run: int,
                outputs: Mapping[str, Any] | None, checkpoint_every: int | None,
@@ -104,10 +105,7 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int, accelerator_type: str
         checkpoint_every = _check_int(
             "checkpoint_every", checkpoint_every, 1,
             "steps between checkpoints, e.g. checkpoint_every=100, or None for none")
-    if accelerator_type is not None and (not isinstance(accelerator_type, str)
-                                         or not accelerator_type):
-        raise TypeError(f"submit: accelerator_type must be a slice type such as 'v4-16', or "
-                        f"None for the cluster's first slice type. Got {_show(accelerator_type)}.")
+    preferences = _check_accelerator_types(accelerator_type)
     if name is not None and not isinstance(name, str):
         raise TypeError(f"submit: name must be a string (or None: the job's id). "
                         f"Got {_show(name)}.")
@@ -160,7 +158,9 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int, accelerator_type: str
         shipped["batch_sharding"] = ship_object(
             batch_sharding, "batch_sharding", "Pass jax.sharding.PartitionSpec objects.").payload
     spec = JobSpec(
-        steps=steps, accelerator_type=accelerator_type, steps_per_run=steps_per_run,
+        steps=steps, accelerator_type=preferences[0] if preferences else None,
+        accelerator_types=preferences if len(preferences) > 1 else None,
+        steps_per_run=steps_per_run,
         outputs=checked_outputs or None, checkpoint_every=checkpoint_every, name=name,
         num_slices=num_slices, max_retries_preemption=max_retries_preemption,
         max_retries_failure=max_retries_failure, priority=priority, computation_shape=shape,
@@ -175,6 +175,32 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int, accelerator_type: str
 
 _CAPTURE_FIX = ("Functions must not capture locks, sockets, open files or similar objects; "
                 "create those inside the function.")
+
+
+def _check_accelerator_types(accelerator_type: Any) -> tuple[str, ...]:
+    """``accelerator_type`` as the slice types in order of preference (empty: the
+    cluster's first type)."""
+    fix = ("a slice type such as 'v4-16', a sequence of them in order of preference "
+           "such as ('v4-16', 'v4-8') for an elastic job, or None for the cluster's first "
+           "slice type")
+    if accelerator_type is None:
+        return ()
+    if isinstance(accelerator_type, str):
+        types: tuple[Any, ...] = (accelerator_type,)
+    elif isinstance(accelerator_type, Sequence):
+        types = tuple(accelerator_type)
+    else:
+        raise TypeError(f"submit: accelerator_type must be {fix}. "
+                        f"Got {_show(accelerator_type)}.")
+    if not types or not all(isinstance(t, str) and t for t in types):
+        raise TypeError(f"submit: accelerator_type must be {fix}. "
+                        f"Got {_show(accelerator_type)}.")
+    repeated = sorted({t for t in types if types.count(t) > 1})
+    if repeated:
+        raise ValueError(f"submit: accelerator_type names {repeated} more than once "
+                         f"({accelerator_type!r}); name each slice type once, the most "
+                         "preferred first.")
+    return types
 
 
 def _show(value: Any) -> str:

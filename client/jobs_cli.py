@@ -61,7 +61,9 @@ def add_commands(sub: Any) -> None:
     submit.add_argument("--name", default=None, help="the job's name (default: its id)")
     submit.add_argument("--steps", type=int, default=None, help="steps to run")
     submit.add_argument("--accelerator-type", default=None,
-                        help="slice type, e.g. v4-16 (default: the cluster's first)")
+                        help="slice type, e.g. v4-16 (default: the cluster's first); "
+                             "several, comma-separated in order of preference, make the "
+                             "job elastic: v4-16,v4-8")
     submit.add_argument("--priority", type=int, default=None,
                         help="higher runs first and preempts running jobs of lower "
                              "priority (default 0)")
@@ -229,6 +231,9 @@ def run_submit(args: argparse.Namespace) -> int:
     for flag in ("name", "steps", "accelerator_type", "priority"):
         if getattr(args, flag) is not None:
             kwargs[flag] = getattr(args, flag)
+    if isinstance(kwargs.get("accelerator_type"), str) and "," in kwargs["accelerator_type"]:
+        kwargs["accelerator_type"] = tuple(t.strip() for t in
+                                           kwargs["accelerator_type"].split(","))
     if "steps" not in kwargs:
         raise ValueError(f"{args.file} sets no steps: define steps = N in it (or return it "
                          "from job()), or pass --steps N.")
@@ -444,7 +449,8 @@ def _print_details(details: JobDetails, as_json: bool) -> None:
             programs = ("" if a.programs_compiled is None else
                         f"; programs: {a.programs_loaded} from the compilation cache, "
                         f"{a.programs_compiled} compiled")
-            print(f"  #{a.number}  started {_time(a.started_at)}, {end}{programs}")
+            on = f" on {a.accelerator_type}" if a.accelerator_type else ""
+            print(f"  #{a.number}{on}  started {_time(a.started_at)}, {end}{programs}")
     if details.checkpoints:
         print("checkpoints:")
         for c in details.checkpoints:

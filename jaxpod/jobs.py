@@ -160,7 +160,8 @@ class Attempt:
     done (``None``: it never got that far). By then each of its hosts had loaded at
     least ``programs_loaded`` programs from the compilation cache and compiled at most
     ``programs_compiled`` (``None`` until then, or with the hosts' cache off; both 0:
-    a warm slice that had them compiled already)."""
+    a warm slice that had them compiled already). ``accelerator_type`` is the slice
+    type it ran on (an elastic job's attempts may differ)."""
 
     number: int
     started_at: float
@@ -172,6 +173,8 @@ class Attempt:
     first_step_at: float | None = None
     programs_loaded: int | None = None
     programs_compiled: int | None = None
+    #: The slice type it ran on (``None``: recorded before attempts said so).
+    accelerator_type: str | None = None
 
 
 @dataclass(frozen=True)
@@ -330,6 +333,19 @@ class JobSpec:
     step_fn: bytes = _shipped()  # submit's positional argument
     runtime_versions: Mapping[str, str] | None = field(default=None,
                                                         metadata={"submit": ()})
+    #: An elastic job's slice types in order of preference, ``accelerator_type`` first
+    #: (submit's ``accelerator_type`` as a sequence; ``None``: that type only).
+    accelerator_types: tuple[str, ...] | None = field(default=None, metadata={"submit": ()})
+
+    def preferences(self) -> tuple[str, ...]:
+        """The slice types the job accepts, the most preferred first (one: not elastic;
+        ``("",)``: the cluster's first type)."""
+        return self.accelerator_types or (self.accelerator_type or "",)
+
+    @property
+    def elastic(self) -> bool:
+        """It accepts more than one slice type."""
+        return len(self.preferences()) > 1
 
     def declared_outputs(self) -> Mapping[str, str]:
         """Each declared output's reduce op (empty: none)."""

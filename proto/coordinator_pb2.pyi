@@ -552,7 +552,7 @@ class ClusterSlice(_message.Message):
     def __init__(self, name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_hosts: _Optional[int] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "accelerator_type", "num_slices", "steps", "steps_per_run", "step_fn", "init_fn", "dataset", "dataset_fn", "outputs", "checkpoint_every", "max_retries_preemption", "max_retries_failure", "runtime_versions", "computation_shape", "mesh_axes", "mesh_shape", "batch_sharding", "priority")
+    __slots__ = ("name", "accelerator_type", "num_slices", "steps", "steps_per_run", "step_fn", "init_fn", "dataset", "dataset_fn", "outputs", "checkpoint_every", "max_retries_preemption", "max_retries_failure", "runtime_versions", "computation_shape", "mesh_axes", "mesh_shape", "batch_sharding", "priority", "accelerator_types")
     class OutputsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -586,6 +586,7 @@ class JobSpec(_message.Message):
     MESH_SHAPE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SHARDING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_TYPES_FIELD_NUMBER: _ClassVar[int]
     name: str
     accelerator_type: str
     num_slices: int
@@ -605,7 +606,8 @@ class JobSpec(_message.Message):
     mesh_shape: _containers.RepeatedScalarFieldContainer[int]
     batch_sharding: bytes
     priority: int
-    def __init__(self, name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_slices: _Optional[int] = ..., steps: _Optional[int] = ..., steps_per_run: _Optional[int] = ..., step_fn: _Optional[bytes] = ..., init_fn: _Optional[bytes] = ..., dataset: _Optional[bytes] = ..., dataset_fn: _Optional[bytes] = ..., outputs: _Optional[_Mapping[str, str]] = ..., checkpoint_every: _Optional[int] = ..., max_retries_preemption: _Optional[int] = ..., max_retries_failure: _Optional[int] = ..., runtime_versions: _Optional[_Mapping[str, str]] = ..., computation_shape: _Optional[_Iterable[int]] = ..., mesh_axes: _Optional[_Iterable[str]] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., batch_sharding: _Optional[bytes] = ..., priority: _Optional[int] = ...) -> None: ...
+    accelerator_types: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_slices: _Optional[int] = ..., steps: _Optional[int] = ..., steps_per_run: _Optional[int] = ..., step_fn: _Optional[bytes] = ..., init_fn: _Optional[bytes] = ..., dataset: _Optional[bytes] = ..., dataset_fn: _Optional[bytes] = ..., outputs: _Optional[_Mapping[str, str]] = ..., checkpoint_every: _Optional[int] = ..., max_retries_preemption: _Optional[int] = ..., max_retries_failure: _Optional[int] = ..., runtime_versions: _Optional[_Mapping[str, str]] = ..., computation_shape: _Optional[_Iterable[int]] = ..., mesh_axes: _Optional[_Iterable[str]] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., batch_sharding: _Optional[bytes] = ..., priority: _Optional[int] = ..., accelerator_types: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JobRequest(_message.Message):
     __slots__ = ("job_id", "detail", "without_state")
@@ -648,7 +650,7 @@ class JobTransition(_message.Message):
     def __init__(self, from_state: _Optional[str] = ..., to_state: _Optional[str] = ..., at: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JobAttempt(_message.Message):
-    __slots__ = ("number", "started_at", "ended_at", "cause", "step_reached", "running_at", "start_step", "first_step_at", "programs_loaded", "programs_compiled")
+    __slots__ = ("number", "started_at", "ended_at", "cause", "step_reached", "running_at", "start_step", "first_step_at", "programs_loaded", "programs_compiled", "accelerator_type")
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     ENDED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -659,6 +661,7 @@ class JobAttempt(_message.Message):
     FIRST_STEP_AT_FIELD_NUMBER: _ClassVar[int]
     PROGRAMS_LOADED_FIELD_NUMBER: _ClassVar[int]
     PROGRAMS_COMPILED_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_TYPE_FIELD_NUMBER: _ClassVar[int]
     number: int
     started_at: float
     ended_at: float
@@ -669,7 +672,8 @@ class JobAttempt(_message.Message):
     first_step_at: float
     programs_loaded: int
     programs_compiled: int
-    def __init__(self, number: _Optional[int] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., cause: _Optional[str] = ..., step_reached: _Optional[int] = ..., running_at: _Optional[float] = ..., start_step: _Optional[int] = ..., first_step_at: _Optional[float] = ..., programs_loaded: _Optional[int] = ..., programs_compiled: _Optional[int] = ...) -> None: ...
+    accelerator_type: str
+    def __init__(self, number: _Optional[int] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., cause: _Optional[str] = ..., step_reached: _Optional[int] = ..., running_at: _Optional[float] = ..., start_step: _Optional[int] = ..., first_step_at: _Optional[float] = ..., programs_loaded: _Optional[int] = ..., programs_compiled: _Optional[int] = ..., accelerator_type: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "goodput", "steps_per_s", "owner", "wait_reason", "priority", "stragglers", "pinned", "pruned_at")

@@ -77,7 +77,7 @@ class JobsServicer:
         who = self.caller(context).name
         if manager.quotas is not None:
             manager.quotas.check_fits(who, spec.num_slices, "SubmitJob")
-        spec = spec.replace(accelerator_type=await self._blocking(self._resolve_type, spec))
+        spec = await self._blocking(self._resolve_types, spec)
         status = await self._blocking(manager.submit, spec, who)
         await self._blocking(manager.audit, who, "submit", status.id,
                              f"{status.name} on {status.accelerator_type}")
@@ -171,27 +171,41 @@ class JobsServicer:
         return pb.AuditLog(records=[to_message(r) for r in records])
 
     # ------------------------------------------------------------------ helpers
-    def _resolve_type(self, spec: JobSpec) -> str:
-        """The job's accelerator type, checked against the cluster: a job of a type
-        the cluster lacks would wait forever."""
+    def _resolve_types(self, spec: JobSpec) -> JobSpec:
+        """``spec`` with its accelerator types checked against the cluster (a job of a
+        type the cluster lacks would wait forever) and in lower case; no type: the
+        cluster's first."""
         slices = self.slices.cluster()
         counts: dict[str, int] = {}
+        hosts: dict[str, int] = {}
         for s in slices:
-            counts[s.accelerator_type.lower()] = counts.get(s.accelerator_type.lower(), 0) + 1
-        wanted = (spec.accelerator_type or "").strip().lower()
-        if not wanted:
+            kind = s.accelerator_type.lower()
+            counts[kind] = counts.get(kind, 0) + 1
+            hosts[kind] = s.num_hosts
+        wanted = [t.strip().lower() for t in spec.preferences()]
+        if wanted == [""]:
             if not slices:
                 raise ValueError("submit: the cluster has no slices yet, so no accelerator "
                                  "type can be chosen for the job; pass accelerator_type=.")
-            wanted = slices[0].accelerator_type.lower()
-        have = counts.get(wanted, 0)
-        if have < spec.num_slices:
-            known = ", ".join(f"{t} x{n}" for t, n in sorted(counts.items())) or "none"
+            wanted = [slices[0].accelerator_type.lower()]
+        known = ", ".join(f"{t} x{n}" for t, n in sorted(counts.items())) or "none"
+        for kind in wanted:
+            have = counts.get(kind, 0)
+            if have < spec.num_slices:
+                raise ValueError(
+                    f"submit: the job asks for {spec.num_slices} {kind!r} slice(s), but this "
+                    f"service's cluster has {have} (its slices: {known}). Pass "
+                    f"{'only ' if len(wanted) > 1 else ''}accelerator types it has, or "
+                    "fewer slices.")
+        if spec.dataset_fn and len({hosts[k] for k in wanted}) > 1:
             raise ValueError(
-                f"submit: the job asks for {spec.num_slices} {wanted!r} slice(s), but this "
-                f"service's cluster has {have} (its slices: {known}). Pass one of its "
-                "accelerator types, or fewer slices.")
-        return wanted
+                f"submit: an elastic job over {wanted} (slices of "
+                f"{sorted({hosts[k] for k in wanted})} hosts) cannot use dataset_fn: each "
+                "host reads its own input there, and its position means nothing on another "
+                "number of hosts. Pass dataset= (global batches, whose position every host "
+                "shares), or only types with as many hosts each.")
+        return spec.replace(accelerator_type=wanted[0],
+                            accelerator_types=tuple(wanted) if len(wanted) > 1 else None)
 
 
 # Reads shared by the gRPC handlers and the HTTP API (jaxpod.service.http), so both

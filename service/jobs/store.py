@@ -228,6 +228,17 @@ class JobStore(JobReports):
                          "WHERE job_id = ? AND number = ?",
                          (self._clock(), cause, step_reached, job_id, number))
 
+    def set_attempt_type(self, job_id: str, accelerator_type: str) -> None:
+        """The running attempt (the newest) runs on ``accelerator_type``, and so does the
+        job now (an elastic job moves between types)."""
+        with self._write() as conn:
+            self._require(conn, job_id)
+            conn.execute("UPDATE attempts SET accelerator_type = ? WHERE job_id = ? AND "
+                         "number = (SELECT MAX(number) FROM attempts WHERE job_id = ?)",
+                         (accelerator_type, job_id, job_id))
+            conn.execute("UPDATE jobs SET accelerator_type = ? WHERE id = ?",
+                         (accelerator_type, job_id))
+
     def first_loop_done(self, job_id: str, programs: tuple[int, int] | None = None) -> None:
         """The running attempt (the newest) did its first loop of steps now, having
         loaded and compiled ``programs`` (``None``: not known)."""
@@ -245,7 +256,7 @@ class JobStore(JobReports):
             self._require(conn, job_id)
             rows = conn.execute("SELECT number, started_at, ended_at, cause, step_reached, "
                                 "running_at, start_step, first_step_at, programs_loaded, "
-                                "programs_compiled FROM attempts "
+                                "programs_compiled, accelerator_type FROM attempts "
                                 "WHERE job_id = ? ORDER BY number", (job_id,)).fetchall()
         return [Attempt(*r) for r in rows]
 

@@ -240,6 +240,9 @@ _V15 = ["ALTER TABLE jobs ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0",
 # v16: how long each checkpoint stalled the job's steps (JobCheckpoint.stall_s).
 _V16 = ["ALTER TABLE checkpoints ADD COLUMN stall_s REAL"]
 
+# v17: the slice type each attempt ran on (an elastic job's may differ).
+_V17 = ["ALTER TABLE attempts ADD COLUMN accelerator_type TEXT"]
+
 
 #: MIGRATIONS[i] takes a database from schema version i to i + 1. Append only: never
 #: edit a released one (databases in the field were built by it).
@@ -247,7 +250,8 @@ MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _statements(_V1), _statements(_V2), _statements(_V3), _statements(_V4),
     _statements(_V5), _statements(_V6), _statements(_V7), _statements(_V8),
     _statements(_V9), _statements(_V10), _statements(_V11), _statements(_V12),
-    _statements(_V13), _statements(_V14), _statements(_V15), _statements(_V16)]
+    _statements(_V13), _statements(_V14), _statements(_V15), _statements(_V16),
+    _statements(_V17)]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -69,6 +69,11 @@ def _generator() -> Iterator[np.ndarray]:
     ({"max_retries_failure": 1.0}, TypeError, ["max_retries_failure", "float 1.0"]),
     ({"checkpoint_every": 0}, ValueError, ["checkpoint_every", "Got 0", "or None"]),
     ({"accelerator_type": 16}, TypeError, ["accelerator_type", "int 16", "'v4-16'"]),
+    ({"accelerator_type": ()}, TypeError, ["accelerator_type", "tuple ()",
+                                           "('v4-16', 'v4-8')"]),
+    ({"accelerator_type": ("v4-16", 8)}, TypeError, ["accelerator_type", "('v4-16', 8)"]),
+    ({"accelerator_type": ["v4-8", "v4-16", "v4-8"]}, ValueError,
+     ["['v4-8'] more than once", "name each slice type once"]),
     ({"name": 7}, TypeError, ["name must be a string", "int 7"]),
     ({"init_fn": lambda: 0, "initial_state": np.zeros(2)}, ValueError,
      ["both init_fn and initial_state", "pass one of them"]),
@@ -146,6 +151,15 @@ def test_a_stateful_job_with_a_dataset_ships_its_wrapped_objects() -> None:
     assert isinstance(dataset, Epochs)
     first = [batch for batch, _ in zip(dataset, range(5), strict=False)]
     np.testing.assert_array_equal(np.stack(first), np.stack([BATCH, BATCH * 2] * 2 + [BATCH]))
+
+
+def test_several_accelerator_types_make_an_elastic_spec() -> None:
+    spec = _spec(accelerator_type=["v4-16", "v4-8"])
+    assert (spec.accelerator_type, spec.accelerator_types) == ("v4-16", ("v4-16", "v4-8"))
+    assert spec.elastic and spec.preferences() == ("v4-16", "v4-8")
+    one = _spec(accelerator_type=("v4-8",))  # one type in a sequence: not elastic
+    assert (one.accelerator_type, one.accelerator_types, one.elastic) == ("v4-8", None, False)
+    assert _spec().preferences() == ("",)
 
 
 def test_a_job_with_init_fn_and_dataset_fn_ships_them() -> None:

@@ -188,7 +188,7 @@
       h("div", {class: "tables"},
         table("goodput", "goodput (s)", []),
         table("history", "history", ["at", "from", "to", "reason"]),
-        table("attempts", "attempts", ["#", "started", "ended", "step", "cause"]),
+        table("attempts", "attempts", ["#", "on", "started", "ended", "step", "cause"]),
         table("profiles", "profiles (jax.profiler, one host-<i>/ per host)",
               ["started", "seconds", "trace files", "folder"]),
         table("hosts", "hosts of the running attempt", [
@@ -368,8 +368,9 @@
       : "no checkpoint yet");
     fill("goodput", Object.entries(d.goodput).map(([k, v]) => [k, fmt(v, 3)]), "none yet");
     fill("history", d.history.map(t => [when(t.at), t.from_state, t.to_state, t.reason]));
-    fill("attempts", d.attempt_records.map(a => [a.number, when(a.started_at),
-                                                  when(a.ended_at), a.step_reached, a.cause]));
+    fill("attempts", d.attempt_records.map(a => [a.number, a.accelerator_type || "",
+                                                  when(a.started_at), when(a.ended_at),
+                                                  a.step_reached, a.cause]));
     fill("profiles", d.profiles.map(x => [when(x.started_at), fmt(x.seconds, 3),
                                            x.files.length, x.path]), "none");
     fillHosts(d.hosts);
