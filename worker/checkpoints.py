@@ -233,6 +233,24 @@ class Layout:
         return jax.jit(program, donate_argnums=tuple(range(len(leaves))))
 
 
+def _position_of(inputs: Sequence[Any], host: int, hosts: int, step: int) -> Any:
+    """Host ``host``'s input position in a checkpoint whose hosts saved ``inputs``.
+    On as many hosts as saved it, each takes its own; on another number (an elastic
+    job moved to another slice type) every host takes the one position they all saved
+    (each host reads the whole stream of global batches, so they agree), and hosts
+    that each read their own input cannot move."""
+    if len(inputs) == hosts or not inputs:
+        return inputs[host] if host < len(inputs) else None
+    if any(p != inputs[0] for p in inputs):
+        raise ValueError(
+            f"Checkpoint step {step} holds the input positions of {len(inputs)} hosts that "
+            f"each read their own input (dataset_fn); this slice has {hosts} hosts, and a "
+            "host's position means nothing on another number of hosts. Resume it on a "
+            f"slice of {len(inputs)} hosts, or use dataset= (global batches) for a job that "
+            "moves between slice types.")
+    return inputs[0]
+
+
 def _global_leaf(value: GlobalValue) -> LeafSpec:
     """How a global-view state leaf is kept: its global shape (typed keys as key data)."""
     array, key_impl = value.array, None
@@ -442,8 +460,7 @@ class HostCheckpoints:
         manager = self._manager(directory, keep)
         meta = manager.restore(step, args=ocp.args.Composite(
             **{META: ocp.args.JsonRestore()}))[META]
-        inputs = meta.get("input") or []
-        position = inputs[host] if host < len(inputs) else None
+        position = _position_of(meta.get("input") or [], host, jax.process_count(), step)
         specs = [LeafSpec.from_json(raw) for raw in meta["leaves"]]
         if not specs:  # a job without state
             return (), position
