@@ -331,6 +331,10 @@ JOB_ACQUIRE_TRY = seconds("JAXPOD_JOB_ACQUIRE_TRY_S", 10, "How long one try of a
 JOB_ALLOCATION_TIMEOUT = seconds("JAXPOD_JOB_ALLOCATION_TIMEOUT_S", 600, "How long a job "
                                  "tries to acquire a slice before it goes to RETRYING "
                                  "saying so.", "service")
+JOB_ELASTIC_WAIT = seconds("JAXPOD_JOB_ELASTIC_WAIT_S", 10, "How long an elastic job "
+                           "(several accelerator types) that lost its slice waits for a "
+                           "slice of the type it ran on before it queues for any type it "
+                           "accepts.", "service")
 JOB_DISPATCH_RECHECK = seconds("JAXPOD_JOB_DISPATCH_RECHECK_S", 1, "How often, at least, "
                                "the job dispatcher looks for free slices (capacity can "
                                "appear outside the service: a node joining).", "service")

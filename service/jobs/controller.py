@@ -59,6 +59,8 @@ logger = logging.getLogger(__name__)
 JOB_ACQUIRE_TRY = settings.JOB_ACQUIRE_TRY
 #: How long a job tries to acquire a slice before it goes to RETRYING saying so.
 JOB_ALLOCATION_TIMEOUT = settings.JOB_ALLOCATION_TIMEOUT
+#: How long an elastic job waits for its type again before it queues for any it accepts.
+JOB_ELASTIC_WAIT = settings.JOB_ELASTIC_WAIT
 #: What ends an attempt as a preemption: a notice, a lost host or a broken slice.
 PREEMPTIONS: tuple[type[BaseException], ...] = (Preempted, *SLICE_FAILURES)
 #: The reason recorded for a job stopped by the service's shutdown.
@@ -219,26 +221,38 @@ class JobController:
     def _allocate(self, state: Allocating) -> JobStateData | None:
         """A slice within ``JOB_ALLOCATION_TIMEOUT``, then ``RUNNING`` from the latest
         checkpoint; each try waits ``JOB_ACQUIRE_TRY`` (a session may take the slice
-        that looked free), and a stop is seen between tries."""
+        that looked free), and a stop is seen between tries. An elastic job that finds
+        no slice of its type within ``JOB_ELASTIC_WAIT`` queues again for any type it
+        accepts (``PENDING``)."""
         spec = self.spec
+        kind = spec.accelerator_type or ""
+        self._parts.store.set_attempt_type(self.job_id, kind)
+        elastic = spec.elastic
         request = SliceRequest(
-            accelerator_type=spec.accelerator_type or "", num_slices=spec.num_slices,
+            accelerator_type=kind, num_slices=spec.num_slices,
             steps_per_run=spec.steps_per_run,
             computation_shape=tuple(spec.computation_shape or ()),
-            timeout_s=JOB_ACQUIRE_TRY.seconds())
+            timeout_s=(min(JOB_ACQUIRE_TRY.seconds(), JOB_ELASTIC_WAIT.seconds()) if elastic
+                       else JOB_ACQUIRE_TRY.seconds()))
         deadline = Deadline(JOB_ALLOCATION_TIMEOUT.seconds())
+        elastic_deadline = Deadline(JOB_ELASTIC_WAIT.seconds())
         step = self._parts.store.get(self.job_id).step
         while not self.stop.is_set():
             try:
                 held = self._parts.slices.acquire(request, f"job-{self.job_id}-{state.attempt}")
             except AllocationTimeoutError as e:
+                if elastic and elastic_deadline.expired():
+                    reason = (f"no {kind} slice within {JOB_ELASTIC_WAIT.seconds():g}s "
+                              f"({JOB_ELASTIC_WAIT.env_var}): queued for any of "
+                              f"{', '.join(spec.preferences())}")
+                    return self._set_state(Pending(0), reason,
+                                           ended=AttemptEnd(state.attempt, reason, step))
                 if deadline.expired():
                     return self._after_failure(state.attempt, step, Failure(
-                        FailureKind.NO_SLICE, f"no {spec.accelerator_type} slice within "
+                        FailureKind.NO_SLICE, f"no {kind} slice within "
                         f"{JOB_ALLOCATION_TIMEOUT.seconds():g}s "
                         f"({JOB_ALLOCATION_TIMEOUT.env_var}): {e}"))
-                logger.info("job %s: no free %s slice yet; waiting", self.job_id,
-                            spec.accelerator_type)
+                logger.info("job %s: no free %s slice yet; waiting", self.job_id, kind)
                 continue
             except SLICE_FAILURES as e:  # its workers did not start: try another slice
                 return self._after_failure(state.attempt, step, Failure(

@@ -8,6 +8,11 @@ outside this service: a node joining) and hands a queued job a free slice's type
 thread of its own. Only one job per accelerator type allocates at a time, so jobs start
 in queue order; owners' quotas hold jobs back; a queued job of higher priority has a
 running one of lower priority give its slice up (the preemption policy's choice).
+
+An elastic job (several accelerator types, most preferred first) waits in the queue of
+each type it accepts and starts on the most preferred one free; while it runs on a
+less preferred type, a free slice of a more preferred one that no queued job waits for
+has it checkpoint, give its slice up and start again there (it grows back).
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class Dispatcher:
         self._owners: dict[str, str] = {}  # queued and started jobs' owners
         self._wait_reasons: dict[str, str] = {}  # queued jobs held back by their quota
         self._yielding: dict[str, str] = {}  # a job giving its slice up -> to which job
+        self._growing: dict[str, str] = {}  # an elastic job moving up -> to which type
         self._started: dict[str, float] = {}  # started jobs -> when (monotonic)
         self._active: dict[str, JobController] = {}
         self._threads: dict[str, threading.Thread] = {}
@@ -112,7 +118,8 @@ class Dispatcher:
     # ------------------------------------------------------------------ the queue
     def enqueue(self, status: JobStatus, spec: JobSpec) -> None:
         with self._lock:
-            self._queue.push(status.id, status.accelerator_type, spec.priority)
+            for kind in self._types(spec, status.accelerator_type):
+                self._queue.push(status.id, kind, spec.priority)
             self._specs[status.id] = spec
             self._owners[status.id] = status.owner
             self._kick()
@@ -141,6 +148,11 @@ class Dispatcher:
         with self._lock:
             return dict(collections.Counter(s.accelerator_type or "" for s in self._specs.values()))
 
+    @staticmethod
+    def _types(spec: JobSpec, current: str) -> tuple[str, ...]:
+        """The queues a job waits in: each type an elastic job accepts, else its own."""
+        return spec.preferences() if spec.elastic else (current,)
+
     def why_waiting(self, status: JobStatus, position: int | None) -> str | None:
         """What a queued job waits for, as its status says it."""
         if status.state is not JobState.PENDING or position is None:
@@ -154,6 +166,9 @@ class Dispatcher:
         giving = [v for v, for_job in list(self._yielding.items()) if for_job == status.id]
         if giving:
             return f"job {giving[0]} is giving its slice up (checkpointing first)"
+        spec = self._specs.get(status.id)
+        if spec is not None and spec.elastic:
+            return f"no free slice of {', '.join(spec.preferences())}"
         return f"no free {status.accelerator_type or 'slice'} slice"
 
     # ------------------------------------------------------------------ started jobs
@@ -184,22 +199,70 @@ class Dispatcher:
             with self._lock:
                 candidates = self._queue.candidates(self._allocating, held_back)
             started = False
-            for accelerator_type, job_id in candidates:
+            for job_id, kinds in self._by_job(candidates):
                 spec = self._specs.get(job_id)
                 if spec is None:
                     continue
-                try:
-                    free = self._slices.has_free(accelerator_type, spec.num_slices)
-                except Exception:
-                    logger.exception("checking for free %s slices failed", accelerator_type)
-                    free = False
-                if free:
-                    started |= self._start_within_quota(accelerator_type, job_id, spec)
+                free = next((k for k in kinds if self._free(k, spec.num_slices)), None)
+                if free is not None:
+                    started |= self._start_within_quota(free, job_id, spec)
                 else:
-                    self._preempt_for(accelerator_type, job_id, spec)
+                    self._preempt_for(kinds[0], job_id, spec)
+            self._grow_back()
             with self._lock:
                 if not (self._closed or started or self._kicked):
                     self._lock.wait(DISPATCH_RECHECK.seconds())
+
+    def _by_job(self, candidates: list[tuple[str, str]]) -> list[tuple[str, list[str]]]:
+        """The candidates as (job, the types it may start on now, most preferred
+        first), in the order the jobs first appear."""
+        kinds: dict[str, list[str]] = {}
+        for accelerator_type, job_id in candidates:
+            kinds.setdefault(job_id, []).append(accelerator_type)
+        with self._lock:
+            specs = {j: self._specs.get(j) for j in kinds}
+        for job_id, found in kinds.items():
+            spec = specs[job_id]
+            if spec is not None and spec.elastic:
+                order = spec.preferences()
+                found.sort(key=lambda k: order.index(k) if k in order else len(order))
+        return list(kinds.items())
+
+    def _free(self, accelerator_type: str, num_slices: int) -> bool:
+        try:
+            return bool(self._slices.has_free(accelerator_type, num_slices))
+        except Exception:
+            logger.exception("checking for free %s slices failed", accelerator_type)
+            return False
+
+    def _grow_back(self) -> None:
+        """Has an elastic job running on a less preferred type move up to a more
+        preferred one that is free and that no queued job waits for: it checkpoints at
+        its next loop boundary, gives its slice up and queues again, first."""
+        with self._lock:
+            waiting = set(self._queue.waiting_types()) | self._allocating
+            movers = [(j, c) for j, c in self._active.items()
+                      if c.spec.elastic and isinstance(c.state, Running)
+                      and j not in self._yielding and j not in self._growing]
+            targets = set(self._growing.values())
+        for job_id, controller in movers:
+            spec = controller.spec
+            order = spec.preferences()
+            current = spec.accelerator_type or ""
+            better = order[:order.index(current)] if current in order else ()
+            up = next((k for k in better if k not in waiting and k not in targets
+                       and self._free(k, spec.num_slices)), None)
+            if up is None:
+                continue
+            with self._lock:
+                if job_id not in self._active or job_id in self._yielding:
+                    continue
+                self._growing[job_id] = up
+            targets.add(up)
+            reason = (f"a {up} slice is free (preferred over {current}): checkpointed, it "
+                      f"moves there")
+            logger.info("job %s: %s", job_id, reason)
+            controller.stop.request(reason, yielding=True)
 
     def _over_quota(self) -> set[str]:
         """The queued jobs their owners' quotas hold back now; each one's reason is kept
@@ -259,6 +322,8 @@ class Dispatcher:
             if self._closed or job_id not in self._specs or not self._queue.remove(job_id):
                 return False  # cancelled meanwhile
             spec = self._specs.pop(job_id)
+            if spec.elastic:  # this attempt's type; the spec keeps them all
+                spec = spec.replace(accelerator_type=accelerator_type)
             self._allocating.add(accelerator_type)  # before the dispatcher looks again
             self._started[job_id] = time.monotonic()
             controller = self._make_controller(job_id, spec)
@@ -286,10 +351,13 @@ class Dispatcher:
                     FailureKind.PREEMPTION.value):
                 self.preemptions["slice"] += 1
             if isinstance(change.new, Pending):
-                self.preemptions["priority"] += 1
-                self._yielding.pop(change.job_id, None)
+                if self._yielding.pop(change.job_id, None) is not None:
+                    self.preemptions["priority"] += 1
+                self._growing.pop(change.job_id, None)
                 self._specs[change.job_id] = controller.spec
-                self._queue.push(change.job_id, kind, controller.spec.priority, first=True)
+                for queue in self._types(controller.spec, kind):
+                    self._queue.push(change.job_id, queue, controller.spec.priority,
+                                     first=True)
             self._kick()
 
     def _run(self, controller: JobController) -> None:
@@ -303,6 +371,7 @@ class Dispatcher:
                     self._threads.pop(job_id, None)
                     self._started.pop(job_id, None)
                 self._yielding.pop(job_id, None)
+                self._growing.pop(job_id, None)
                 if job_id not in self._specs and job_id not in self._active:
                     self._owners.pop(job_id, None)  # over, not queued again
                 self._kick()

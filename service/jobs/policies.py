@@ -117,11 +117,15 @@ class QueuePolicy(Protocol):
     def positions(self) -> dict[str, int]:
         """Every queued job's position (0 is next), at one moment."""
 
+    def waiting_types(self) -> list[str]:
+        """The accelerator types some queued job waits for."""
+
 
 class PriorityQueues:
     """One queue per accelerator type, by priority (higher first), then in the order
-    pushed: equal priorities are first in, first out. Not thread-safe: the job manager
-    calls it under its lock."""
+    pushed: equal priorities are first in, first out. An elastic job is pushed to the
+    queue of each type it accepts; its position is its best. Not thread-safe: the job
+    manager calls it under its lock."""
 
     def __init__(self) -> None:
         self._queues: dict[str, list[tuple[int, int, str]]] = {}  # (-priority, order, id)
@@ -134,12 +138,14 @@ class PriorityQueues:
                       (-priority, -order if first else order, job_id))
 
     def remove(self, job_id: str) -> bool:
-        for queue in self._queues.values():
+        found = False
+        for queue in self._queues.values():  # an elastic job waits in several
             for i, (_, _, queued) in enumerate(queue):
                 if queued == job_id:
                     del queue[i]
-                    return True
-        return False
+                    found = True
+                    break
+        return found
 
     def candidates(self, busy_types: set[str], held_back: Set[str] = frozenset()
                    ) -> list[tuple[str, str]]:
@@ -147,9 +153,15 @@ class PriorityQueues:
                   for t, q in self._queues.items() if t not in busy_types)
         return [(t, job_id) for t, job_id in firsts if job_id is not None]
 
+    def waiting_types(self) -> list[str]:
+        return [t for t, queue in self._queues.items() if queue]
+
     def positions(self) -> dict[str, int]:
-        return {job_id: i for queue in self._queues.values()
-                for i, (_, _, job_id) in enumerate(queue)}
+        out: dict[str, int] = {}
+        for queue in self._queues.values():
+            for i, (_, _, job_id) in enumerate(queue):
+                out[job_id] = min(i, out.get(job_id, i))
+        return out
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,19 @@ def test_fifo_queues_keep_order_per_type_and_skip_busy_types() -> None:
     assert queues.positions()["c"] == 0
 
 
+def test_an_elastic_job_waits_in_the_queue_of_each_type_it_accepts() -> None:
+    queues = PriorityQueues()
+    queues.push("v8-only", "v4-8")
+    for kind in ("v4-16", "v4-8"):  # what the dispatcher does for ("v4-16", "v4-8")
+        queues.push("elastic", kind)
+    assert queues.positions() == {"v8-only": 0, "elastic": 0}  # its best position
+    assert sorted(queues.waiting_types()) == ["v4-16", "v4-8"]
+    assert queues.candidates(set()) == [("v4-8", "v8-only"), ("v4-16", "elastic")]
+    assert queues.remove("elastic")  # started: out of both queues at once
+    assert queues.positions() == {"v8-only": 0} and queues.waiting_types() == ["v4-8"]
+    assert not queues.remove("elastic")
+
+
 class _NeverFree:
     """A slice provider that says a v4-8 is free but never gives one."""
 

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serve_process import PROCESSES, Service, running_service
+from sgd_jobs import LR, batches, numpy_run
 
 import jaxpod
 from jaxpod.timeouts import wait_for
 
 pytestmark = pytest.mark.multiprocess
 
-LR = np.float32(0.05)
 
 
 def paced_step(state: Any, batch: Any) -> Any:
@@ -51,25 +51,6 @@ def quick_step(state: Any, batch: Any) -> Any:
     return {"n": state["n"] + ctx.all_reduce("SUM", batch.sum() * 0 + 1.0)}, {}
 
 
-def _batches() -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(3)
-    w = np.array([1.0, -2.0, 0.5], np.float32)
-    out = []
-    for _ in range(3):
-        x = rng.normal(size=(16, 3)).astype(np.float32)
-        out.append({"x": x, "y": (x @ w).astype(np.float32)})
-    return out
-
-
-def _numpy_w(batches: list[dict[str, np.ndarray]], steps: int) -> np.ndarray:
-    w = np.zeros(3, np.float32)
-    for step in range(steps):
-        b = batches[step % len(batches)]
-        err = b["x"] @ w - b["y"]
-        w = w - LR * (b["x"].T @ err) / np.float32(len(err))
-    return w
-
-
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     folder = tmp_path_factory.mktemp("priorities")
@@ -87,7 +68,7 @@ def client(service: Service) -> Iterator[Any]:
 def _low(client: Any, name: str, **extra: Any) -> Any:
     return client.submit(paced_step, steps=40, steps_per_run=2, checkpoint_every=2,
                          accelerator_type="v4-16", initial_state={"w": np.zeros(3, np.float32)},
-                         dataset=_batches(), outputs={"loss": "MEAN"}, name=name, **extra)
+                         dataset=batches(3), outputs={"loss": "MEAN"}, name=name, **extra)
 
 
 def _preemptions(service: Service) -> dict[str, float]:
@@ -104,7 +85,7 @@ def test_a_preempted_job_loses_no_step_and_ends_bit_identical(service: Service,
     reference = _low(client, "uninterrupted")
     assert reference.wait(timeout=300, progress=False).state == "SUCCEEDED"
     expected = reference.result().state["w"]
-    np.testing.assert_allclose(expected, _numpy_w(_batches(), 40), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(expected, numpy_run(batches(3), 40)[0], rtol=1e-4, atol=1e-5)
 
     # No retries allowed: a priority preemption must not count as one.
     low = _low(client, "low", max_retries_preemption=0)
