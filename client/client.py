@@ -229,7 +229,8 @@ class Client:
                name: str | None = None, num_slices: int = 1, max_retries_preemption: int = 10,
                max_retries_failure: int = 0, priority: int = 0,
                computation_shape: Sequence[int] | None = None,
-               mesh: Mapping[str, int] | None = None, batch_sharding: Any = None) -> Job:
+               mesh: Mapping[str, int] | None = None, batch_sharding: Any = None,
+               grow_back: bool = True) -> Job:
         """Submits a job: ``steps`` steps of ``step_fn`` on whole slices, run by the
         service whether or not this client stays connected.
 
@@ -279,6 +280,9 @@ class Client:
             docs/sharded-jobs.md.
           batch_sharding: a global-view job's ``PartitionSpec`` for every batch leaf (or
             a pytree of them); default: rows over the mesh's first axis.
+          grow_back: an elastic job running on a less preferred type moves up to a more
+            preferred one once it is free (at a checkpoint); ``False``: it stays where
+            it runs until it has to move.
 
         Returns:
           The job (``job.id`` finds it again from anywhere: ``client.job(id)``).
@@ -295,7 +299,8 @@ class Client:
             steps_per_run=steps_per_run, outputs=outputs, checkpoint_every=checkpoint_every,
             name=name, num_slices=num_slices, max_retries_preemption=max_retries_preemption,
             max_retries_failure=max_retries_failure, priority=priority,
-            computation_shape=computation_shape, mesh=mesh, batch_sharding=batch_sharding)
+            computation_shape=computation_shape, mesh=mesh, batch_sharding=batch_sharding,
+            grow_back=grow_back)
         return submit_spec(self, spec)
 
     def job(self, job_id: str) -> Job:

@@ -71,8 +71,8 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int,
                name: str | None, num_slices: int, max_retries_preemption: int,
                max_retries_failure: int, priority: int = 0,
                computation_shape: Sequence[int] | None = None,
-               mesh: Mapping[str, int] | None = None, batch_sharding: Any = None
-               ) -> JobSpec:
+               mesh: Mapping[str, int] | None = None, batch_sharding: Any = None,
+               grow_back: bool = True) -> JobSpec:
     """Checks ``client.submit``'s arguments and builds the ``JobSpec`` it sends.
 
     Raises:
@@ -106,6 +106,10 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int,
             "checkpoint_every", checkpoint_every, 1,
             "steps between checkpoints, e.g. checkpoint_every=100, or None for none")
     preferences = _check_accelerator_types(accelerator_type)
+    if not isinstance(grow_back, bool):
+        raise TypeError(f"submit: grow_back must be True (an elastic job moves up to a "
+                        f"more preferred type once one is free) or False (it stays). Got "
+                        f"{_show(grow_back)}.")
     if name is not None and not isinstance(name, str):
         raise TypeError(f"submit: name must be a string (or None: the job's id). "
                         f"Got {_show(name)}.")
@@ -159,7 +163,7 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int,
             batch_sharding, "batch_sharding", "Pass jax.sharding.PartitionSpec objects.").payload
     spec = JobSpec(
         steps=steps, accelerator_type=preferences[0] if preferences else None,
-        accelerator_types=preferences if len(preferences) > 1 else None,
+        accelerator_types=preferences if len(preferences) > 1 else None, grow_back=grow_back,
         steps_per_run=steps_per_run,
         outputs=checked_outputs or None, checkpoint_every=checkpoint_every, name=name,
         num_slices=num_slices, max_retries_preemption=max_retries_preemption,

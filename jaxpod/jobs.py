@@ -336,6 +336,8 @@ class JobSpec:
     #: An elastic job's slice types in order of preference, ``accelerator_type`` first
     #: (submit's ``accelerator_type`` as a sequence; ``None``: that type only).
     accelerator_types: tuple[str, ...] | None = field(default=None, metadata={"submit": ()})
+    #: An elastic job moves up to a more preferred type once one is free.
+    grow_back: bool = True
 
     def preferences(self) -> tuple[str, ...]:
         """The slice types the job accepts, the most preferred first (one: not elastic;

@@ -12,7 +12,8 @@ running one of lower priority give its slice up (the preemption policy's choice)
 An elastic job (several accelerator types, most preferred first) waits in the queue of
 each type it accepts and starts on the most preferred one free; while it runs on a
 less preferred type, a free slice of a more preferred one that no queued job waits for
-has it checkpoint, give its slice up and start again there (it grows back).
+has it checkpoint, give its slice up and start again there (it grows back, unless
+submitted with ``grow_back=False``).
 """
 
 from __future__ import annotations
@@ -242,7 +243,7 @@ class Dispatcher:
         with self._lock:
             waiting = set(self._queue.waiting_types()) | self._allocating
             movers = [(j, c) for j, c in self._active.items()
-                      if c.spec.elastic and isinstance(c.state, Running)
+                      if c.spec.elastic and c.spec.grow_back and isinstance(c.state, Running)
                       and j not in self._yielding and j not in self._growing]
             targets = set(self._growing.values())
         for job_id, controller in movers:

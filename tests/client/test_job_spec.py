@@ -72,6 +72,7 @@ def _generator() -> Iterator[np.ndarray]:
     ({"accelerator_type": ()}, TypeError, ["accelerator_type", "tuple ()",
                                            "('v4-16', 'v4-8')"]),
     ({"accelerator_type": ("v4-16", 8)}, TypeError, ["accelerator_type", "('v4-16', 8)"]),
+    ({"grow_back": "yes"}, TypeError, ["grow_back must be True", "str 'yes'"]),
     ({"accelerator_type": ["v4-8", "v4-16", "v4-8"]}, ValueError,
      ["['v4-8'] more than once", "name each slice type once"]),
     ({"name": 7}, TypeError, ["name must be a string", "int 7"]),
@@ -156,7 +157,8 @@ def test_a_stateful_job_with_a_dataset_ships_its_wrapped_objects() -> None:
 def test_several_accelerator_types_make_an_elastic_spec() -> None:
     spec = _spec(accelerator_type=["v4-16", "v4-8"])
     assert (spec.accelerator_type, spec.accelerator_types) == ("v4-16", ("v4-16", "v4-8"))
-    assert spec.elastic and spec.preferences() == ("v4-16", "v4-8")
+    assert spec.elastic and spec.preferences() == ("v4-16", "v4-8") and spec.grow_back
+    assert not _spec(accelerator_type=["v4-16", "v4-8"], grow_back=False).grow_back
     one = _spec(accelerator_type=("v4-8",))  # one type in a sequence: not elastic
     assert (one.accelerator_type, one.accelerator_types, one.elastic) == ("v4-8", None, False)
     assert _spec().preferences() == ("",)

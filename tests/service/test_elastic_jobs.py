@@ -135,3 +135,27 @@ def test_an_elastic_job_moves_down_survives_a_kill_there_and_moves_back_up(
     # Each recorded loss is numpy's for its step, whichever slice type ran it.
     got = [v for _, v in sorted(result.metrics["loss"])]
     np.testing.assert_allclose(got, losses, rtol=1e-4, atol=1e-5)
+
+
+def test_a_job_that_does_not_grow_back_stays_where_it_started(client: Any,
+                                                              tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    holder = client.submit(gated_step(str(gate)), steps=2, accelerator_type="v4-16",
+                           initial_state={"n": np.float32(0)},
+                           dataset=[np.ones((8, 2), np.float32)], name="holder")
+    assert wait_for(lambda: holder.status().state == "RUNNING", 180), holder.status()
+    # The v4-16 is taken: it starts on the v4-8 at once rather than wait for it.
+    job = client.submit(paced_step, steps=120, steps_per_run=1, checkpoint_every=10,
+                        accelerator_type=("v4-16", "v4-8"), grow_back=False,
+                        initial_state={"w": np.zeros(3, np.float32)}, dataset=batches(5),
+                        outputs={"loss": "SUM"}, name="stays")
+    assert wait_for(lambda: _on(job, "v4-8", 2), 180), job.status()
+    gate.touch()
+    assert holder.wait(timeout=120, progress=False).state == "SUCCEEDED"
+    ran_on_after = job.status().step  # the v4-16 is free from here on
+    final = job.wait(timeout=300, progress=False)
+    assert final.state == "SUCCEEDED", final.error
+    assert final.step - ran_on_after >= 20, (ran_on_after, final.step)  # it had time to move
+    assert [a.accelerator_type for a in job.attempts()] == ["v4-8"], job.attempts()
+    np.testing.assert_allclose(job.result(timeout=60).state["w"], numpy_run(batches(5), 120)[0],
+                               rtol=1e-5, atol=1e-5)
