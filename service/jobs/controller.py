@@ -271,11 +271,15 @@ class JobController:
     def _run(self, state: Running) -> JobStateData | None:
         """The attempt's steps on its slice; the slice is given back however it ends."""
         held, store = state.held, self._parts.store
-        reached = max((a.step_reached or 0 for a in store.attempts(self.job_id)), default=0)
+        attempts = store.attempts(self.job_id)
+        reached = max((a.step_reached or 0 for a in attempts), default=0)
+        ran = [a.accelerator_type for a in attempts[:-1] if a.running_at is not None]
+        now_on = attempts[-1].accelerator_type if attempts else None
+        moved_from = ran[-1] if ran and ran[-1] and ran[-1] != now_on else None
         run = JobRun(self.job_id, self.spec, held.engine, RunContext(
             store=store, checkpoints=self._parts.checkpoints, resume=state.resume,
             stop=self.stop, clock=self._parts.clock, on_progress=self._parts.on_progress,
-            redo_until=reached))
+            redo_until=reached, moved_from=moved_from))
         self.slice_names, self.run_now = tuple(held.description["slice_names"]), run
         try:
             try:

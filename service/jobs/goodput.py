@@ -51,6 +51,10 @@ CHECKPOINTING = "checkpointing"
 RESULT = "result"
 #: Steps run again after a preemption because their results were lost.
 LOST_WORK = "lost_work"
+#: An elastic job's move to another slice type: the setup, restoring and compiling of
+#: the first attempt on the new type (elastic resizing, as ml-goodput-measurement
+#: calls it), kept apart from the same costs of resuming on the same type.
+RESIZING = "resizing"
 #: Between an attempt's end and the next attempt's allocation (RETRYING, back-off), and
 #: the time a coordinator was down.
 RECOVERING = "recovering"
@@ -60,7 +64,7 @@ OTHER = "other"
 #: Every category, in the order a job's life meets them.
 CATEGORIES: tuple[str, ...] = (QUEUED, ALLOCATING, SETUP, RESTORING, COMPILING, PRODUCTIVE,
                                INPUT_WAIT, METRICS, MONITORING, CHECKPOINTING, RESULT,
-                               LOST_WORK, RECOVERING, OTHER)
+                               LOST_WORK, RESIZING, RECOVERING, OTHER)
 
 #: The keys :func:`summary` adds to the totals (never categories).
 WALL_S = "wall_s"

@@ -142,6 +142,8 @@ class RunContext:
       on_progress: called after each recorded loop (watchers wake up).
       redo_until: the furthest step an earlier attempt reached: steps up to it that
         this attempt runs again count as lost work.
+      moved_from: the previous attempt's slice type when this one runs on another (an
+        elastic job's move): its setup, restoring and compiling are the move's cost.
     """
 
     store: JobStore
@@ -151,6 +153,7 @@ class RunContext:
     clock: GoodputClock
     on_progress: Callable[[], None]
     redo_until: int = 0
+    moved_from: str | None = None
 
 
 class JobRun:
@@ -197,12 +200,18 @@ class JobRun:
         self._stack_readers: list[threading.Timer] = []
         self._loop_limit: float | None = None  # the running loop's, if it has one
         self._scalars = TensorBoardScalars(self.checkpoints.directory, self.start_step)
+        #: The clock's totals when a moved attempt began (``None``: not moved, or its
+        #: cost is booked).
+        self._move_began: dict[str, float] | None = None
+        self._moved_from = context.moved_from
 
     def run(self) -> Finished:
         """Runs the remaining steps; raises what the job's code raised, a slice
         failure (:data:`SLICE_FAILURES`), :class:`Stopped` or :class:`Preempted`."""
         engine, spec, clock = self.engine, self.spec, self._clock
         clock.switch(goodput.SETUP)
+        if self._moved_from:
+            self._move_began = clock.totals()
         engine.capture_output(True)
         self._programs_before = self._programs(self._poll_hosts())
         ended = "it finished"  # what a profile request still waiting is told
@@ -230,9 +239,10 @@ class JobRun:
                         raise
                     raise self._hung(e.host_stacks) from e
                 clock.switch(goodput.METRICS)
-                clock.reattribute(self._loops.attribute(self.step, k,
-                                                        time.monotonic() - started),
-                                  source=goodput.PRODUCTIVE)
+                parts = self._loops.attribute(self.step, k, time.monotonic() - started)
+                clock.reattribute(parts, source=goodput.PRODUCTIVE)
+                if goodput.COMPILING in parts:  # the first loop's compiling is known
+                    self._book_move()
                 if self.step == self.start_step:
                     self._check_storable(state, "after the first loop")
                 self.step += k
@@ -262,6 +272,7 @@ class JobRun:
                 self._settle_checkpoints()
             raise
         finally:
+            self._book_move()
             self._write_scalars()  # what it recorded since the last write
             for reader in self._stack_readers:
                 reader.cancel()
@@ -269,6 +280,20 @@ class JobRun:
             self._poll_hosts()  # what the job printed last
             with contextlib.suppress(Exception):  # the slice may be gone: nothing to stop
                 engine.capture_output(False)
+
+    def _book_move(self) -> None:
+        """Moves a moved attempt's setup, restoring and compiling so far to
+        :data:`~jaxpod.service.jobs.goodput.RESIZING` (once)."""
+        began, self._move_began = self._move_began, None
+        if began is None:
+            return
+        now = self._clock.totals()
+        for category in (goodput.SETUP, goodput.RESTORING, goodput.COMPILING):
+            spent = now[category] - began[category]
+            if spent > 0:
+                self._clock.reattribute({goodput.RESIZING: spent}, source=category)
+        logger.info("job %s: moving from %s cost %.2fs", self.job_id, self._moved_from,
+                    self._clock.totals()[goodput.RESIZING] - began[goodput.RESIZING])
 
     def _check_storable(self, state: Any, when: str) -> None:
         """Fails the job now, as the user's error, if its state could not be

@@ -6,7 +6,7 @@ for the v4-16 has it checkpoint and move to the v4-8 instead of waiting; a SIGKI
 its host there, with the v4-16 still taken, resumes it on the v4-8; once the v4-16 is
 free it moves back up. Through all of it the global batch stays the same (16 rows over
 8 replicas, then over 4), every step's metric is recorded once, and the final state is
-numpy's SGD on the same batches.
+numpy's SGD on the same batches. Goodput books each move's cost as ``resizing``.
 """
 
 from __future__ import annotations
@@ -127,6 +127,7 @@ def test_an_elastic_job_moves_down_survives_a_kill_there_and_moves_back_up(
     for before, after in itertools.pairwise(attempts):
         assert after.start_step is not None and after.start_step <= (before.step_reached or 0)
 
+    assert (final.goodput or {}).get("resizing", 0) > 0, final.goodput  # three moves
     result = job.result(timeout=60)
     w, losses = numpy_run(batches(5), STEPS)
     np.testing.assert_allclose(result.state["w"], w, rtol=1e-5, atol=1e-5)
@@ -157,5 +158,7 @@ def test_a_job_that_does_not_grow_back_stays_where_it_started(client: Any,
     assert final.state == "SUCCEEDED", final.error
     assert final.step - ran_on_after >= 20, (ran_on_after, final.step)  # it had time to move
     assert [a.accelerator_type for a in job.attempts()] == ["v4-8"], job.attempts()
+    assert (final.goodput or {}).get("resizing") == 0, final.goodput  # it never moved
     np.testing.assert_allclose(job.result(timeout=60).state["w"], numpy_run(batches(5), 120)[0],
                                rtol=1e-5, atol=1e-5)
+
