@@ -6,13 +6,16 @@ for the v4-16 has it checkpoint and move to the v4-8 instead of waiting; a SIGKI
 its host there, with the v4-16 still taken, resumes it on the v4-8; once the v4-16 is
 free it moves back up. Through all of it the global batch stays the same (16 rows over
 8 replicas, then over 4), every step's metric is recorded once, and the final state is
-numpy's SGD on the same batches. Goodput books each move's cost as ``resizing``.
+numpy's SGD on the same batches. A global-view job (``mesh={"data": -1}``) that grows
+back from the v4-8 to the v4-16 has its axis re-derived (4, then 8 devices) and its state
+restored onto the new shardings. Goodput books each move's cost as ``resizing``.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -68,6 +71,48 @@ def gated_step(gate: str) -> Any:
     return step
 
 
+TABLE = (8, 4)  # a global-view state leaf split over the "data" axis
+
+
+def mesh_init() -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    return {"w": jnp.zeros((3,), jnp.float32),
+            "table": jax.lax.with_sharding_constraint(jnp.ones(TABLE, jnp.float32),
+                                                      P("data", None))}
+
+
+def mesh_step(state: Any, batch: Any) -> Any:
+    """SGD on the global batch as one ``jax.jit`` program over the mesh; ``table``
+    accumulates every step's input (a step run twice or skipped changes it)."""
+    import jax
+    import jax.numpy as jnp
+
+    # Traced once per attempt: the log shows the mesh and the shard each chip holds.
+    print(f"mesh {dict(jaxpod.mesh().shape)}")
+    jax.debug.inspect_array_sharding(state["table"], callback=lambda s: print(
+        f"table shard {tuple(s.shard_shape(TABLE))}"))
+    x, y = batch["x"], batch["y"]
+    err = x @ state["w"] - y
+
+    def pause(v: Any) -> Any:
+        time.sleep(0.02)
+        return v
+
+    err = jax.pure_callback(pause, jax.ShapeDtypeStruct(err.shape, err.dtype), err)
+    return {"w": state["w"] - LR * (x.T @ err) / err.shape[0],
+            "table": state["table"] + 0.01 * jnp.sum(x)}, {"loss": jnp.sum(err ** 2)}
+
+
+def numpy_table(data: list[dict[str, np.ndarray]], steps: int) -> np.ndarray:
+    table = np.ones(TABLE)
+    for step in range(steps):
+        table = table + 0.01 * float(data[step % len(data)]["x"].astype(np.float64).sum())
+    return table
+
+
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     folder = tmp_path_factory.mktemp("elastic")
@@ -80,6 +125,15 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 def client(service: Service) -> Iterator[Any]:
     with service.connect() as connected:
         yield connected
+
+
+def _hold_the_v4_16(client: Any, gate: Path) -> Any:
+    """A running job on the v4-16 that holds it until ``gate`` exists."""
+    holder = client.submit(gated_step(str(gate)), steps=2, accelerator_type="v4-16",
+                           initial_state={"n": np.float32(0)},
+                           dataset=[np.ones((8, 2), np.float32)], name="holder")
+    assert wait_for(lambda: holder.status().state == "RUNNING", 180), holder.status()
+    return holder
 
 
 def _on(job: Any, kind: str, past: int = 0) -> bool:
@@ -141,10 +195,7 @@ def test_an_elastic_job_moves_down_survives_a_kill_there_and_moves_back_up(
 def test_a_job_that_does_not_grow_back_stays_where_it_started(client: Any,
                                                               tmp_path: Path) -> None:
     gate = tmp_path / "gate"
-    holder = client.submit(gated_step(str(gate)), steps=2, accelerator_type="v4-16",
-                           initial_state={"n": np.float32(0)},
-                           dataset=[np.ones((8, 2), np.float32)], name="holder")
-    assert wait_for(lambda: holder.status().state == "RUNNING", 180), holder.status()
+    holder = _hold_the_v4_16(client, gate)
     # The v4-16 is taken: it starts on the v4-8 at once rather than wait for it.
     job = client.submit(paced_step, steps=120, steps_per_run=1, checkpoint_every=10,
                         accelerator_type=("v4-16", "v4-8"), grow_back=False,
@@ -162,3 +213,36 @@ def test_a_job_that_does_not_grow_back_stays_where_it_started(client: Any,
     np.testing.assert_allclose(job.result(timeout=60).state["w"], numpy_run(batches(5), 120)[0],
                                rtol=1e-5, atol=1e-5)
 
+
+def test_a_global_view_job_grows_back_onto_the_new_shardings(client: Any,
+                                                             tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    holder = _hold_the_v4_16(client, gate)
+    steps = 150
+    job = client.submit(mesh_step, steps=steps, steps_per_run=1, checkpoint_every=5,
+                        accelerator_type=("v4-16", "v4-8"), mesh={"data": -1},
+                        init_fn=mesh_init, dataset=batches(6), outputs={"loss": "SUM"},
+                        name="mesh")
+    assert wait_for(lambda: _on(job, "v4-8", 2), 180), job.status()
+    gate.touch()  # the v4-16 frees: the job moves up at its next checkpoint
+    assert holder.wait(timeout=120, progress=False).state == "SUCCEEDED"
+    final = job.wait(timeout=300, progress=False)
+    assert final.state == "SUCCEEDED", final.error
+    assert [a.accelerator_type for a in job.attempts()] == ["v4-8", "v4-16"], job.attempts()
+    assert (final.goodput or {}).get("resizing", 0) > 0, final.goodput
+
+    # The "data" axis took the 4 devices of the v4-8, then the 8 of the v4-16.
+    logs = job.logs()
+    for host, sizes, shard in ((0, 4, (2, 4)), (0, 8, (1, 4)), (1, 8, (1, 4))):
+        assert re.search(rf"^\[host {host}\] mesh \{{'data': {sizes}\}}$", logs,
+                         re.MULTILINE), logs
+        assert f"[host {host}] table shard {shard}" in logs, logs
+
+    result = job.result(timeout=60)
+    w, losses = numpy_run(batches(6), steps)
+    np.testing.assert_allclose(result.state["w"], w, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(result.state["table"], numpy_table(batches(6), steps),
+                               rtol=1e-5)
+    recorded = sorted(result.metrics["loss"])
+    assert [step for step, _ in recorded] == list(range(1, steps + 1)), recorded
+    np.testing.assert_allclose([v for _, v in recorded], losses, rtol=1e-4, atol=1e-5)
