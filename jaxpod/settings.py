@@ -426,6 +426,11 @@ INFEED_CLOSE_TIMEOUT = seconds("JAXPOD_INFEED_CLOSE_TIMEOUT_S", 5, "How long clo
 CHECKPOINT_PEER_TIMEOUT = seconds("JAXPOD_CHECKPOINT_PEER_TIMEOUT_S", 300, "How long a "
                                   "host's checkpoint thread waits for the other hosts' "
                                   "input positions.", "worker")
+MEMORY_CHECKPOINT_DIR = _text(
+    "JAXPOD_MEMORY_CHECKPOINT_DIR", "Where each host keeps its jobs' in-memory checkpoints "
+    "(its own shards and its peer's copy): a folder in the node's memory that outlives the "
+    "worker process. Default: /dev/shm/jaxpod-memory, else jaxpod-memory in the temporary "
+    "folder.", "worker")
 COMPILATION_CACHE_DIR = _text(
     "JAXPOD_COMPILATION_CACHE_DIR", "Where hosts keep JAX's persistent compilation cache, "
     "so a restarted attempt and later jobs of the same code load their programs instead "

@@ -251,7 +251,7 @@ def _position_of(inputs: Sequence[Any], host: int, hosts: int, step: int) -> Any
     return inputs[0]
 
 
-def _global_leaf(value: GlobalValue) -> LeafSpec:
+def global_leaf(value: GlobalValue) -> LeafSpec:
     """How a global-view state leaf is kept: its global shape (typed keys as key data)."""
     array, key_impl = value.array, None
     if trees.is_typed_key(array):
@@ -369,7 +369,7 @@ class HostCheckpoints:
         values, treedef = jax.tree.flatten(
             state, is_leaf=lambda x: is_per_replica(x) or is_global(x))
         if values and all(isinstance(v, GlobalValue) for v in values):
-            leaves = tuple(_global_leaf(v) for v in values)
+            leaves = tuple(global_leaf(v) for v in values)
             stored = [jax.random.key_data(v.array) if leaf.key_impl else v.array
                       for leaf, v in zip(leaves, values, strict=True)]
         elif all(isinstance(v, PerReplica) for v in values):

@@ -10,46 +10,21 @@ new processes loads.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from host_group import run_group
 
 PROGRAM = Path(__file__).with_name("cache_host_program.py")
 DEADLINE_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _group(cache: Path, mode: str) -> list[dict[str, object]]:
     """Both hosts of one group, new processes; each one's report."""
-    address = f"127.0.0.1:{_free_port()}"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update({"JAXPOD_COMPILATION_CACHE_DIR": str(cache),
-                "JAXPOD_COMPILATION_CACHE_MIN_COMPILE_S": "0.000001"})
-    procs = [subprocess.Popen([sys.executable, str(PROGRAM), address, str(i), mode],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for i in range(2)]
-    reports = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=DEADLINE_S)
-            assert proc.returncode == 0, err[-3000:]
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    reports = run_group(PROGRAM, [mode], {
+        "JAXPOD_COMPILATION_CACHE_DIR": str(cache),
+        "JAXPOD_COMPILATION_CACHE_MIN_COMPILE_S": "0.000001"}, deadline_s=DEADLINE_S)
     expected = (np.arange(32, dtype=np.float32).reshape(8, 4) * 3.0).sum(axis=0)
     for report in reports:
         np.testing.assert_allclose(report["total"], expected)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,17 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from host_group import free_port
 
 from jaxpod.worker.input import per_replica_sizes
 
 PROGRAM = Path(__file__).with_name("two_host_program.py")
 DEADLINE_S = 180
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _expected_steps() -> list[np.ndarray]:
@@ -49,7 +43,7 @@ def _expected_steps() -> list[np.ndarray]:
 
 @pytest.mark.multiprocess
 def test_cross_process_reduce_and_gather(tmp_path: Path) -> None:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     outs = [tmp_path / f"out{i}.json" for i in range(2)]
     procs = [subprocess.Popen([sys.executable, str(PROGRAM), address, str(i), str(outs[i])],

@@ -1,0 +1,67 @@
+"""In-memory checkpoints across restarts of a simulated two-host group (4 chips each).
+
+Real processes, as a restarted attempt's hosts are: one group keeps two steps, each
+host's shards on its node's folder and a copy on its peer's (a device collective); a
+new group plans from what the nodes hold and restores, from its own nodes or, with a
+node's folder gone (a replaced node), from the peer's copy sent back. Each host checks
+its shards against numpy.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from host_group import run_group
+
+from jaxpod.worker.memory_checkpoints import plan_sources
+
+PROGRAM = Path(__file__).with_name("memory_host_program.py")
+DEADLINE_S = 120
+
+
+def _group(root: Path, mode: str, kind: str) -> list[dict[str, object]]:
+    """Both hosts of one group, new processes; each one's report, in host order."""
+    return run_group(PROGRAM, [mode, kind], {"JAXPOD_MEMORY_CHECKPOINT_DIR": str(root),
+                                             "TPU_NAME": "sim-memory"}, deadline_s=DEADLINE_S)
+
+
+def _restored(root: Path, kind: str, sources: list[int]) -> None:
+    for host, report in enumerate(_group(root, "restore", kind)):
+        assert report["process"] == host and report["step"] == 4, report
+        assert report["sources"] == sources, report
+        assert report["positions"] == [{"host": h, "step": 4} for h in range(2)], report
+        assert report["equal"] == {"h": True, "mask": True, "n": True, "w": True}, report
+
+
+@pytest.mark.multiprocess
+def test_a_per_replica_state_comes_back_from_its_nodes_or_its_peer(tmp_path: Path) -> None:
+    _group(tmp_path, "save", "per_replica")
+    for node in (0, 1):  # the newest step only; each node holds its host's and its peer's
+        held = sorted(p.relative_to(tmp_path / f"sim-memory-{node}").as_posix()
+                      for p in (tmp_path / f"sim-memory-{node}").glob("job-1/*/*"))
+        assert held == ["job-1/step-4/host-0", "job-1/step-4/host-1"], held
+    _restored(tmp_path, "per_replica", [0, 1])
+    shutil.rmtree(tmp_path / "sim-memory-1")  # host 1's node was replaced
+    _restored(tmp_path, "per_replica", [0, 0])
+
+
+@pytest.mark.multiprocess
+def test_a_global_view_state_comes_back_from_the_peer(tmp_path: Path) -> None:
+    _group(tmp_path, "save", "global")
+    shutil.rmtree(tmp_path / "sim-memory-0")
+    _restored(tmp_path, "global", [1, 1])
+
+
+def test_the_plan_takes_the_newest_step_every_host_of_which_is_held() -> None:
+    a, b = {"p": "a"}, {"p": "b"}
+    # Host 0 holds steps 4 (its own and host 1's) and 6 (its own); host 1's node is new.
+    held = [{4: {0: a, 1: b}, 6: {0: a}}, {}]
+    assert plan_sources(held, 2, 1, None) == (4, [0, 0], [a, b])
+    assert plan_sources(held, 2, 1, 4) is None  # not newer than the persistent step
+    # Each from its own node when it can.
+    assert plan_sources([{6: {0: a, 1: b}}, {6: {1: b, 0: a}}], 2, 1, None) == (6, [0, 1],
+                                                                                [a, b])
+    # Host 2's shards are on no node: no step of three hosts is whole.
+    assert plan_sources([{2: {0: a}}, {2: {1: a}}, {}], 3, 1, None) is None
