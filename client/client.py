@@ -230,7 +230,7 @@ class Client:
                max_retries_failure: int = 0, priority: int = 0,
                computation_shape: Sequence[int] | None = None,
                mesh: Mapping[str, int] | None = None, batch_sharding: Any = None,
-               grow_back: bool = True) -> Job:
+               grow_back: bool = True, memory_checkpoint_every: int | None = None) -> Job:
         """Submits a job: ``steps`` steps of ``step_fn`` on whole slices, run by the
         service whether or not this client stays connected.
 
@@ -283,6 +283,12 @@ class Client:
           grow_back: an elastic job running on a less preferred type moves up to a more
             preferred one once it is free (at a checkpoint); ``False``: it stays where
             it runs until it has to move.
+          memory_checkpoint_every: steps between in-memory checkpoints, rounded up to a
+            loop: each host keeps its shards of the state in its node's memory and a
+            copy on a peer host's, so a job that loses a host without notice resumes
+            from there, losing at most this many steps and reading no storage.
+            ``None``: the service chooses, from their measured cost, for a job with
+            ``checkpoint_every``; 0: none.
 
         Returns:
           The job (``job.id`` finds it again from anywhere: ``client.job(id)``).
@@ -300,7 +306,7 @@ class Client:
             name=name, num_slices=num_slices, max_retries_preemption=max_retries_preemption,
             max_retries_failure=max_retries_failure, priority=priority,
             computation_shape=computation_shape, mesh=mesh, batch_sharding=batch_sharding,
-            grow_back=grow_back)
+            grow_back=grow_back, memory_checkpoint_every=memory_checkpoint_every)
         return submit_spec(self, spec)
 
     def job(self, job_id: str) -> Job:

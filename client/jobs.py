@@ -72,7 +72,7 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int,
                max_retries_failure: int, priority: int = 0,
                computation_shape: Sequence[int] | None = None,
                mesh: Mapping[str, int] | None = None, batch_sharding: Any = None,
-               grow_back: bool = True) -> JobSpec:
+               grow_back: bool = True, memory_checkpoint_every: int | None = None) -> JobSpec:
     """Checks ``client.submit``'s arguments and builds the ``JobSpec`` it sends.
 
     Raises:
@@ -105,6 +105,11 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int,
         checkpoint_every = _check_int(
             "checkpoint_every", checkpoint_every, 1,
             "steps between checkpoints, e.g. checkpoint_every=100, or None for none")
+    if memory_checkpoint_every is not None:
+        memory_checkpoint_every = _check_int(
+            "memory_checkpoint_every", memory_checkpoint_every, 0,
+            "steps between in-memory checkpoints, e.g. memory_checkpoint_every=10, 0 for "
+            "none, or None to let the service choose")
     preferences = _check_accelerator_types(accelerator_type)
     if not isinstance(grow_back, bool):
         raise TypeError(f"submit: grow_back must be True (an elastic job moves up to a "
@@ -165,8 +170,9 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int,
         steps=steps, accelerator_type=preferences[0] if preferences else None,
         accelerator_types=preferences if len(preferences) > 1 else None, grow_back=grow_back,
         steps_per_run=steps_per_run,
-        outputs=checked_outputs or None, checkpoint_every=checkpoint_every, name=name,
-        num_slices=num_slices, max_retries_preemption=max_retries_preemption,
+        outputs=checked_outputs or None, checkpoint_every=checkpoint_every,
+        memory_checkpoint_every=memory_checkpoint_every, name=name, num_slices=num_slices,
+        max_retries_preemption=max_retries_preemption,
         max_retries_failure=max_retries_failure, priority=priority, computation_shape=shape,
         mesh_axes=tuple(axes) if axes else None,
         mesh_shape=tuple(axes.values()) if axes else None,

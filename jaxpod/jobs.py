@@ -338,6 +338,10 @@ class JobSpec:
     accelerator_types: tuple[str, ...] | None = field(default=None, metadata={"submit": ()})
     #: An elastic job moves up to a more preferred type once one is free.
     grow_back: bool = True
+    #: Steps between in-memory checkpoints, each host's shards kept on its node and its
+    #: peer's (``None``: the service chooses from their measured cost when
+    #: ``checkpoint_every`` is set; 0: none).
+    memory_checkpoint_every: int | None = None
 
     def preferences(self) -> tuple[str, ...]:
         """The slice types the job accepts, the most preferred first (one: not elastic;

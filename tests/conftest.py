@@ -32,6 +32,9 @@ def pytest_configure(config: object) -> None:
     # Nor do their hosts' compiled programs go to the user's ~/.cache.
     os.environ.setdefault("JAXPOD_COMPILATION_CACHE_DIR",
                           os.path.join(os.environ["JAXPOD_STATE_DIR"], "compilation-cache"))
+    # Nor their in-memory checkpoints to this machine's /dev/shm, which outlives the run.
+    os.environ.setdefault("JAXPOD_MEMORY_CHECKPOINT_DIR",
+                          os.path.join(os.environ["JAXPOD_STATE_DIR"], "memory"))
 
 
 def pytest_unconfigure(config: object) -> None:
@@ -41,6 +44,7 @@ def pytest_unconfigure(config: object) -> None:
     for folder in _OWN_STATE_DIR:
         os.environ.pop("JAXPOD_STATE_DIR", None)
         os.environ.pop("JAXPOD_COMPILATION_CACHE_DIR", None)
+        os.environ.pop("JAXPOD_MEMORY_CHECKPOINT_DIR", None)
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -342,6 +342,11 @@ class HostCheckpoints:
 
         return self._programs.get((to_storage, layout.mesh, layout.gather, leaves), build)
 
+    def storage_program(self, layout: Layout, leaves: tuple[LeafSpec, ...]) -> Any:
+        """The compiled change of per-replica values to their stored layout (what the
+        in-memory tier keeps, too)."""
+        return self._program(True, layout, leaves)
+
     def _manager(self, directory: str, keep: int) -> Any:
         import orbax.checkpoint as ocp
 

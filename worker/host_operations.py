@@ -41,6 +41,8 @@ from jaxpod.worker.device_assignment import DeviceAssignment
 from jaxpod.worker.engine import Engine
 from jaxpod.worker.functions import FunctionRegistry
 from jaxpod.worker.global_view import GlobalValue, GlobalView, is_global
+from jaxpod.worker.memory_checkpoints import HostMemoryCheckpoints
+from jaxpod.worker.meshes import slice_major_mesh
 from jaxpod.worker.output_capture import OutputCapture
 from jaxpod.worker.profiles import HostProfiler
 from jaxpod.worker.result_digest import result_digest
@@ -65,6 +67,7 @@ class HostOperations(ops.Host):
         self.store = ValueStore()
         self.functions = FunctionRegistry()
         self.checkpoints = HostCheckpoints()
+        self.memory = HostMemoryCheckpoints()
         self.profiler = HostProfiler()
         self.iterators: dict[int, Any] = {}
         self.datasets: dict[int, Any] = {}
@@ -135,6 +138,7 @@ class HostOperations(ops.Host):
         self.datasets.clear()
         self._output.discard()
         self.checkpoints.close()
+        self.memory.close()
         self.profiler.discard()
 
     # ------------------------------------------------------------------ helpers
@@ -368,6 +372,30 @@ class HostOperations(ops.Host):
             op.directory, op.step, op.keep, op.skeleton, self.engine.mesh,
             self.engine.host_index, targets=targets)
         return self.keep(state), position
+
+    def save_memory_checkpoint(self, op: ops.SaveMemoryCheckpoint) -> None:
+        position = (self.iterator(op.iterator_id).position if op.iterator_id is not None
+                    else None)
+        # The operation's number is the same on every host and never used twice.
+        self.memory.save(op.job, op.step, self.resolve(op.state), self.engine.mesh, position,
+                         f"jaxpod/memory-checkpoint/{self._expected_seq - 1}",
+                         self.checkpoints.storage_program)
+
+    def memory_holdings(self, op: ops.MemoryHoldings) -> dict[int, dict[int, Any]]:
+        mesh = (slice_major_mesh(dict(op.mesh), list(self.engine.mesh.devices.flat))
+                if op.mesh else self.engine.mesh)
+        return self.memory.holdings(op.job, mesh)
+
+    def restore_memory_checkpoint(self, op: ops.RestoreMemoryCheckpoint) -> ops.ValueInfos:
+        targets = None
+        if self.global_view is not None and op.init_function_id is not None:
+            targets = self.global_view.abstract_init(self.functions.get(op.init_function_id))
+        return self.keep(self.memory.restore(
+            op.job, op.step, op.sources, op.skeleton, self.engine.mesh,
+            f"jaxpod/memory-restore/{self._expected_seq - 1}", targets=targets))
+
+    def drop_memory_checkpoints(self, op: ops.DropMemoryCheckpoints) -> None:
+        self.memory.drop(op.job)
 
     def start_profile(self, op: ops.StartProfile) -> None:
         self.profiler.start(f"{op.folder.rstrip('/')}/host-{self.process_id}", op.seconds)

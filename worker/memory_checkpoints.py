@@ -18,9 +18,10 @@ node's memory and sends a copy to a peer host, which keeps it the same way:
   One write is under way at a time: a save waits for the one before (its memory is
   bounded by two copies).
 * **Restore.** The coordinator asks every host what it holds (:meth:`holdings`) and
-  restores the newest step every host's shards of which are held somewhere: on the
-  host's own node, or on its peer's, which sends them back in the same kind of
-  collective. Otherwise the job reads its persistent checkpoint.
+  restores the newest step every host's shards of which are held somewhere
+  (:mod:`jaxpod.service.jobs.memory_plan`): on the host's own node, or on its peer's,
+  which sends them back in the same kind of collective. Otherwise the job reads its
+  persistent checkpoint.
 
 The layout is the persistent tier's stored arrays (:mod:`jaxpod.worker.checkpoints`): a
 per-replica state split over the replicas, global-view leaves as they are. On a device
@@ -39,7 +40,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -436,11 +437,11 @@ class HostMemoryCheckpoints:
         shutil.rmtree(self.folder / job, ignore_errors=True)
 
     def close(self) -> None:
+        """Waits for the write under way (the slice's next holder starts clean)."""
         try:
             self.settle()
         except Exception as e:  # the next holder must not inherit it
             logger.warning("a memory checkpoint's write failed: %s", e)
-        self._writer.shutdown(wait=True)
 
 
 def _key(packing: Packing) -> tuple[Any, ...]:
@@ -463,29 +464,3 @@ def _kv() -> Any:
     client = global_state.client
     assert client is not None, "several processes share jax.distributed's client"
     return client
-
-
-def plan_sources(held: Sequence[Mapping[int, Mapping[int, Any]]], hosts: int,
-                 offset: int, newer_than: int | None) -> tuple[int, list[int], list[Any]] | None:
-    """The newest step (after ``newer_than``) whose every host's shards some node holds,
-    given each host's :meth:`HostMemoryCheckpoints.holdings`: the step, the host each
-    host's shards come from (its own node first, else its peer's) and each host's input
-    position. ``None``: no such step."""
-    steps = sorted({s for h in held for s in h}, reverse=True)
-    for step in steps:
-        if newer_than is not None and step <= newer_than:
-            break
-        sources, positions = [], []
-        for g in range(hosts):
-            peer = (g + offset) % hosts
-            if g in held[g].get(step, {}):
-                sources.append(g)
-                positions.append(held[g][step][g])
-            elif g in held[peer].get(step, {}):
-                sources.append(peer)
-                positions.append(held[peer][step][g])
-            else:
-                break
-        else:
-            return step, sources, positions
-    return None

@@ -64,10 +64,14 @@ from jaxpod.operations.handles import (
 )
 from jaxpod.operations.host import Host
 from jaxpod.operations.jobs import (
+    DropMemoryCheckpoints,
     HostNews,
     HostReport,
+    MemoryHoldings,
     RestoreCheckpoint,
+    RestoreMemoryCheckpoint,
     SaveCheckpoint,
+    SaveMemoryCheckpoint,
     WaitCheckpoints,
 )
 from jaxpod.operations.strategy import (
@@ -103,6 +107,7 @@ __all__ = [
     "DistributeDataset",
     "DistributeDatasetsFromFunction",
     "DivergedError",
+    "DropMemoryCheckpoints",
     "Dropped",
     "Envelope",
     "FetchParts",
@@ -117,6 +122,7 @@ __all__ = [
     "HostStats",
     "IdRangeError",
     "LocalResults",
+    "MemoryHoldings",
     "NextInput",
     "Notice",
     "Operation",
@@ -127,10 +133,12 @@ __all__ = [
     "ReplicaValue",
     "ResetHost",
     "RestoreCheckpoint",
+    "RestoreMemoryCheckpoint",
     "Run",
     "RunSpmd",
     "RunSteps",
     "SaveCheckpoint",
+    "SaveMemoryCheckpoint",
     "SetGlobalView",
     "ShardIndex",
     "StartProfile",

@@ -2,7 +2,9 @@
 
 Their news between loops (:class:`HostReport`, answered as :class:`HostNews`) and the
 job's checkpoints, written and read by each host with orbax
-(:class:`SaveCheckpoint`, :class:`WaitCheckpoints`, :class:`RestoreCheckpoint`).
+(:class:`SaveCheckpoint`, :class:`WaitCheckpoints`, :class:`RestoreCheckpoint`), and its
+in-memory checkpoints on the hosts' nodes (:class:`SaveMemoryCheckpoint`,
+:class:`MemoryHoldings`, :class:`RestoreMemoryCheckpoint`, :class:`DropMemoryCheckpoints`).
 """
 
 from __future__ import annotations
@@ -104,3 +106,63 @@ class RestoreCheckpoint(Operation["tuple[ValueInfos, Any]"]):
         return values_in(result[0])
 
 
+
+
+@dataclass(frozen=True)
+class SaveMemoryCheckpoint(Operation[None]):
+    """Keeps a job's state as step ``step`` in this host's node's memory and sends a
+    copy to its peer host (a collective), with this host's input position in iterator
+    ``iterator_id`` (``None``: no input); returns once the copy is dispatched."""
+
+    job: str
+    step: int
+    state: ValueArgs
+    iterator_id: int | None
+    dispatches: ClassVar[bool] = True
+
+    def apply(self, host: Host) -> None:
+        return host.save_memory_checkpoint(self)
+
+
+@dataclass(frozen=True)
+class MemoryHoldings(Operation["dict[int, dict[int, Any]]"]):
+    """The steps of a job this host's node holds whole in-memory sets of, saved on the
+    layout the job has here (``mesh``: a global-view job's axes, ``None``:
+    per-replica): step -> {host whose shards they are: its input position}."""
+
+    job: str
+    mesh: tuple[tuple[str, int], ...] | None = None
+    counts_as_work: ClassVar[bool] = False
+
+    def apply(self, host: Host) -> dict[int, dict[int, Any]]:
+        return host.memory_holdings(self)
+
+
+@dataclass(frozen=True)
+class RestoreMemoryCheckpoint(Operation[ValueInfos]):
+    """Restores in-memory checkpoint ``step`` of a job onto the devices: host ``g``'s
+    shards from the node of host ``sources[g]`` (``skeleton``, ``init_function_id``: as
+    :class:`RestoreCheckpoint`'s)."""
+
+    job: str
+    step: int
+    sources: tuple[int, ...]
+    skeleton: Any
+    init_function_id: str | None = None
+    dispatches: ClassVar[bool] = True
+
+    def apply(self, host: Host) -> ValueInfos:
+        return host.restore_memory_checkpoint(self)
+
+    def created(self, result: ValueInfos) -> Dropped:
+        return values_in(result)
+
+
+@dataclass(frozen=True)
+class DropMemoryCheckpoints(Operation[None]):
+    """Removes a job's in-memory checkpoints from this host's node (the job ended)."""
+
+    job: str
+
+    def apply(self, host: Host) -> None:
+        return host.drop_memory_checkpoints(self)

@@ -284,7 +284,7 @@ def check_spec(spec: JobSpec) -> JobSpec:
     if spec.steps < 1:
         raise ValueError(f"submit: steps must be >= 1; got {spec.steps}.")
     for name in ("steps_per_run", "num_slices", "max_retries_preemption",
-                 "max_retries_failure", "checkpoint_every"):
+                 "max_retries_failure", "checkpoint_every", "memory_checkpoint_every"):
         value = getattr(spec, name)
         if value is not None and value < 0:
             raise ValueError(f"submit: {name} must be >= 0; got {value}.")

@@ -28,13 +28,15 @@ from jaxpod import settings
 from jaxpod.errors import AllocationTimeoutError
 from jaxpod.jobs import JobSpec
 from jaxpod.service.capacity.requests import ClusterSlice, SliceRequest
-from jaxpod.service.jobs import goodput
+from jaxpod.service.jobs import goodput, memory_plan
 from jaxpod.service.jobs.checkpoints import JobCheckpoints
 from jaxpod.service.jobs.goodput import GoodputClock
+from jaxpod.service.jobs.memory_plan import MemoryPlan, memory_checkpoints_on
 from jaxpod.service.jobs.policies import Failure, FailureKind, FailurePolicy, GiveUp
 from jaxpod.service.jobs.runner import (
     SLICE_FAILURES,
     JobRun,
+    MemoryRestoreError,
     Preempted,
     RunContext,
     Stopped,
@@ -182,6 +184,8 @@ class JobController:
         self.run_now: JobRun | None = None
         #: The names of the slices it holds now.
         self.slice_names: tuple[str, ...] = ()
+        #: Restoring an in-memory checkpoint failed: later attempts read storage.
+        self._memory_failed = False
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -262,11 +266,33 @@ class JobController:
                     FailureKind.ERROR, "the job's slice could not be set up as it asks: "
                     + describe_error(e)), e)
             resume = self._parts.checkpoints.latest_step()
+            memory = self._memory_plan(held, resume)
+            if memory is not None:
+                return self._set_state(
+                    Running(state.attempt, memory.step, held=held, resume=memory.step,
+                            memory=memory), f"resuming from {memory.describe()}")
             return self._set_state(
                 Running(state.attempt, resume or 0, held=held, resume=resume),
                 f"resuming from the checkpoint at step {resume}" if resume is not None
                 else None)
         return self._stopped(state.attempt, step)
+
+    def _memory_plan(self, held: Any, persistent: int | None) -> MemoryPlan | None:
+        """The in-memory checkpoint to resume from: the newest whole one the slice's
+        nodes hold, if it is at least as new as the persistent one (``None``: none, the
+        job keeps none, or restoring one failed before)."""
+        if self._memory_failed or not memory_checkpoints_on(self.spec):
+            return None
+        try:
+            held_by = held.engine.memory_holdings(self.job_id, self.spec.mesh)
+        except SLICE_FAILURES:
+            raise
+        except Exception as e:  # the persistent tier is always there
+            logger.warning("job %s: reading the hosts' in-memory checkpoints failed: %s",
+                           self.job_id, describe_error(e))
+            return None
+        newer_than = None if persistent is None else persistent - 1
+        return memory_plan.plan(held_by, newer_than)
 
     def _run(self, state: Running) -> JobStateData | None:
         """The attempt's steps on its slice; the slice is given back however it ends."""
@@ -279,7 +305,7 @@ class JobController:
         run = JobRun(self.job_id, self.spec, held.engine, RunContext(
             store=store, checkpoints=self._parts.checkpoints, resume=state.resume,
             stop=self.stop, clock=self._parts.clock, on_progress=self._parts.on_progress,
-            redo_until=reached, moved_from=moved_from))
+            redo_until=reached, moved_from=moved_from, memory=state.memory))
         self.slice_names, self.run_now = tuple(held.description["slice_names"]), run
         try:
             try:
@@ -288,6 +314,7 @@ class JobController:
                 return self._stopped(state.attempt, run.step)
             except PREEMPTIONS as e:
                 failure, error = Failure(FailureKind.PREEMPTION, describe_error(e)), e
+                self._memory_failed |= isinstance(e, MemoryRestoreError)
             except Exception as e:
                 failure, error = Failure(FailureKind.ERROR, describe_error(e)), e
             else:
@@ -305,7 +332,7 @@ class JobController:
         # can still commit a checkpoint (a survivor finishes one whose every part was
         # written before its peer was lost), and the step the failure names is the
         # step the next attempt resumes from.
-        return self._after_failure(state.attempt, run.step, failure, error)
+        return self._after_failure(state.attempt, run.step, failure, error, run.memorized)
 
     def _back_off(self, state: Retrying) -> JobStateData | None:
         if state.backoff_s and self.stop.wait(state.backoff_s):
@@ -316,9 +343,11 @@ class JobController:
 
     # ------------------------------------------------------------------ endings
     def _after_failure(self, attempt: int, step: int, failure: Failure,
-                       error: BaseException | None = None) -> JobStateData | None:
+                       error: BaseException | None = None, memorized: int | None = None
+                       ) -> JobStateData | None:
         """Ends the attempt, saying how far it got and what the next one redoes (and
-        ``error``'s type, or the notice), then retries or fails as the policy decides."""
+        ``error``'s type, or the notice), then retries or fails as the policy decides.
+        ``memorized``: the last step the hosts kept in memory."""
         checkpoints = self._parts.checkpoints
         self._parts.clock.switch(goodput.RECOVERING)  # giving up the slice included
         kept = checkpoints.kept()  # the storage knows what the hosts finished
@@ -328,6 +357,11 @@ class JobController:
                 else type(error).__name__ if error is not None else failure.error)
         cause = (f"{failure.kind.value}: {what}; {max(0, step - resume_at)} step(s) lost, "
                  f"the next attempt starts at step {resume_at}")
+        if memorized is not None and memorized > resume_at and not self._memory_failed:
+            cause = (f"{failure.kind.value}: {what}; the next attempt starts at step "
+                     f"{memorized} from the hosts' memory if its copies survived "
+                     f"({max(0, step - memorized)} step(s) lost), else at step {resume_at} "
+                     f"from storage ({max(0, step - resume_at)} lost)")
         logger.warning("job %s attempt %d %s", self.job_id, attempt, cause)
         ended = AttemptEnd(attempt, cause, step)
         if self.stop.is_set():

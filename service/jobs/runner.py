@@ -60,6 +60,7 @@ from jaxpod.service.jobs.checkpoints import JobCheckpoints
 from jaxpod.service.jobs.codec import JobStoreError, check_storable
 from jaxpod.service.jobs.goodput import GoodputClock
 from jaxpod.service.jobs.loop_times import HANG_TIMEOUT, LoopTimes, StepRate
+from jaxpod.service.jobs.memory_plan import MemoryPlan, chosen_interval, memory_checkpoints_on
 from jaxpod.service.jobs.scalars import TensorBoardScalars
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.jobs.stragglers import HostCounters, Stragglers
@@ -97,6 +98,11 @@ class HungLoopError(SliceResetError):
     """A loop ran past its hang limit (``JAXPOD_JOB_HANG_TIMEOUT_S`` beyond the slowest
     of its length): every host's stacks went to the job's logs, the slice's workers
     were restarted, and the job resumes from its newest checkpoint."""
+
+
+class MemoryRestoreError(SliceResetError):
+    """Restoring an in-memory checkpoint failed; the job's next attempt reads its
+    persistent checkpoint."""
 
 
 class Stopped(Exception):
@@ -144,6 +150,8 @@ class RunContext:
         this attempt runs again count as lost work.
       moved_from: the previous attempt's slice type when this one runs on another (an
         elastic job's move): its setup, restoring and compiling are the move's cost.
+      memory: where the hosts' in-memory copies of ``resume`` are, when the attempt
+        starts from those instead of storage.
     """
 
     store: JobStore
@@ -154,6 +162,7 @@ class RunContext:
     on_progress: Callable[[], None]
     redo_until: int = 0
     moved_from: str | None = None
+    memory: MemoryPlan | None = None
 
 
 class JobRun:
@@ -204,6 +213,10 @@ class JobRun:
         #: cost is booked).
         self._move_began: dict[str, float] | None = None
         self._moved_from = context.moved_from
+        self._memory = context.memory
+        #: The last step kept in the hosts' memory (its copies dispatched), if any.
+        self.memorized: int | None = None
+        self._memory_stall: float | None = None  # seconds the last one stalled the steps
 
     def run(self) -> Finished:
         """Runs the remaining steps; raises what the job's code raised, a slice
@@ -257,11 +270,14 @@ class JobRun:
                     self._check_notice(self._poll_hosts(), state)
                 if self._checkpoint_due():
                     self._checkpoint(state, wait=False)
+                if self._memory_due():
+                    self._memory_checkpoint(state)
             clock.switch(goodput.MONITORING)
             self._poll_hosts()
             clock.switch(goodput.RESULT)
             if spec.init_fn:  # the final state is the job's result: on storage, not here
                 self._checkpoint(state, wait=True, during=goodput.RESULT)
+            self._drop_memory()
             return Finished(outputs, self.step)
         except BaseException as e:
             ended = f"{type(e).__name__}: {e}"
@@ -336,6 +352,44 @@ class JobRun:
                                                + time.monotonic() - waited_from)
                 self._commit(committed)
 
+    def _memory_due(self) -> bool:
+        every = chosen_interval(self.spec, self._memory_stall, self._step_s())
+        last = self.memorized if self.memorized is not None else self.start_step
+        return every > 0 and self.step < self.spec.steps and self.step - last >= every
+
+    def _step_s(self) -> float | None:
+        rate = self.rate.steps_per_s()
+        return 1.0 / rate if rate else None
+
+    def _memory_checkpoint(self, state: Any) -> None:
+        """Has the hosts keep the state at this loop boundary in their nodes' memory and
+        their peers' (:mod:`jaxpod.worker.memory_checkpoints`); the loop waits while the
+        copies are dispatched. A failure costs the fast tier, not the job."""
+        if not memory_checkpoints_on(self.spec) or self.step == self.memorized:
+            return
+        start = time.monotonic()
+        with self._clock.during(goodput.CHECKPOINTING):
+            try:
+                self.engine.save_memory_checkpoint(self.job_id, self.step, state,
+                                                   self._iterator)
+            except SLICE_FAILURES:
+                raise
+            except Exception as e:
+                logger.warning("job %s: an in-memory checkpoint at step %d failed: %s",
+                               self.job_id, self.step, e)
+                return
+        self._memory_stall = time.monotonic() - start
+        self.memorized = self.step
+
+    def _drop_memory(self) -> None:
+        """The job is done: its in-memory checkpoints leave the hosts' nodes."""
+        if memory_checkpoints_on(self.spec) or self._memory is not None:
+            try:
+                self.engine.drop_memory_checkpoints(self.job_id)
+            except Exception as e:  # the nodes sweep stale ones
+                logger.warning("job %s: dropping its in-memory checkpoints failed: %s",
+                               self.job_id, e)
+
     def _commit(self, step: int | None) -> None:
         """The hosts committed checkpoint ``step``: it is recorded (and resumable), with
         the steps before it they keep (they removed older ones as it committed)."""
@@ -366,6 +420,7 @@ class JobRun:
             return
         if (self._stop.shutting_down or self._stop.yielding) and self.step > self.start_step:
             # The next coordinator, or the job's next turn, resumes here.
+            self._memory_checkpoint(state)
             self._checkpoint(state, wait=True)
         raise Stopped(self._stop.reason)
 
@@ -374,6 +429,7 @@ class JobRun:
         noticed = [(h, n.notice) for h, n in enumerate(news) if n.notice is not None]
         if noticed:
             host, notice = noticed[0]
+            self._memory_checkpoint(state)  # both tiers
             self._checkpoint(state, wait=True)
             raise Preempted(self.step, f"host {host}: {notice.reason}")
 
@@ -458,6 +514,8 @@ class JobRun:
             init = (self._shipped(spec.init_fn)[1][0] if spec.mesh and spec.init_fn
                     else None)
             with self._clock.during(goodput.RESTORING):
+                if self._memory is not None:
+                    return self._restore_memory(self._memory, skeleton, init)
                 return self.engine.restore_checkpoint(
                     self.checkpoints.directory, self.resume, self.checkpoints.keep, skeleton,
                     init)
@@ -467,6 +525,19 @@ class JobRun:
         store.set_state_skeleton(self.job_id, skeleton_of(
             state, lambda x: isinstance(x, GroupValue)))
         return state, None
+
+    def _restore_memory(self, plan: MemoryPlan, skeleton: Any, init: Any
+                        ) -> tuple[Any, list[Any]]:
+        try:
+            state = self.engine.restore_memory_checkpoint(self.job_id, plan.step, plan.sources,
+                                                          skeleton, init)
+        except SLICE_FAILURES:
+            raise
+        except Exception as e:
+            raise MemoryRestoreError(
+                f"restoring {plan.describe()} failed ({type(e).__name__}: {e}); the next "
+                "attempt reads the persistent checkpoint") from e
+        return state, list(plan.positions)
 
     def _input(self, starts: list[Any] | None) -> Any:
         """The job's input; a resumed attempt's starts where each host's was at its

@@ -77,13 +77,16 @@ class Allocating:
 @dataclass(frozen=True)
 class Running:
     """Attempt ``attempt`` runs on its slice; ``step`` steps are done (the attempt
-    starts from there). ``held`` is the slice (a ``HeldSlice``) and ``resume`` the
-    checkpoint it starts from: what the controller needs, never stored."""
+    starts from there). ``held`` is the slice (a ``HeldSlice``), ``resume`` the
+    checkpoint step it starts from and ``memory`` (a ``MemoryPlan``) where the hosts'
+    in-memory copies of it are when it starts from those: what the controller needs,
+    never stored."""
 
     attempt: int
     step: int
     held: Any = field(default=None, compare=False, repr=False)
     resume: Any = field(default=None, compare=False, repr=False)
+    memory: Any = field(default=None, compare=False, repr=False)
     state: ClassVar[JobState] = JobState.RUNNING
 
 

@@ -296,6 +296,33 @@ class GroupEngine(GroupResults):
                                                    init.id if init else None))
         return self._wrap(answers[0][0]), [position for _, position in answers]
 
+    def save_memory_checkpoint(self, job: str, step: int, state: Any,
+                               iterator: GroupIterator | None) -> None:
+        """Has the hosts keep ``state`` as in-memory checkpoint ``step`` of ``job``, each
+        on its node and its peer's, with their input positions in ``iterator``; returns
+        once the copies are dispatched."""
+        self._call(ops.SaveMemoryCheckpoint(job, step, self.handles(state),
+                                            iterator.id if iterator is not None else None))
+
+    def memory_holdings(self, job: str, mesh: tuple[tuple[str, int], ...] | None
+                        ) -> list[dict[int, dict[int, Any]]]:
+        """What each host's node holds of ``job``'s in-memory checkpoints, in host order
+        (``mesh``: a global-view job's axes)."""
+        return self._call(ops.MemoryHoldings(job, mesh))
+
+    def restore_memory_checkpoint(self, job: str, step: int, sources: Sequence[int],
+                                  skeleton: Any, init: DefinedFunction | None = None) -> Any:
+        """In-memory checkpoint ``step`` of ``job`` onto the devices, host ``g``'s
+        shards from host ``sources[g]``'s node (``skeleton``, ``init``: as
+        :meth:`restore_checkpoint`'s)."""
+        answers = self._call(ops.RestoreMemoryCheckpoint(job, step, tuple(sources), skeleton,
+                                                         init.id if init else None))
+        return self._wrap(answers[0])
+
+    def drop_memory_checkpoints(self, job: str) -> None:
+        """Removes ``job``'s in-memory checkpoints from the hosts' nodes."""
+        self._call(ops.DropMemoryCheckpoints(job))
+
     # ----------------------------------------------------------------- profiles
     def start_profile(self, folder: str, seconds: float) -> None:
         """Starts a ``jax.profiler`` trace on every host into ``<folder>/host-<i>``;

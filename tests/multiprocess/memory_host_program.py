@@ -29,9 +29,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from jaxpod.service.jobs.memory_plan import plan  # noqa: E402
 from jaxpod.values import PerReplica  # noqa: E402
 from jaxpod.worker.global_view import GlobalValue  # noqa: E402
-from jaxpod.worker.memory_checkpoints import HostMemoryCheckpoints, plan_sources  # noqa: E402
+from jaxpod.worker.memory_checkpoints import HostMemoryCheckpoints  # noqa: E402
 
 
 def expected(step: int) -> dict[str, np.ndarray]:
@@ -83,9 +84,9 @@ else:
     everyone = [{int(s): {int(g): p for g, p in hosts.items()} for s, hosts in
                  json.loads(client.blocking_key_value_get(f"held/{h}", 60_000)).items()}
                 for h in range(2)]
-    plan = plan_sources(everyone, 2, 1, None)
-    assert plan is not None, everyone
-    step, sources, positions = plan
+    chosen = plan(everyone, None)
+    assert chosen is not None, everyone
+    step, sources, positions = chosen.step, list(chosen.sources), list(chosen.positions)
     skeleton = {name: i for i, name in enumerate(sorted(expected(step)))}  # leaf order
     targets = None
     if kind == "global":

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from host_group import run_group
 
-from jaxpod.worker.memory_checkpoints import plan_sources
+from jaxpod.service.jobs.memory_plan import MemoryPlan, plan
 
 PROGRAM = Path(__file__).with_name("memory_host_program.py")
 DEADLINE_S = 120
@@ -55,13 +55,17 @@ def test_a_global_view_state_comes_back_from_the_peer(tmp_path: Path) -> None:
 
 
 def test_the_plan_takes_the_newest_step_every_host_of_which_is_held() -> None:
-    a, b = {"p": "a"}, {"p": "b"}
+    a, b, c = {"p": "a"}, {"p": "b"}, {"p": "c"}
     # Host 0 holds steps 4 (its own and host 1's) and 6 (its own); host 1's node is new.
     held = [{4: {0: a, 1: b}, 6: {0: a}}, {}]
-    assert plan_sources(held, 2, 1, None) == (4, [0, 0], [a, b])
-    assert plan_sources(held, 2, 1, 4) is None  # not newer than the persistent step
+    assert plan(held, None) == MemoryPlan(4, (0, 0), (a, b))
+    assert plan(held, None).from_peers == 1  # type: ignore[union-attr]
+    assert plan(held, 4) is None  # not newer than the persistent step
     # Each from its own node when it can.
-    assert plan_sources([{6: {0: a, 1: b}}, {6: {1: b, 0: a}}], 2, 1, None) == (6, [0, 1],
-                                                                                [a, b])
+    both = plan([{6: {0: a, 1: b}}, {6: {1: b, 0: a}}], None)
+    assert both == MemoryPlan(6, (0, 1), (a, b)) and both.from_peers == 0
+    assert "every host's shards on its own node" in both.describe()
     # Host 2's shards are on no node: no step of three hosts is whole.
-    assert plan_sources([{2: {0: a}}, {2: {1: a}}, {}], 3, 1, None) is None
+    assert plan([{2: {0: a}}, {2: {1: b}}, {}], None) is None
+    # Hosts 0 and 1 both replaced: node 2 can send only one of them in one collective.
+    assert plan([{}, {}, {2: {2: c, 0: a, 1: b}}], None) is None

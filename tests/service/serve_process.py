@@ -206,6 +206,16 @@ def running_service(log_path: Path, slices: str | None, **kwargs: Any) -> Iterat
         stop_service(service)
 
 
+@contextlib.contextmanager
+def processes_service(folder: Path, slices: str, env: dict[str, str] | None = None
+                      ) -> Iterator[Service]:
+    """:func:`running_service` on worker processes (``--provider processes``), its log
+    and state dir in ``folder``."""
+    with running_service(folder / "serve.log", slices, env=env,
+                         args=(*PROCESSES, "--state-dir", str(folder / "state"))) as service:
+        yield service
+
+
 def stop_service(service: Service) -> None:
     """SIGTERM; asserts a clean exit with every process it started gone."""
     process = service.process

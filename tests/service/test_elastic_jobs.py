@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from serve_process import PROCESSES, Service, running_service
+from serve_process import Service, processes_service
 from sgd_jobs import LR, batches, numpy_run
 
 import jaxpod
@@ -115,9 +115,7 @@ def numpy_table(data: list[dict[str, np.ndarray]], steps: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    folder = tmp_path_factory.mktemp("elastic")
-    with running_service(folder / "serve.log", "v4-16,v4-8",
-                         args=(*PROCESSES, "--state-dir", str(folder / "state"))) as s:
+    with processes_service(tmp_path_factory.mktemp("elastic"), "v4-16,v4-8") as s:
         yield s
 
 

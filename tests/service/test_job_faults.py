@@ -148,7 +148,9 @@ def submit(client: Any, step: Any = pid_printing_step, **overrides: Any) -> Any:
         steps=STEPS, accelerator_type="v4-16", steps_per_run=STEPS_PER_RUN,
         initial_state={"w": np.linspace(0, 1, 5).astype(np.float32), "n": np.int32(0)},
         dataset=dataset(), outputs={"total": "MAX", "w0": "MEAN"},
-        checkpoint_every=CHECKPOINT_EVERY, max_retries_preemption=3)
+        checkpoint_every=CHECKPOINT_EVERY, max_retries_preemption=3,
+        # The persistent tier's faults: test_memory_checkpoints.py has the memory tier's.
+        memory_checkpoint_every=0)
     kwargs.update(overrides)
     return client.submit(step, **kwargs)
 
@@ -513,7 +515,8 @@ def submit_pytree_job(client: Any) -> Any:
     return client.submit(pytree_step, steps=STEPS, accelerator_type="v4-16",
                          steps_per_run=STEPS_PER_RUN, init_fn=pytree_init,
                          dataset=pytree_dataset(), outputs={"loss": "MEAN"},
-                         checkpoint_every=CHECKPOINT_EVERY, max_retries_preemption=3)
+                         checkpoint_every=CHECKPOINT_EVERY, max_retries_preemption=3,
+                         memory_checkpoint_every=0)
 
 
 def assert_pytree_state(state: Any) -> None:

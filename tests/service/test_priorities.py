@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serve_process import PROCESSES, Service, running_service
+from serve_process import Service, processes_service
 from sgd_jobs import LR, batches, numpy_run
 
 import jaxpod
@@ -53,9 +53,7 @@ def quick_step(state: Any, batch: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    folder = tmp_path_factory.mktemp("priorities")
-    with running_service(folder / "serve.log", "v4-16",
-                         args=(*PROCESSES, "--state-dir", str(folder / "state"))) as s:
+    with processes_service(tmp_path_factory.mktemp("priorities"), "v4-16") as s:
         yield s
 
 

@@ -1,0 +1,109 @@
+"""In-memory checkpoints of a job on a real ``jaxpod serve --local`` holding one v4-16
+(2 hosts x 4 chips, worker processes).
+
+A job with ``memory_checkpoint_every=2`` and no persistent checkpoint before its end
+loses a host to SIGKILL: its next attempt resumes from the hosts' memory, at most 2
+steps back, reading no storage. With the lost host's node also replaced (its memory
+folder gone), the peer's copy of its shards is sent back. Each run ends with numpy's
+SGD on the same batches, every step's metric recorded once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from serve_process import Service, processes_service
+from sgd_jobs import batches, numpy_run
+from test_elastic_jobs import paced_step
+
+from jaxpod.timeouts import wait_for
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 80
+
+
+@pytest.fixture(scope="module")
+def memory_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("memory")
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory, memory_dir: Path) -> Iterator[Service]:
+    env = {"JAXPOD_MEMORY_CHECKPOINT_DIR": str(memory_dir)}
+    with processes_service(tmp_path_factory.mktemp("memory-jobs"), "v4-16", env=env) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(service: Service) -> Iterator[Any]:
+    with service.connect() as connected:
+        yield connected
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def _kill_host_1(client: Any, memory_dir: Path, replace_node: bool) -> Any:
+    """A job running from its in-memory checkpoints, its host 1 SIGKILLed mid-run (and
+    its node's memory removed, if ``replace_node``); the job, once it ended."""
+    job = client.submit(paced_step, steps=STEPS, steps_per_run=1, checkpoint_every=STEPS,
+                        memory_checkpoint_every=2, accelerator_type="v4-16",
+                        initial_state={"w": np.zeros(3, np.float32)}, dataset=batches(3),
+                        outputs={"loss": "SUM"}, name="memory")
+    assert wait_for(lambda: job.status().step >= 25 and len(job.hosts()) == 2, 180), \
+        job.status()
+    victim = job.hosts()[1].pid
+    os.kill(victim, signal.SIGKILL)
+    if replace_node:  # its memory goes with it: only the peer's copy is left
+        assert wait_for(lambda: _gone(victim), 30)
+        (node,) = memory_dir.glob("*-1")
+        shutil.rmtree(node / job.id)
+    final = job.wait(timeout=300, progress=False)
+    assert final.state == "SUCCEEDED", final.error
+    return job
+
+
+def _check(job: Any) -> tuple[Any, Any]:
+    first, second = attempts = job.attempts()
+    assert len(attempts) == 2, attempts
+    reached, start = first.step_reached or 0, second.start_step or 0
+    assert 0 <= reached - start <= 2, attempts  # at most memory_checkpoint_every lost
+    result = job.result(timeout=60)
+    w, losses = numpy_run(batches(3), STEPS)
+    np.testing.assert_allclose(result.state["w"], w, rtol=1e-5, atol=1e-5)
+    recorded = sorted(result.metrics["loss"])
+    assert [step for step, _ in recorded] == list(range(1, STEPS + 1)), recorded
+    np.testing.assert_allclose([v for _, v in recorded], losses, rtol=1e-4, atol=1e-5)
+    return first, second
+
+
+def test_a_lost_host_resumes_from_memory_losing_at_most_two_steps(
+        client: Any, memory_dir: Path) -> None:
+    job = _kill_host_1(client, memory_dir, replace_node=False)
+    _, second = _check(job)
+    history = [entry.reason for entry in job.history()]
+    assert any(f"in-memory checkpoint at step {second.start_step} (every host's shards on "
+               "its own node)" in m for m in history), history
+    assert not list(memory_dir.glob(f"*/{job.id}")), "a finished job's memory stays"
+
+
+def test_a_replaced_node_gets_its_shards_back_from_its_peer(client: Any,
+                                                            memory_dir: Path) -> None:
+    job = _kill_host_1(client, memory_dir, replace_node=True)
+    _, second = _check(job)
+    history = [entry.reason for entry in job.history()]
+    assert any(f"in-memory checkpoint at step {second.start_step} (1 host(s)' shards from "
+               "their peer's copy)" in m for m in history), history
