@@ -78,6 +78,13 @@ AREAS = (
          "on this machine, and the bulk of the difference."),
     Area("recovery", "Recovery", "A host killed or told of its preemption: time to the "
          "resumed first step, steps lost, bit-identical results."),
+    Area("memory_checkpoint", "In-memory checkpoints", "A host lost without notice: "
+         "restoring from the hosts' memory against from storage, steps lost, and the "
+         "steps' stall per save of each tier.",
+         "On this machine the persistent checkpoint is read from the page cache, memory "
+         "as well: the ratio is a bound on what RAM saves, not what it saves against a "
+         "bucket. Both jobs save every 2 steps; the stall is the goodput's "
+         "checkpointing seconds, the persistent job's final checkpoint counted apart."),
     Area("restart", "Restarts and the compilation cache", "A transformer job's host "
          "killed, and the same job submitted again on new hosts: time to the first step "
          "and programs compiled, with the hosts' compilation cache and without."),

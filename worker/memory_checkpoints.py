@@ -8,31 +8,38 @@ node's memory and sends a copy to a peer host, which keeps it the same way:
   ``TPU_WORKER_ID``). It outlives the worker process, which the slice restarts when any
   host is lost, and goes with the node: a host restarted on its node finds its own
   shards; one whose node was replaced finds nothing.
+* **What.** A mirrored per-replica state (every replica trains the same copy; no leaf
+  split within a replica) is kept once per host, each chip taking its part of its own
+  replica's copy (:class:`MirroredLayout`): a host's copy is every host's, so nothing
+  is sent at a save and the peer keeps only its neighbour's input position (an alias of
+  its own copy). A restore reads the host's copy onto its chips and gathers the parts
+  over them: no other host is involved. Other states (global-view leaves, per-replica
+  leaves split within a replica: the persistent tier's stored layout) are each host's
+  own shards, and the peer keeps a copy.
 * **The peer.** The next host of the slice, or with several slices the same host of the
-  next slice (a lost slice then loses no copy). The copy travels as one device
-  collective (``ppermute``) of one byte buffer per device, over the links the steps
-  use: no port, no service, nothing through the coordinator. Each host sends
-  ``1/hosts`` of the state whatever the pod's size.
-* **Off the step path.** The step loop only dispatches the collective; the bytes leave
-  the devices and reach the RAM disk on this host's writer thread beside the next loops.
-  One write is under way at a time: a save waits for the one before (its memory is
-  bounded by two copies).
+  next slice (a lost slice then loses no copy). A copy travels as one device
+  collective (``ppermute``) of one byte buffer per device (:class:`Packing`), over the
+  links the steps use: no port, no service, nothing through the coordinator. Each host
+  sends ``1/hosts`` of the state whatever the pod's size.
+* **Off the step path.** The step loop only dispatches the programs; the bytes leave
+  the devices and reach the RAM disk on this host's writer thread beside the next loops,
+  which also gives the peer this host's input position (the ``jax.distributed``
+  key-value store). One write is under way at a time: a save waits for the one before
+  (what a node holds is bounded by two steps).
 * **Restore.** The coordinator asks every host what it holds (:meth:`holdings`) and
   restores the newest step every host's shards of which are held somewhere
-  (:mod:`jaxpod.service.jobs.memory_plan`): on the host's own node, or on its peer's,
-  which sends them back in the same kind of collective. Otherwise the job reads its
-  persistent checkpoint.
+  (:mod:`jaxpod.service.jobs.memory_plan`): on the host's own node, where each host reads
+  its own (mapped, not copied, into the devices' buffers), or on its peer's, which
+  sends them back in one collective. Otherwise the job reads its persistent checkpoint.
 
-The layout is the persistent tier's stored arrays (:mod:`jaxpod.worker.checkpoints`): a
-per-replica state split over the replicas, global-view leaves as they are. On a device
-they are packed into one byte buffer, each leaf's block bitcast to bytes
-(:class:`Packing`); on the RAM disk, ``<node>/<job>/step-<S>/host-<g>/`` holds host
-``g``'s blocks, each distinct block once (a replicated leaf is kept once per host, not
-once per chip), and ``meta.json``, written last: a folder without it is never read.
+On the RAM disk, ``<node>/<job>/step-<S>/host-<g>/`` holds host ``g``'s blocks, each
+distinct block once (a replicated leaf once per host, not once per chip), and
+``meta.json``, written last: a folder without it is never read.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -40,7 +47,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +56,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpod import settings, trees
@@ -130,6 +137,7 @@ class Packing:
         self.offsets = [int(o) for o in np.cumsum([0] + [f.nbytes for f in self.leaves])]
         self.total = max(1, self.offsets[-1])
         self.buffers = NamedSharding(mesh, P(self.axes))
+        self._maps: dict[int, Any] = {}
 
     def local(self, process: int) -> list[int]:
         """The positions of ``process``'s devices in the mesh's device order."""
@@ -138,7 +146,9 @@ class Packing:
     def bounds(self, leaf: int, position: int) -> list[list[int]]:
         """Leaf ``leaf``'s block on the device at ``position``: (start, stop) per axis."""
         f = self.leaves[leaf]
-        index = f.sharding.devices_indices_map(f.shape)[self.devices[position]]
+        if leaf not in self._maps:  # one map per leaf: it covers every device
+            self._maps[leaf] = f.sharding.devices_indices_map(f.shape)
+        index = self._maps[leaf][self.devices[position]]
         return [list(s.indices(n)[:2]) for s, n in zip(index, f.shape, strict=True)]
 
     def save_program(self, perm: tuple[tuple[int, int], ...]) -> Any:
@@ -192,6 +202,143 @@ def _fingerprint(mesh: Any) -> str:
                        [int(d.id) for d in mesh.devices.flat], jax.process_count()])
 
 
+#: How a state is kept: a per-replica state's whole copy once per host (no leaf split
+#: within a replica: every host's copy is every other's), a per-replica state split over
+#: the replicas (the persistent tier's stored layout), or a global-view state's shards.
+MIRRORED, SPLIT, GLOBAL = "mirrored", "split", "global"
+
+
+def _per_replica_layout(mesh: Any, leaves: Sequence[LeafSpec]) -> str:
+    layout = Layout(mesh, gather=False)
+    if all(entry is None for f in leaves for entry in layout.spec(f)):
+        return MIRRORED
+    return SPLIT
+
+
+class MirroredLayout:
+    """Where a mirrored per-replica state's copy is kept: once per host, each leaf split
+    over the host's chips along its first axis they divide (else whole on each), on a
+    mesh of the slice's devices as (host, chip of the host). Saving, each chip takes its
+    part of its own replica's copy (no communication, ``1/chips`` of a copy each);
+    restoring, the parts are gathered over the host's chips (no other host's)."""
+
+    gather = MIRRORED  # a program cache key, as Layout's
+
+    def __init__(self, mesh: Any) -> None:
+        self.engine = Layout(mesh, gather=False)
+        devices = list(mesh.devices.flat)
+        processes = sorted({d.process_index for d in devices})
+        self.mesh = Mesh(np.array([[d for d in devices if d.process_index == p]
+                                   for p in processes]), ("host", "chip"))
+        self.chips = int(self.mesh.shape["chip"])
+
+    def _axis(self, leaf: LeafSpec) -> int | None:
+        for axis, size in enumerate(leaf.shape):
+            if size >= self.chips and size % self.chips == 0:
+                return axis
+        return None
+
+    def _spec(self, leaf: LeafSpec) -> P:
+        spec: list[Any] = [None] * len(leaf.shape)
+        axis = self._axis(leaf)
+        if axis is not None:
+            spec[axis] = "chip"
+        return P(*spec)
+
+    def restored(self, leaf: LeafSpec) -> NamedSharding:
+        return NamedSharding(self.mesh, self._spec(leaf))
+
+    def target(self, leaf: LeafSpec) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(leaf.shape, np.dtype(leaf.dtype),
+                                    sharding=self.restored(leaf))
+
+    def to_storage(self, leaves: tuple[LeafSpec, ...]) -> Any:
+        """One compiled program: per-replica values -> each host's parts of its copy."""
+        replicas = P(("host", "chip"))
+
+        def body(*xs: jax.Array) -> list[jax.Array]:
+            k = jax.lax.axis_index("chip")
+            out = []
+            for leaf, x in zip(leaves, xs, strict=True):
+                x, axis = x[0], self._axis(leaf)
+                if axis is not None:
+                    part = leaf.shape[axis] // self.chips
+                    x = jax.lax.dynamic_slice_in_dim(x, k * part, part, axis=axis)
+                out.append(x)
+            return out
+
+        split = jax.jit(jax.shard_map(body, mesh=self.mesh, check_vma=False,
+                                      in_specs=tuple(replicas for _ in leaves),
+                                      out_specs=[self._spec(f) for f in leaves]))
+        on_hosts = NamedSharding(self.mesh, replicas)
+
+        def program(*values: jax.Array) -> list[jax.Array]:
+            # Each chip's replica goes to the hosts' mesh as it is: the copies are equal,
+            # so the replicas' order there does not matter and nothing moves.
+            return split(*[_rewrap(jax.random.key_data(v) if f.key_impl else v, on_hosts)
+                           for f, v in zip(leaves, values, strict=True)])
+
+        return program
+
+    def from_storage(self, leaves: tuple[LeafSpec, ...]) -> Callable[..., list[jax.Array]]:
+        """Compiled for this layout's arrays: each host's parts -> per-replica values
+        (typed keys wrapped again), gathered over the host's chips."""
+        def body(*xs: jax.Array) -> list[jax.Array]:
+            out = []
+            for leaf, x in zip(leaves, xs, strict=True):
+                axis = self._axis(leaf)
+                if axis is not None:
+                    x = jax.lax.all_gather(x, "chip", axis=axis, tiled=True)
+                out.append(x[None])
+            return out
+
+        gather = jax.jit(jax.shard_map(body, mesh=self.mesh, check_vma=False,
+                                       in_specs=tuple(self._spec(f) for f in leaves),
+                                       out_specs=[P(("host", "chip")) for _ in leaves]),
+                         donate_argnums=tuple(range(len(leaves))))
+        compiled = gather.lower(*[self.target(f) for f in leaves]).compile()
+
+        def program(*stored: jax.Array) -> list[jax.Array]:
+            out = []
+            for leaf, v in zip(leaves, compiled(*stored), strict=True):
+                # Back on the engine's mesh as it is: the copies are equal.
+                v = _rewrap(v, self.engine.per_replica(leaf))
+                out.append(jax.random.wrap_key_data(v, impl=leaf.key_impl)
+                           if leaf.key_impl else v)
+            return out
+
+        return program
+
+
+def _rewrap(array: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """``array``'s per-device buffers as they are, under ``sharding`` of the same
+    devices (each device's buffer taken as its block there)."""
+    by_device = {s.device: s.data for s in array.addressable_shards}
+    return jax.make_array_from_single_device_arrays(
+        array.shape, sharding, [by_device[d] for d in sharding.addressable_devices])
+
+
+@functools.lru_cache(maxsize=8)
+def _mirrored(mesh: Any) -> MirroredLayout:
+    return MirroredLayout(mesh)
+
+
+def _local_arrays(folder: Path, packing: Packing, process: int) -> list[jax.Array]:
+    """The arrays from this node's set of this host, each device's blocks put on it."""
+    raw, rows = _set_blocks(folder)
+    local = packing.local(process)
+    out: list[jax.Array] = []
+    for i, f in enumerate(packing.leaves):
+        dtype = np.dtype(np.uint8) if f.dtype == np.bool_ else f.dtype
+        parts = []
+        for position, row in zip(local, rows, strict=True):
+            block = raw[row[i]:row[i] + f.nbytes].view(dtype).reshape(f.block)
+            parts.append(jax.device_put(block.astype(np.bool_) if f.dtype == np.bool_
+                                        else block, packing.devices[position]))
+        out.append(jax.make_array_from_single_device_arrays(f.shape, f.sharding, parts))
+    return out
+
+
 # ---------------------------------------------------------------- one host's sets
 @dataclass(frozen=True)
 class HeldSet:
@@ -202,43 +349,97 @@ class HeldSet:
     position: Any
 
 
-def _write_set(folder: Path, packing: Packing, host: int, buffers: Sequence[np.ndarray],
-               meta: dict[str, Any]) -> None:
-    """Host ``host``'s buffers (one per device of it) as a set under ``folder``: each
-    distinct block once."""
+#: One device's blocks, leaf by leaf: each block's bounds and how to read its bytes.
+DeviceBlocks = Sequence[tuple[list[list[int]], Callable[[], np.ndarray]]]
+
+
+def _write_set(folder: Path, devices: Sequence[DeviceBlocks], meta: dict[str, Any]) -> None:
+    """A host's shards as a set under ``folder``, each distinct block read and written
+    once (a replicated leaf once per host, not once per chip)."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    blocks: dict[str, list[int]] = {}  # (leaf, bounds) -> [offset, nbytes]
-    devices: list[list[int]] = []  # per device: each leaf's block's offset
-    offset = 0
+    offsets: dict[str, int] = {}  # (leaf, bounds) -> offset in the blocks file
+    rows: list[list[int]] = []  # per device: each leaf's block's offset
+    end = 0
     with open(tmp / _BLOCKS, "wb") as out:
-        for position, buffer in zip(packing.local(host), buffers, strict=True):
+        for blocks in devices:
             row = []
-            for i, f in enumerate(packing.leaves):
-                key = json.dumps([i, packing.bounds(i, position)])
-                if key not in blocks:
-                    out.write(buffer[packing.offsets[i]:packing.offsets[i + 1]].data)
-                    blocks[key] = [offset, f.nbytes]
-                    offset += f.nbytes
-                row.append(blocks[key][0])
-            devices.append(row)
-    (tmp / _META).write_text(json.dumps({**meta, "host": host, "devices": devices}))
+            for leaf, (bounds, read) in enumerate(blocks):
+                key = json.dumps([leaf, bounds])
+                if key not in offsets:
+                    data = np.ascontiguousarray(read()).reshape(-1).view(np.uint8)
+                    out.write(data.data)
+                    offsets[key] = end
+                    end += data.size
+                row.append(offsets[key])
+            rows.append(row)
+    (tmp / _META).write_text(json.dumps({**meta, "devices": rows}))
     shutil.rmtree(folder, ignore_errors=True)
     os.rename(tmp, folder)
 
 
-def _read_set(folder: Path, packing: Packing) -> list[np.ndarray]:
-    """A set's buffers, one per device of its host."""
+def _write_alias(folder: Path, holder: int, meta: dict[str, Any]) -> None:
+    """A set of a host whose shards equal those of ``holder``'s set beside it (mirrored
+    state): its input position only."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / _META).write_text(json.dumps({**meta, "alias": holder}))
+    shutil.rmtree(folder, ignore_errors=True)
+    os.rename(tmp, folder)
+
+
+def _set_blocks(folder: Path) -> tuple[np.ndarray, list[list[int]]]:
+    """A set's blocks file and each device's row of offsets (an alias's: its holder's)."""
     meta = json.loads((folder / _META).read_text())
-    raw = np.fromfile(folder / _BLOCKS, dtype=np.uint8)
+    if "alias" in meta:
+        return _set_blocks(folder.with_name(f"host-{meta['alias']}"))
+    # Mapped, not read: pages go to the devices straight from the node's memory (private:
+    # a device buffer made from them may be written without touching the file).
+    size = (folder / _BLOCKS).stat().st_size
+    raw = (np.memmap(folder / _BLOCKS, dtype=np.uint8, mode="c") if size
+           else np.zeros(0, np.uint8))
+    return raw, meta["devices"]
+
+
+def _read_set(folder: Path, packing: Packing) -> list[np.ndarray]:
+    """A set's packed buffers, one per device of its host."""
+    raw, rows = _set_blocks(folder)
     out = []
-    for row in meta["devices"]:
-        buffer = np.zeros(packing.total, np.uint8)
+    for row in rows:
+        buffer = np.empty(packing.total, np.uint8)
         for i, f in enumerate(packing.leaves):
             buffer[packing.offsets[i]:packing.offsets[i + 1]] = raw[row[i]:row[i] + f.nbytes]
         out.append(buffer)
     return out
+
+
+def _part(buffer: np.ndarray, start: int, stop: int) -> np.ndarray:
+    return buffer[start:stop]
+
+
+def _array_blocks(stored: Sequence[jax.Array], packing: Packing, process: int
+                  ) -> list[DeviceBlocks]:
+    """This process's blocks of ``stored``, by device, read off the devices on demand."""
+    shards = [{s.device: s for s in a.addressable_shards} for a in stored]
+    return [[(packing.bounds(i, position),
+              functools.partial(_shard_data, by_device[packing.devices[position]]))
+             for i, by_device in enumerate(shards)]
+            for position in packing.local(process)]
+
+
+def _shard_data(shard: Any) -> np.ndarray:
+    return np.asarray(shard.data)
+
+
+def _buffer_blocks(buffers: Sequence[np.ndarray], packing: Packing, process: int
+                   ) -> list[DeviceBlocks]:
+    """Host ``process``'s blocks in its packed buffers (one per device)."""
+    return [[(packing.bounds(i, position),
+              functools.partial(_part, buffer, packing.offsets[i], packing.offsets[i + 1]))
+             for i in range(len(packing.leaves))]
+            for position, buffer in zip(packing.local(process), buffers, strict=True)]
 
 
 class HostMemoryCheckpoints:
@@ -249,7 +450,9 @@ class HostMemoryCheckpoints:
     def __init__(self, folder: Path | None = None) -> None:
         self.folder = folder or node_folder()
         self._programs = ProgramCache(_PROGRAMS)
+        self._packings = ProgramCache(_PROGRAMS)  # layouts of the states saved lately
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="jaxpod-memory-checkpoint")
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="jaxpod-memory-compile")
         self._writing: Future[None] | None = None
         self._swept = False
 
@@ -259,58 +462,75 @@ class HostMemoryCheckpoints:
         """Keeps ``state`` (the user's tree of per-replica or global values) as step
         ``step`` of ``job`` here and on the peer. Returns once the copy is dispatched;
         the writes follow on the writer thread. ``position``: this host's input
-        position, which its peer reads from the ``jax.distributed`` key-value store
-        under ``exchange``. ``to_storage(layout, leaves)``: the persistent tier's
-        compiled layout change of per-replica values."""
+        position, which its writer gives its peer through the ``jax.distributed``
+        key-value store under ``exchange``. ``to_storage(layout, leaves)``: the persistent tier's
+        compiled layout change of per-replica values.
+
+        A mirrored per-replica state (no leaf split within a replica) is kept as one
+        whole copy per host and sends nothing: every host's copy is its peer's too."""
         values, _ = jax.tree.flatten(state, is_leaf=lambda x: is_per_replica(x) or is_global(x))
-        kind, leaves, stored, mesh = self._stored(values, mesh, to_storage)
-        packing = self._packing(mesh, stored)
+        fingerprint = _fingerprint(mesh)
+        layout, leaves, stored, mesh = self._stored(values, mesh, to_storage)
+        if layout == GLOBAL:
+            fingerprint = _fingerprint(mesh)
+        avals = tuple((tuple(a.shape), np.dtype(a.dtype), a.sharding) for a in stored)
+        packing = self._packings.get((mesh, avals), lambda: Packing(mesh, avals))
         process, processes = jax.process_index(), jax.process_count()
         offset = _peer_offset(packing.devices)
         peer, source = (process + offset) % processes, (process - offset) % processes
-        perm = tuple((s, d) for p in range(processes) if processes > 1
+        has_peer = processes > 1 and peer != process
+        perm = tuple((s, d) for p in range(processes) if has_peer and layout != MIRRORED
                      for s, d in zip(packing.local(p), packing.local((p + offset) % processes),
                                      strict=True))
         self.settle()  # one write at a time: what it holds is bounded
-        own, sent = (self._programs.get(("save", packing.mesh, _key(packing), perm),
-                                        lambda: packing.save_program(perm))(*stored)
-                     if stored else (None, None))
-        if processes > 1:
-            _kv().key_value_set(f"{exchange}/{process}", json.dumps(position))
-        meta = {"format": _FORMAT, "step": step, "kind": kind, "fingerprint": _fingerprint(mesh),
-                "leaves": [f.as_json() for f in leaves]}
+        own: list[jax.Array] | jax.Array = stored
+        sent = None
+        if perm and stored:  # the live arrays (the next loop donates them) are copied too
+            own, sent = self._programs.get(("save", packing.mesh, _key(packing), perm),
+                                           lambda: packing.save_program(perm))(*stored)
+        meta = {"format": _FORMAT, "step": step, "layout": layout,
+                "fingerprint": fingerprint, "leaves": [f.as_json() for f in leaves]}
         self._writing = self._writer.submit(
             self._write, job, step, packing, own, sent, meta, position,
-            (source, exchange) if processes > 1 and peer != process else None)
+            (source, exchange) if has_peer else None)
 
-    @staticmethod
-    def _stored(values: Sequence[Any], mesh: Any, to_storage: Any
+    def _stored(self, values: Sequence[Any], mesh: Any, to_storage: Any
                 ) -> tuple[str, tuple[LeafSpec, ...], list[jax.Array], Any]:
+        """The state's layout (:data:`MIRRORED`, :data:`SPLIT` or :data:`GLOBAL`), its
+        leaves, the arrays kept and their mesh."""
         if values and all(isinstance(v, GlobalValue) for v in values):
             leaves = tuple(global_leaf(v) for v in values)
             stored = [jax.random.key_data(v.array) if f.key_impl else v.array
                       for f, v in zip(leaves, values, strict=True)]
             sharding = stored[0].sharding
-            return "global", leaves, stored, getattr(sharding, "mesh", mesh)
+            return GLOBAL, leaves, stored, getattr(sharding, "mesh", mesh)
         if all(isinstance(v, PerReplica) for v in values):
-            layout = Layout(mesh, gather=True)
-            leaves = tuple(layout.leaf_spec(v) for v in values)
-            stored = list(to_storage(layout, leaves)(*[v.array for v in values])) if leaves else []
-            return "per_replica", leaves, stored, mesh
+            leaves = tuple(Layout(mesh).leaf_spec(v) for v in values)
+            layout = _per_replica_layout(mesh, leaves)
+            arrays = [v.array for v in values]
+            if not leaves:
+                return MIRRORED, leaves, [], mesh
+            if layout == MIRRORED:
+                mirrored = _mirrored(mesh)
+                split = self._programs.get(("to", mirrored.mesh, leaves),
+                                           lambda: mirrored.to_storage(leaves))
+                return layout, leaves, list(split(*arrays)), mirrored.mesh
+            split = to_storage(Layout(mesh, gather=True), leaves)
+            return layout, leaves, list(split(*arrays)), mesh
         raise MemoryCheckpointError("A job's state must hold only values on the slice.")
 
-    @staticmethod
-    def _packing(mesh: Any, stored: Sequence[jax.Array]) -> Packing:
-        return Packing(mesh, [(a.shape, a.dtype, a.sharding) for a in stored])
-
-    def _write(self, job: str, step: int, packing: Packing, own: jax.Array | None,
-               sent: jax.Array | None, meta: dict[str, Any], position: Any,
-               peer: tuple[int, str] | None) -> None:
+    def _write(self, job: str, step: int, packing: Packing,
+               own: list[jax.Array] | jax.Array, sent: jax.Array | None,
+               meta: dict[str, Any], position: Any, peer: tuple[int, str] | None) -> None:
         started = time.monotonic()
         folder = self.folder / job / f"step-{step}"
         process = jax.process_index()
-        _write_set(folder / f"host-{process}", packing, process,
-                   _local_buffers(own, packing, process), {**meta, "position": position})
+        if peer is not None:  # the peer's writer waits for it, not the step loop
+            _kv().key_value_set(f"{peer[1]}/{process}", json.dumps(position))
+        blocks = _array_blocks(own, packing, process) if isinstance(own, list) else _buffer_blocks(
+            _local_buffers(own, packing, process), packing, process)
+        _write_set(folder / f"host-{process}", blocks,
+                   {**meta, "host": process, "position": position})
         if peer is not None:
             source, exchange = peer
             client = _kv()
@@ -318,8 +538,12 @@ class HostMemoryCheckpoints:
             theirs = json.loads(client.blocking_key_value_get(
                 key, int(PEER_TIMEOUT.seconds() * 1000)))
             client.key_value_delete(key)  # read once: the store does not grow
-            _write_set(folder / f"host-{source}", packing, source,
-                       _local_buffers(sent, packing, process), {**meta, "position": theirs})
+            theirs_meta = {**meta, "host": source, "position": theirs}
+            if sent is None:  # mirrored: this host's copy is theirs
+                _write_alias(folder / f"host-{source}", process, theirs_meta)
+            else:
+                _write_set(folder / f"host-{source}", _buffer_blocks(
+                    _local_buffers(sent, packing, process), packing, source), theirs_meta)
         for older in (self.folder / job).glob("step-*"):
             if older.name != folder.name and not older.name.endswith(".tmp"):
                 shutil.rmtree(older, ignore_errors=True)
@@ -366,61 +590,87 @@ class HostMemoryCheckpoints:
         """Step ``step`` of ``job`` onto this slice's devices, as the user's tree
         (``skeleton``: its frozen structure, each leaf's index): host ``g``'s shards
         come from host ``sources[g]``'s node (``g`` itself, or its peer). With
-        ``targets`` (a global-view state), the leaves take their shardings."""
+        ``targets`` (a global-view state), the leaves take their shardings. Where
+        every host's shards are on its own node, each host reads its own, with no
+        program but the persistent tier's layout change."""
         self.settle()
         process = jax.process_index()
         folder = self.folder / job / f"step-{step}"
-        specs = self._leaf_specs(folder, sources, exchange)
+        layout, specs = self._saved_layout(folder, sources, exchange)
         if not specs:
             return ()
+        per_replica: Layout | MirroredLayout | None = None
         if targets is not None:
             shardings = [t.sharding for t in targets]
-            layout = None
         else:
-            layout = Layout(mesh, gather=True)
-            shardings = [layout.stored(f) for f in specs]
+            per_replica = _mirrored(mesh) if layout == MIRRORED else Layout(mesh, gather=True)
+            shardings = [per_replica.restored(f) for f in specs]
         packing = Packing(shardings[0].mesh, [(f.shape, np.dtype(f.dtype), s)
                                               for f, s in zip(specs, shardings, strict=True)])
+        order = jax.tree.leaves(skeleton)
+        gather: Future[Any] | None = None
+        if per_replica is not None:  # compiled while the shards are read
+            leaves = tuple(specs[i] for i in order)
+            gather = self._compiler.submit(self._from_storage, per_replica, leaves)
+        perm = tuple((s, d) for g, holder in enumerate(sources) if holder != g
+                     for s, d in zip(packing.local(holder), packing.local(g), strict=True))
+        if perm:
+            stored = self._exchanged(folder, packing, sources, perm)
+        else:
+            stored = _local_arrays(folder / f"host-{process}", packing, process)
+        if gather is None:
+            values = [GlobalValue(jax.random.wrap_key_data(v, impl=f.key_impl)
+                                  if f.key_impl else v) for f, v in zip(specs, stored,
+                                                                         strict=True)]
+            return trees.thaw(skeleton, lambda i: values[i])
+        # bounded: a compile, under the coordinator's operation time-out
+        arrays = dict(zip(order, gather.result()(*[stored[i] for i in order]), strict=True))
+        return trees.thaw(skeleton, lambda i: PerReplica(arrays[i]))
+
+    def _from_storage(self, layout: Layout | MirroredLayout, leaves: tuple[LeafSpec, ...]
+                      ) -> Any:
+        def build() -> Any:
+            if isinstance(layout, MirroredLayout):
+                return layout.from_storage(leaves)
+            return layout.from_storage(leaves).lower(
+                *[layout.target(f) for f in leaves]).compile()
+
+        return self._programs.get(("from", layout.mesh, layout.gather, leaves), build)
+
+    def _exchanged(self, folder: Path, packing: Packing, sources: Sequence[int],
+                   perm: tuple[tuple[int, int], ...]) -> list[jax.Array]:
+        """The arrays, hosts whose node was replaced receiving their shards from the
+        node that holds them, in one collective."""
+        process = jax.process_index()
         local = packing.local(process)
         empty = [np.zeros(packing.total, np.uint8) for _ in local]
         mine = _read_set(folder / f"host-{process}", packing) if sources[process] == process \
             else empty
         owed = [g for g, holder in enumerate(sources) if holder == process and g != process]
         sending = _read_set(folder / f"host-{owed[0]}", packing) if owed else empty
-        perm = tuple((s, d) for g, holder in enumerate(sources) if holder != g
-                     for s, d in zip(packing.local(holder), packing.local(g), strict=True))
         use = np.full(len(local), 1 if sources[process] != process else 0, np.int32)
         use_global = jax.make_array_from_single_device_arrays(
             (len(packing.devices),), packing.buffers,
             [jax.device_put(use[i:i + 1], packing.devices[p]) for i, p in enumerate(local)])
         program = self._programs.get(("restore", packing.mesh, _key(packing), perm),
                                      lambda: packing.restore_program(perm))
-        stored = program(packing.global_buffers(process, mine),
-                         packing.global_buffers(process, sending), use_global)
-        order = jax.tree.leaves(skeleton)
-        if layout is None:
-            values: list[Any] = [GlobalValue(jax.random.wrap_key_data(v, impl=specs[i].key_impl)
-                                             if specs[i].key_impl else v)
-                                 for i, v in zip(range(len(specs)), stored, strict=True)]
-            return trees.thaw(skeleton, lambda i: values[i])
-        leaves = tuple(specs[i] for i in order)
-        gather = self._programs.get(("from", layout.mesh, leaves),
-                                    lambda: layout.from_storage(leaves))
-        arrays = gather(*[stored[i] for i in order])
-        by_index = dict(zip(order, arrays, strict=True))
-        return trees.thaw(skeleton, lambda i: PerReplica(by_index[i]))
+        return list(program(packing.global_buffers(process, mine),
+                            packing.global_buffers(process, sending), use_global))
 
-    def _leaf_specs(self, folder: Path, sources: Sequence[int], exchange: str
-                    ) -> list[LeafSpec]:
-        """The saved leaves: from a set this node holds, else from the key-value store,
-        where the holder of host 0's shards puts them."""
+    def _saved_layout(self, folder: Path, sources: Sequence[int], exchange: str
+                      ) -> tuple[str, list[LeafSpec]]:
+        """The saved layout and leaves: from a set this node holds, else from the
+        key-value store, where the holder of host 0's shards puts them."""
         process = jax.process_index()
         held = [folder / f"host-{g}" / _META for g, holder in enumerate(sources)
                 if holder == process and (folder / f"host-{g}" / _META).exists()]
-        raw = json.loads(held[0].read_text())["leaves"] if held else None
+        raw = None
+        if held:
+            meta = json.loads(held[0].read_text())
+            raw = [meta["layout"], meta["leaves"]]
         holders = set(sources)
-        needy = [p for p in range(len(sources)) if p not in holders]
-        if needy:  # hosts on replaced nodes hold nothing (the key is this restore's own)
+        if any(p not in holders for p in range(len(sources))):
+            # Hosts on replaced nodes hold nothing (the key is this restore's own).
             key = f"{exchange}/leaves"
             if sources[0] == process and raw is not None:
                 _kv().key_value_set(key, json.dumps(raw))
@@ -429,7 +679,7 @@ class HostMemoryCheckpoints:
                     key, int(PEER_TIMEOUT.seconds() * 1000)))
         if raw is None:
             raise MemoryCheckpointError(f"no memory checkpoint under {folder}")
-        return [LeafSpec.from_json(f) for f in raw]
+        return str(raw[0]), [LeafSpec.from_json(f) for f in raw[1]]
 
     def drop(self, job: str) -> None:
         """Removes ``job``'s memory checkpoints from this node (the job ended)."""

@@ -1,10 +1,11 @@
 """One simulated host of two (4 chips each) keeping or restoring in-memory
 checkpoints with :class:`jaxpod.worker.memory_checkpoints.HostMemoryCheckpoints`.
 
-Arguments: coordinator address, process id, ``save`` or ``restore``, ``per_replica`` or
-``global``. ``save`` keeps steps 2 and 4 of a state made from the step number; ``restore``
-plans from every host's holdings (exchanged through jax.distributed's key-value store),
-restores, and prints each leaf's values on this host with the plan. The node's folder
+Arguments: coordinator address, process id, ``save`` or ``restore``, ``per_replica``
+(mirrored), ``split`` (a leaf split within each replica) or ``global``. ``save`` keeps
+steps 2 and 4 of a state made from the step number; ``restore`` plans from every host's
+holdings (exchanged through jax.distributed's key-value store), restores, and prints
+whether each leaf's values on this host are numpy's, with the plan. The node's folder
 is named by ``TPU_NAME`` and ``TPU_WORKER_ID`` under ``JAXPOD_MEMORY_CHECKPOINT_DIR``.
 """
 
@@ -43,8 +44,10 @@ def expected(step: int) -> dict[str, np.ndarray]:
             "h": (np.arange(6, dtype=np.float32) + step).astype(jax.numpy.bfloat16)}
 
 
-if kind == "per_replica":
+if kind == "per_replica":  # mirrored: every replica's copy whole on its chip
     mesh = jax.make_mesh((8,), ("replica",))
+elif kind == "split":  # each replica's w split over its 2 chips
+    mesh = jax.make_mesh((4, 2), ("replica", "core"))
 else:
     mesh = jax.make_mesh((4, 2), ("data", "model"))
 SPECS = {"w": P("data", "model"), "n": P(), "mask": P("data"), "h": P("model")}
@@ -53,9 +56,10 @@ SPECS = {"w": P("data", "model"), "n": P(), "mask": P("data"), "h": P("model")}
 def on_slice(step: int) -> dict[str, object]:
     out: dict[str, object] = {}
     for name, value in expected(step).items():
-        if kind == "per_replica":  # every replica's copy, on its own device
-            whole = np.broadcast_to(value, (8, *value.shape))
-            sharding = NamedSharding(mesh, P("replica"))
+        if kind != "global":  # every replica's copy
+            whole = np.broadcast_to(value, (int(mesh.shape["replica"]), *value.shape))
+            split = kind == "split" and name == "w"
+            sharding = NamedSharding(mesh, P("replica", "core") if split else P("replica"))
             out[name] = PerReplica(jax.make_array_from_callback(
                 whole.shape, sharding, lambda index, whole=whole: whole[index]))
         else:
@@ -101,10 +105,9 @@ else:
         shard = array.addressable_shards[0]
         data = np.asarray(shard.data)
         want = expected(step)[name]
-        if kind == "per_replica":
-            ok = bool(np.array_equal(data[0], want))
-        else:
-            ok = bool(np.array_equal(data, want[shard.index]))
+        if kind != "global":
+            want = np.broadcast_to(want, (int(mesh.shape["replica"]), *want.shape))
+        ok = bool(np.array_equal(data, want[shard.index]))
         got[name] = ok
     print(json.dumps({"process": process_id, "step": step, "sources": sources,
                       "positions": positions, "equal": got}), flush=True)

@@ -36,22 +36,33 @@ def _restored(root: Path, kind: str, sources: list[int]) -> None:
 
 
 @pytest.mark.multiprocess
-def test_a_per_replica_state_comes_back_from_its_nodes_or_its_peer(tmp_path: Path) -> None:
+def test_a_mirrored_state_comes_back_from_its_nodes_or_its_peer(tmp_path: Path) -> None:
+    """Every replica's copy is the same: each node keeps one, which serves its peer too
+    (its peer's set is an alias of it), and nothing is sent at a save."""
     _group(tmp_path, "save", "per_replica")
     for node in (0, 1):  # the newest step only; each node holds its host's and its peer's
         held = sorted(p.relative_to(tmp_path / f"sim-memory-{node}").as_posix()
                       for p in (tmp_path / f"sim-memory-{node}").glob("job-1/*/*"))
         assert held == ["job-1/step-4/host-0", "job-1/step-4/host-1"], held
+        own, peers = (tmp_path / f"sim-memory-{node}/job-1/step-4/host-{h}"
+                      for h in (node, 1 - node))
+        # One whole copy (w float32 16x4, n int32, mask bool 8x5, h bfloat16 x6), once
+        # for the node's 4 chips; the peer's set holds its input position alone.
+        assert (own / "blocks.bin").stat().st_size == 16 * 4 * 4 + 4 + 8 * 5 + 6 * 2
+        assert not (peers / "blocks.bin").exists()
     _restored(tmp_path, "per_replica", [0, 1])
     shutil.rmtree(tmp_path / "sim-memory-1")  # host 1's node was replaced
     _restored(tmp_path, "per_replica", [0, 0])
 
 
 @pytest.mark.multiprocess
-def test_a_global_view_state_comes_back_from_the_peer(tmp_path: Path) -> None:
-    _group(tmp_path, "save", "global")
+@pytest.mark.parametrize("kind", ["global", "split"])
+def test_a_sharded_state_comes_back_from_the_peers_copy(tmp_path: Path, kind: str) -> None:
+    """A global-view state, or a per-replica one split within each replica: each host's
+    shards are its own, so the peer keeps a copy sent at each save."""
+    _group(tmp_path, "save", kind)
     shutil.rmtree(tmp_path / "sim-memory-0")
-    _restored(tmp_path, "global", [1, 1])
+    _restored(tmp_path, kind, [1, 1])
 
 
 def test_the_plan_takes_the_newest_step_every_host_of_which_is_held() -> None:
