@@ -72,8 +72,10 @@ MEMORY_DIR = settings.MEMORY_CHECKPOINT_DIR
 #: How long a host waits for its peer's input position (a lost host resets the slice
 #: well before).
 PEER_TIMEOUT = settings.CHECKPOINT_PEER_TIMEOUT
-#: A job folder on a node not written for this long belongs to a job that is gone.
+#: A job folder on a node not written for this long belongs to a job that is gone (one
+#: that failed, or moved to another slice), and how often a host looks for them.
 STALE_AFTER_S = 24 * 3600.0
+SWEEP_EVERY_S = 3600.0
 _META, _BLOCKS, _FORMAT = "meta.json", "blocks.bin", 1
 _PROGRAMS = 16
 
@@ -454,7 +456,7 @@ class HostMemoryCheckpoints:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="jaxpod-memory-checkpoint")
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="jaxpod-memory-compile")
         self._writing: Future[None] | None = None
-        self._swept = False
+        self._next_sweep = 0.0
 
     # -------------------------------------------------------------- saving
     def save(self, job: str, step: int, state: Any, mesh: Any, position: Any,
@@ -547,8 +549,8 @@ class HostMemoryCheckpoints:
         for older in (self.folder / job).glob("step-*"):
             if older.name != folder.name and not older.name.endswith(".tmp"):
                 shutil.rmtree(older, ignore_errors=True)
-        if not self._swept:
-            self._swept = True
+        if time.monotonic() >= self._next_sweep:  # hourly: a worker may live for months
+            self._next_sweep = time.monotonic() + SWEEP_EVERY_S
             self._sweep(job)
         logger.debug("memory checkpoint %s step %d written in %.3fs", job, step,
                      time.monotonic() - started)
