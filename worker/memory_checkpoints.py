@@ -24,8 +24,8 @@ node's memory and sends a copy to a peer host, which keeps it the same way:
 * **Off the step path.** The step loop only dispatches the programs; the bytes leave
   the devices and reach the RAM disk on this host's writer thread beside the next loops,
   which also gives the peer this host's input position (the ``jax.distributed``
-  key-value store). One write is under way at a time: a save waits for the one before
-  (what a node holds is bounded by two steps).
+  key-value store). One write is under way at a time and one more may wait: a save
+  waits only when the writer is two saves behind.
 * **Restore.** The coordinator asks every host what it holds (:meth:`holdings`) and
   restores the newest step every host's shards of which are held somewhere
   (:mod:`jaxpod.service.jobs.memory_plan`): on the host's own node, where each host reads
@@ -39,6 +39,7 @@ distinct block once (a replicated leaf once per host, not once per chip), and
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
@@ -76,6 +77,8 @@ PEER_TIMEOUT = settings.CHECKPOINT_PEER_TIMEOUT
 #: that failed, or moved to another slice), and how often a host looks for them.
 STALE_AFTER_S = 24 * 3600.0
 SWEEP_EVERY_S = 3600.0
+#: Writes a host may have submitted at once (one under way, the rest waiting).
+WRITES_AHEAD = 2
 _META, _BLOCKS, _FORMAT = "meta.json", "blocks.bin", 1
 _PROGRAMS = 16
 
@@ -455,7 +458,8 @@ class HostMemoryCheckpoints:
         self._packings = ProgramCache(_PROGRAMS)  # layouts of the states saved lately
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="jaxpod-memory-checkpoint")
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="jaxpod-memory-compile")
-        self._writing: Future[None] | None = None
+        #: Writes submitted and not yet waited for, oldest first.
+        self._writing: collections.deque[Future[None]] = collections.deque()
         self._next_sweep = 0.0
 
     # -------------------------------------------------------------- saving
@@ -484,7 +488,9 @@ class HostMemoryCheckpoints:
         perm = tuple((s, d) for p in range(processes) if has_peer and layout != MIRRORED
                      for s, d in zip(packing.local(p), packing.local((p + offset) % processes),
                                      strict=True))
-        self.settle()  # one write at a time: what it holds is bounded
+        # At most one write waits behind the one under way: the step loop stalls only
+        # when the writer falls two saves behind, and a node holds at most three steps.
+        self._settle(WRITES_AHEAD - 1)
         own: list[jax.Array] | jax.Array = stored
         sent = None
         if perm and stored:  # the live arrays (the next loop donates them) are copied too
@@ -492,9 +498,9 @@ class HostMemoryCheckpoints:
                                            lambda: packing.save_program(perm))(*stored)
         meta = {"format": _FORMAT, "step": step, "layout": layout,
                 "fingerprint": fingerprint, "leaves": [f.as_json() for f in leaves]}
-        self._writing = self._writer.submit(
+        self._writing.append(self._writer.submit(
             self._write, job, step, packing, own, sent, meta, position,
-            (source, exchange) if has_peer else None)
+            (source, exchange) if has_peer else None))
 
     def _stored(self, values: Sequence[Any], mesh: Any, to_storage: Any
                 ) -> tuple[str, tuple[LeafSpec, ...], list[jax.Array], Any]:
@@ -565,10 +571,14 @@ class HostMemoryCheckpoints:
                 continue
 
     def settle(self) -> None:
-        """Waits for the write under way; raises its error."""
-        writing, self._writing = self._writing, None
-        if writing is not None:
-            writing.result()  # bounded: the peer's position waits PEER_TIMEOUT at most
+        """Waits for every write submitted; raises the first error."""
+        self._settle(0)
+
+    def _settle(self, pending: int) -> None:
+        """Waits until at most ``pending`` writes are left; raises the first error."""
+        while len(self._writing) > pending:
+            # bounded: the peer's position waits PEER_TIMEOUT at most
+            self._writing.popleft().result()
 
     # -------------------------------------------------------------- restoring
     def holdings(self, job: str, mesh: Any) -> dict[int, dict[int, Any]]:
