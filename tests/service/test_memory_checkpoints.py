@@ -4,8 +4,9 @@
 A job with ``memory_checkpoint_every=2`` and no persistent checkpoint before its end
 loses a host to SIGKILL: its next attempt resumes from the hosts' memory, at most 2
 steps back, reading no storage. With the lost host's node also replaced (its memory
-folder gone), the peer's copy of its shards is sent back. Each run ends with numpy's
-SGD on the same batches, every step's metric recorded once.
+folder gone), the peer's copy of its shards is sent back. A preemption notice (SIGTERM)
+saves both tiers at once: the next attempt loses nothing and restores from memory.
+Each run ends with numpy's SGD on the same batches, every step's metric recorded once.
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ def _gone(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
 
-def _kill_host_1(client: Any, memory_dir: Path, replace_node: bool) -> Any:
-    """A job running from its in-memory checkpoints, its host 1 SIGKILLed mid-run (and
-    its node's memory removed, if ``replace_node``); the job, once it ended."""
+def _kill_host_1(client: Any, memory_dir: Path, replace_node: bool,
+                 sig: signal.Signals = signal.SIGKILL) -> Any:
+    """A job running from its in-memory checkpoints, its host 1 sent ``sig`` mid-run
+    (and its node's memory removed, if ``replace_node``); the job, once it ended."""
     job = client.submit(paced_step, steps=STEPS, steps_per_run=1, checkpoint_every=STEPS,
                         memory_checkpoint_every=2, accelerator_type="v4-16",
                         initial_state={"w": np.zeros(3, np.float32)}, dataset=batches(3),
@@ -66,7 +68,7 @@ def _kill_host_1(client: Any, memory_dir: Path, replace_node: bool) -> Any:
     assert wait_for(lambda: job.status().step >= 25 and len(job.hosts()) == 2, 180), \
         job.status()
     victim = job.hosts()[1].pid
-    os.kill(victim, signal.SIGKILL)
+    os.kill(victim, sig)
     if replace_node:  # its memory goes with it: only the peer's copy is left
         assert wait_for(lambda: _gone(victim), 30)
         (node,) = memory_dir.glob("*-1")
@@ -107,3 +109,16 @@ def test_a_replaced_node_gets_its_shards_back_from_its_peer(client: Any,
     history = [entry.reason for entry in job.history()]
     assert any(f"in-memory checkpoint at step {second.start_step} (1 host(s)' shards from "
                "their peer's copy)" in m for m in history), history
+
+
+def test_a_preemption_notice_saves_both_tiers_and_loses_nothing(client: Any,
+                                                              memory_dir: Path) -> None:
+    job = _kill_host_1(client, memory_dir, replace_node=False, sig=signal.SIGTERM)
+    first, second = _check(job)
+    assert "preemption notice" in (first.cause or ""), first
+    assert second.start_step == first.step_reached, (first, second)  # nothing lost
+    # The persistent checkpoint of that step is there too; memory is read first.
+    assert second.start_step in [c.step for c in job.checkpoints()], job.checkpoints()
+    history = [entry.reason for entry in job.history()]
+    assert any(f"in-memory checkpoint at step {second.start_step} " in m for m in history), \
+        history
