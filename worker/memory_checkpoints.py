@@ -345,15 +345,6 @@ def _local_arrays(folder: Path, packing: Packing, process: int) -> list[jax.Arra
 
 
 # ---------------------------------------------------------------- one host's sets
-@dataclass(frozen=True)
-class HeldSet:
-    """One host's shards at one step, as a node holds them."""
-
-    step: int
-    host: int
-    position: Any
-
-
 #: One device's blocks, leaf by leaf: each block's bounds and how to read its bytes.
 DeviceBlocks = Sequence[tuple[list[list[int]], Callable[[], np.ndarray]]]
 
