@@ -150,6 +150,14 @@ AREAS = (
          "The jobs are recorded by the benchmark into the store a real `jaxpod serve` runs "
          "on, with the calls a job's runner makes; the service prunes them. The quick run "
          "(800 jobs of 100 steps) judges the same bound per job: 50 MiB over 10,000 jobs."),
+    Area("scheduler", "Teams sharing a reservation", "The fair-share scheduler replayed "
+         "over a simulated week: 1,000 jobs of 4 teams (weights 4:2:1:1) on 64 slices of 3 "
+         "shapes. Each team's share of the contended slice-seconds against its weight, "
+         "utilisation while jobs wait, preemptions per job, and one decision's time at "
+         "1,000 queued jobs.",
+         "The scheduler the service runs is a pure function of the queue, the jobs, the "
+         "free slices, the teams' usage and the clock: the replay calls that function, "
+         "no cluster. The quick run replays 300 jobs."),
     Area("growth", "Cost growth with hosts", "The same figures on 1, 2, 4 (and 8) "
          "simulated hosts, fitted per host and read at 64 and 256 hosts."),
 )
