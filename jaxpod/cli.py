@@ -59,6 +59,10 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="the file `jaxpod serve --tokens-file` reads (created if missing)")
     new.add_argument("--max-slices", type=int, default=None, metavar="N",
                      help="slices its strategies and jobs may hold at once (default: no cap)")
+    new.add_argument("--team", default=None, metavar="TEAM",
+                     help="the team its jobs count against when teams share the slices "
+                          "by weight (a new team is declared with weight 1; default: the "
+                          "default team)")
     new.set_defaults(handler=_run_token_new)
 
     deploy = sub.add_parser("deploy", help="GKE manifests for TPU node pools")
@@ -110,9 +114,10 @@ def _run_deploy_render(args: argparse.Namespace) -> int:
 def _run_token_new(args: argparse.Namespace) -> int:
     from jaxpod.service.auth.tokens import new_token
 
-    token = new_token(args.tokens_file, args.name, args.role, args.max_slices)
-    print(f"jaxpod: added {args.role} token {args.name!r} to {args.tokens_file}; give it to "
-          "its holder (as JAXPOD_TOKEN). It is shown only now:", file=sys.stderr)
+    token = new_token(args.tokens_file, args.name, args.role, args.max_slices, args.team)
+    team = f" of team {args.team!r}" if args.team else ""
+    print(f"jaxpod: added {args.role} token {args.name!r}{team} to {args.tokens_file}; give "
+          "it to its holder (as JAXPOD_TOKEN). It is shown only now:", file=sys.stderr)
     print(token)
     return 0
 

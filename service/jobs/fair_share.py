@@ -29,24 +29,10 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-#: The team of a job whose owner's token names none.
-DEFAULT_TEAM = "default"
+from jaxpod.service.auth.teams import DEFAULT_TEAM, Team
 
-
-@dataclass(frozen=True)
-class Team:
-    """A ``[[team]]`` of the tokens file.
-
-    Attributes:
-      name: what tokens name in their ``team``.
-      weight: its share of contended slices, relative to the other teams' weights.
-      guaranteed: slices per accelerator type it may reclaim whatever its share.
-    """
-
-    name: str
-    weight: float = 1.0
-    guaranteed: Mapping[str, int] = field(default_factory=dict)
-
+__all__ = ["DEFAULT_TEAM", "Plan", "Preempt", "Snapshot", "Start", "Started", "Team",
+           "Usage", "Waiting", "plan", "shares", "why_waiting"]
 
 @dataclass(frozen=True)
 class Waiting:
@@ -112,8 +98,10 @@ class Snapshot:
       free: free slices per accelerator type now.
       blocked: types a job is acquiring slices of now (one acquires at a time, so jobs
         start in order); nothing more starts on them this pass.
-      yielding: running jobs giving their slices up already -> the queued job each
-        does it for (those slices count as that job's team's).
+      yielding: jobs giving their slices up (or that gave them up moments ago) -> the
+        queued job each does it for: that job takes a free slice of its type first,
+        no other job is preempted for it, and the slices still held count as its
+        team's.
       held_back: jobs their owners' quotas hold back (the jobs behind them go first).
       half_life_s: the half-life of :class:`Usage`.
     """
@@ -172,8 +160,8 @@ def why_waiting(snapshot: Snapshot, job_id: str) -> str | None:
     ahead = sum(1 for w in snapshot.waiting if w.team == job.team and w.rank < job.rank
                 and set(w.accelerator_types) & set(job.accelerator_types))
     if ahead:
-        return (f"behind {ahead} queued job(s) of its type (higher priority, or "
-                "submitted earlier)")
+        return (f"behind {ahead} queued job(s) of team {job.team} for its type (higher "
+                "priority, or submitted earlier)")
     return f"no free {kinds} slice"
 
 
@@ -214,10 +202,12 @@ class _Planner:
         waiting_team = ({w.job_id: w.team for w in snapshot.waiting if w.job_id in promised}
                         if promised else {})
         self.served = set(snapshot.yielding.values())  # a slice is being freed for them
+        self.counted: set[str] = set()  # served jobs whose promised slices are counted
         for job in snapshot.started:
             team = job.team
             if job.job_id in snapshot.yielding:  # its slices are promised
                 team = waiting_team.get(snapshot.yielding[job.job_id], team)
+                self.counted.add(snapshot.yielding[job.job_id])
             self._count(team, job.accelerator_type, job.num_slices)
         self.victims: dict[str, list[Started]] = {}  # by type
         for job in snapshot.started:
@@ -252,6 +242,10 @@ class _Planner:
     def run(self) -> Plan:
         pending: dict[str, list[Waiting]] = {}
         for queued in sorted(self.s.waiting, key=lambda w: w.rank):
+            if queued.job_id in self.served and queued.job_id not in self.s.held_back and any(
+                    self._open(k, queued.num_slices) for k in queued.accelerator_types):
+                self._start(queued)  # the slice freed for it
+                continue
             pending.setdefault(queued.team, []).append(queued)
         # One start at a time, always for the team furthest below its share now; each
         # start blocks its type, so a pass starts at most one job per type.
@@ -290,7 +284,7 @@ class _Planner:
         kind = next(k for k in job.accelerator_types if self._open(k, job.num_slices))
         self.free[kind] -= job.num_slices
         self.blocked.add(kind)
-        if job.job_id not in self.served:  # else its promised slices were counted
+        if job.job_id not in self.counted:  # else its promised slices were
             self._count(job.team, kind, job.num_slices)
         self.starts.append(Start(job.job_id, kind))
 

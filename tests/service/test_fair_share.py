@@ -156,3 +156,16 @@ def test_why_waiting_names_the_team_over_its_share() -> None:
         "slice it may take")
     assert why_waiting(snap, "b0") == "no free v4-8 slice"
     assert why_waiting(snap, "gone") is None
+
+
+def test_the_job_a_slice_was_freed_for_takes_it_and_causes_no_other_preemption() -> None:
+    """b0 gave its slice up for a0 (and is queued again, first): the free slice is
+    a0's though team a holds more now, and b1 is not preempted for a0 meanwhile."""
+    running = [started("a-run", "a"), started("a-run2", "a"), started("b1", "b")]
+    queue = [waiting("b0", "b", order=-5), waiting("a0", "a", order=1)]
+    decided = plan(Snapshot(100.0, TWO_TEAMS, Usage(100.0), queue, running, {"v4-8": 1},
+                            yielding={"b0": "a0"}))
+    assert [s.job_id for s in decided.starts] == ["a0"] and decided.preemptions == ()
+    nothing_free = plan(Snapshot(100.0, TWO_TEAMS, Usage(100.0), queue, running, {},
+                                 yielding={"b0": "a0"}))
+    assert nothing_free.starts == () and nothing_free.preemptions == ()
