@@ -230,7 +230,9 @@ class Client:
                max_retries_failure: int = 0, priority: int = 0,
                computation_shape: Sequence[int] | None = None,
                mesh: Mapping[str, int] | None = None, batch_sharding: Any = None,
-               grow_back: bool = True, memory_checkpoint_every: int | None = None) -> Job:
+               grow_back: bool = True, memory_checkpoint_every: int | None = None,
+               min_runtime_s: float | None = None, max_runtime_s: float | None = None
+               ) -> Job:
         """Submits a job: ``steps`` steps of ``step_fn`` on whole slices, run by the
         service whether or not this client stays connected.
 
@@ -289,6 +291,12 @@ class Client:
             from there, losing at most this many steps and reading no storage.
             ``None``: the service chooses, from their measured cost, for a job with
             ``checkpoint_every``; 0: none.
+          min_runtime_s: seconds each attempt runs before a job of another team (or of
+            higher priority) may preempt it, unless no other job can free the slice
+            (``None``: the service's ``JAXPOD_JOB_MIN_RUNTIME_S``).
+          max_runtime_s: seconds the job may run in all (its attempts' running time);
+            then it ends ``SUCCEEDED`` early with a final checkpoint (``None``: no
+            limit).
 
         Returns:
           The job (``job.id`` finds it again from anywhere: ``client.job(id)``).
@@ -306,7 +314,8 @@ class Client:
             name=name, num_slices=num_slices, max_retries_preemption=max_retries_preemption,
             max_retries_failure=max_retries_failure, priority=priority,
             computation_shape=computation_shape, mesh=mesh, batch_sharding=batch_sharding,
-            grow_back=grow_back, memory_checkpoint_every=memory_checkpoint_every)
+            grow_back=grow_back, memory_checkpoint_every=memory_checkpoint_every,
+            min_runtime_s=min_runtime_s, max_runtime_s=max_runtime_s)
         return submit_spec(self, spec)
 
     def job(self, job_id: str) -> Job:

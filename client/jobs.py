@@ -12,6 +12,7 @@ the service.
 
 from __future__ import annotations
 
+import math
 import numbers
 import sys
 import time
@@ -72,7 +73,9 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int,
                max_retries_failure: int, priority: int = 0,
                computation_shape: Sequence[int] | None = None,
                mesh: Mapping[str, int] | None = None, batch_sharding: Any = None,
-               grow_back: bool = True, memory_checkpoint_every: int | None = None) -> JobSpec:
+               grow_back: bool = True, memory_checkpoint_every: int | None = None,
+               min_runtime_s: float | None = None, max_runtime_s: float | None = None
+               ) -> JobSpec:
     """Checks ``client.submit``'s arguments and builds the ``JobSpec`` it sends.
 
     Raises:
@@ -110,6 +113,12 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int,
             "memory_checkpoint_every", memory_checkpoint_every, 0,
             "steps between in-memory checkpoints, e.g. memory_checkpoint_every=10, 0 for "
             "none, or None to let the service choose")
+    min_runtime_s = _check_seconds("min_runtime_s", min_runtime_s, 0.0,
+                                   "seconds a started attempt runs before it may be "
+                                   "preempted, e.g. min_runtime_s=600")
+    max_runtime_s = _check_seconds("max_runtime_s", max_runtime_s, 1e-3,
+                                   "seconds the job may run in all, e.g. "
+                                   "max_runtime_s=3600")
     preferences = _check_accelerator_types(accelerator_type)
     if not isinstance(grow_back, bool):
         raise TypeError(f"submit: grow_back must be True (an elastic job moves up to a "
@@ -171,7 +180,8 @@ def build_spec(step_fn: Callable[..., Any], *, steps: int,
         accelerator_types=preferences if len(preferences) > 1 else None, grow_back=grow_back,
         steps_per_run=steps_per_run,
         outputs=checked_outputs or None, checkpoint_every=checkpoint_every,
-        memory_checkpoint_every=memory_checkpoint_every, name=name, num_slices=num_slices,
+        memory_checkpoint_every=memory_checkpoint_every, min_runtime_s=min_runtime_s,
+        max_runtime_s=max_runtime_s, name=name, num_slices=num_slices,
         max_retries_preemption=max_retries_preemption,
         max_retries_failure=max_retries_failure, priority=priority, computation_shape=shape,
         mesh_axes=tuple(axes) if axes else None,
@@ -280,6 +290,20 @@ def _check_int(name: str, value: Any, minimum: int, meaning: str,
     if number < minimum or (maximum is not None and number > maximum):
         raise ValueError(f"submit: {name} must be {wanted} ({meaning}). Got {value!r}.")
     return number
+
+
+def _check_seconds(name: str, value: Any, minimum: float, meaning: str) -> float | None:
+    """``value`` as finite seconds >= ``minimum``, or ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"submit: {name} must be a number of seconds ({meaning}), or None. "
+                        f"Got {_show(value)}.")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < minimum:
+        raise ValueError(f"submit: {name} must be finite seconds >= {minimum:g} "
+                         f"({meaning}), or None. Got {value!r}.")
+    return seconds
 
 
 def _check_dataset(dataset: Any) -> None:
@@ -482,6 +506,29 @@ class Job:
         ``CANCELLED``. Cancelling a finished job changes nothing."""
         return status_from(self._call("CancelJob", pb.JobRequest(job_id=self.id),
                                       "cancel()"))
+
+    def suspend(self) -> JobStatus:
+        """Suspends the job: a running one checkpoints at its next loop boundary and
+        frees its slice; a queued one leaves the queue. It waits, ``SUSPENDED``, until
+        :meth:`resume`, and then goes on from that checkpoint, losing no step. Returns
+        its status once suspended (or, if its current loop takes longer than the service
+        waits, as it is then). Suspending a suspended job changes nothing.
+
+        Raises:
+          jaxpod.JobNotRunningError: the job is over.
+        """
+        return status_from(self._call("SuspendJob", pb.JobRequest(job_id=self.id),
+                                      "suspend()"))
+
+    def resume(self) -> JobStatus:
+        """Queues a suspended job again: it resumes from the checkpoint it took when
+        suspended.
+
+        Raises:
+          jaxpod.JobNotRunningError: the job is not ``SUSPENDED``.
+        """
+        return status_from(self._call("ResumeJob", pb.JobRequest(job_id=self.id),
+                                      "resume()"))
 
     def pin(self, pinned: bool = True) -> JobStatus:
         """Keeps the job whole for ever: the service's retention (``jaxpod serve

@@ -1,5 +1,5 @@
 """The job commands of the ``jaxpod`` CLI: ``submit``, ``jobs``, ``job``, ``logs``,
-``cancel``, ``pin``, ``unpin``, ``profile`` and ``audit``.
+``cancel``, ``suspend``, ``resume``, ``pin``, ``unpin``, ``profile`` and ``audit``.
 
 They talk to a running ``jaxpod serve`` (``--address``, default ``$JAXPOD_ADDRESS``;
 token from ``$JAXPOD_TOKEN``) and never start the embedded local service: a job must
@@ -109,6 +109,13 @@ def add_commands(sub: Any) -> None:
     cancel.add_argument("job_id", metavar="ID", help="the job's id")
     _add_address(cancel)
     cancel.set_defaults(handler=_pipe_safe(run_cancel))
+
+    for verb, says in (("suspend", "checkpoint a job and free its slice until resumed"),
+                       ("resume", "queue a suspended job again")):
+        pause = sub.add_parser(verb, help=says)
+        pause.add_argument("job_id", metavar="ID", help="the job's id")
+        _add_address(pause)
+        pause.set_defaults(handler=_pipe_safe(run_suspend), resume=verb == "resume")
 
     for verb, says in (("pin", "keep a job whole for ever: retention never prunes it"),
                        ("unpin", "let retention prune a job once it is finished and past "
@@ -383,6 +390,14 @@ def run_cancel(args: argparse.Namespace) -> int:
                 status = job.wait(CANCEL_WAIT_S, progress=False)
             except DeadlineExceededError:
                 status = job.status()
+    print(f"{status.id}: {status.state}")
+    return 0
+
+
+def run_suspend(args: argparse.Namespace) -> int:
+    with _connect(args) as client:
+        job = client.job(args.job_id)
+        status = job.resume() if args.resume else job.suspend()
     print(f"{status.id}: {status.state}")
     return 0
 

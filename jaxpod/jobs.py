@@ -38,6 +38,8 @@ class JobState(enum.StrEnum):
     ALLOCATING = "ALLOCATING"
     RUNNING = "RUNNING"
     RETRYING = "RETRYING"
+    #: Checkpointed and off its slice until ``job.resume()`` (``job.suspend()``).
+    SUSPENDED = "SUSPENDED"
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
@@ -112,6 +114,8 @@ class JobStatus:
         ``None``: kept whole): its row, the first and last of its history, its
         attempts, goodput and a few points of each metric stay; its logs, spec, result
         and checkpoints are gone.
+      team: the team of the token that submitted it: its slices count against that
+        team's share (``"default"`` where no teams are declared).
     """
 
     id: str
@@ -135,6 +139,7 @@ class JobStatus:
     stragglers: tuple[int, ...] = ()
     pinned: bool = False
     pruned_at: float | None = None
+    team: str = "default"
 
     @property
     def done(self) -> bool:
@@ -342,6 +347,12 @@ class JobSpec:
     #: peer's (``None``: the service chooses from their measured cost when
     #: ``checkpoint_every`` is set; 0: none).
     memory_checkpoint_every: int | None = None
+    #: Seconds a started attempt runs before it may be preempted, unless nothing else
+    #: can free the slice (``None``: the service's JAXPOD_JOB_MIN_RUNTIME_S).
+    min_runtime_s: float | None = None
+    #: Seconds the job may run in all; then it ends with a final checkpoint
+    #: (``None``: no limit).
+    max_runtime_s: float | None = None
 
     def preferences(self) -> tuple[str, ...]:
         """The slice types the job accepts, the most preferred first (one: not elastic;

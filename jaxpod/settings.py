@@ -338,6 +338,12 @@ JOB_ELASTIC_WAIT = seconds("JAXPOD_JOB_ELASTIC_WAIT_S", 10, "How long an elastic
 JOB_DISPATCH_RECHECK = seconds("JAXPOD_JOB_DISPATCH_RECHECK_S", 1, "How often, at least, "
                                "the job dispatcher looks for free slices (capacity can "
                                "appear outside the service: a node joining).", "service")
+JOB_SHARE_HALF_LIFE = seconds("JAXPOD_JOB_SHARE_HALF_LIFE_S", 3600, "The half-life of "
+                              "the slice-seconds teams are shared by: what a team held "
+                              "this long ago counts half.", "service")
+JOB_MIN_RUNTIME = seconds("JAXPOD_JOB_MIN_RUNTIME_S", 300, "How long a started job runs "
+                          "before it may be preempted, unless no other job can free the "
+                          "slice (a job's min_runtime_s overrides it).", "service")
 JOB_STOP_TIMEOUT = seconds("JAXPOD_JOB_STOP_TIMEOUT_S", 30, "How long a stopping service "
                            "waits for running jobs to reach a loop boundary and "
                            "checkpoint.", "service")

@@ -552,7 +552,7 @@ class ClusterSlice(_message.Message):
     def __init__(self, name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_hosts: _Optional[int] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "accelerator_type", "num_slices", "steps", "steps_per_run", "step_fn", "init_fn", "dataset", "dataset_fn", "outputs", "checkpoint_every", "max_retries_preemption", "max_retries_failure", "runtime_versions", "computation_shape", "mesh_axes", "mesh_shape", "batch_sharding", "priority", "accelerator_types", "grow_back", "memory_checkpoint_every")
+    __slots__ = ("name", "accelerator_type", "num_slices", "steps", "steps_per_run", "step_fn", "init_fn", "dataset", "dataset_fn", "outputs", "checkpoint_every", "max_retries_preemption", "max_retries_failure", "runtime_versions", "computation_shape", "mesh_axes", "mesh_shape", "batch_sharding", "priority", "accelerator_types", "grow_back", "memory_checkpoint_every", "min_runtime_s", "max_runtime_s")
     class OutputsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -589,6 +589,8 @@ class JobSpec(_message.Message):
     ACCELERATOR_TYPES_FIELD_NUMBER: _ClassVar[int]
     GROW_BACK_FIELD_NUMBER: _ClassVar[int]
     MEMORY_CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    MIN_RUNTIME_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNTIME_S_FIELD_NUMBER: _ClassVar[int]
     name: str
     accelerator_type: str
     num_slices: int
@@ -611,7 +613,9 @@ class JobSpec(_message.Message):
     accelerator_types: _containers.RepeatedScalarFieldContainer[str]
     grow_back: bool
     memory_checkpoint_every: int
-    def __init__(self, name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_slices: _Optional[int] = ..., steps: _Optional[int] = ..., steps_per_run: _Optional[int] = ..., step_fn: _Optional[bytes] = ..., init_fn: _Optional[bytes] = ..., dataset: _Optional[bytes] = ..., dataset_fn: _Optional[bytes] = ..., outputs: _Optional[_Mapping[str, str]] = ..., checkpoint_every: _Optional[int] = ..., max_retries_preemption: _Optional[int] = ..., max_retries_failure: _Optional[int] = ..., runtime_versions: _Optional[_Mapping[str, str]] = ..., computation_shape: _Optional[_Iterable[int]] = ..., mesh_axes: _Optional[_Iterable[str]] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., batch_sharding: _Optional[bytes] = ..., priority: _Optional[int] = ..., accelerator_types: _Optional[_Iterable[str]] = ..., grow_back: _Optional[bool] = ..., memory_checkpoint_every: _Optional[int] = ...) -> None: ...
+    min_runtime_s: float
+    max_runtime_s: float
+    def __init__(self, name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., num_slices: _Optional[int] = ..., steps: _Optional[int] = ..., steps_per_run: _Optional[int] = ..., step_fn: _Optional[bytes] = ..., init_fn: _Optional[bytes] = ..., dataset: _Optional[bytes] = ..., dataset_fn: _Optional[bytes] = ..., outputs: _Optional[_Mapping[str, str]] = ..., checkpoint_every: _Optional[int] = ..., max_retries_preemption: _Optional[int] = ..., max_retries_failure: _Optional[int] = ..., runtime_versions: _Optional[_Mapping[str, str]] = ..., computation_shape: _Optional[_Iterable[int]] = ..., mesh_axes: _Optional[_Iterable[str]] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., batch_sharding: _Optional[bytes] = ..., priority: _Optional[int] = ..., accelerator_types: _Optional[_Iterable[str]] = ..., grow_back: _Optional[bool] = ..., memory_checkpoint_every: _Optional[int] = ..., min_runtime_s: _Optional[float] = ..., max_runtime_s: _Optional[float] = ...) -> None: ...
 
 class JobRequest(_message.Message):
     __slots__ = ("job_id", "detail", "without_state")
@@ -680,7 +684,7 @@ class JobAttempt(_message.Message):
     def __init__(self, number: _Optional[int] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., cause: _Optional[str] = ..., step_reached: _Optional[int] = ..., running_at: _Optional[float] = ..., start_step: _Optional[int] = ..., first_step_at: _Optional[float] = ..., programs_loaded: _Optional[int] = ..., programs_compiled: _Optional[int] = ..., accelerator_type: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "goodput", "steps_per_s", "owner", "wait_reason", "priority", "stragglers", "pinned", "pruned_at")
+    __slots__ = ("id", "state", "name", "accelerator_type", "step", "steps", "attempts", "queue_position", "error", "metrics", "created_at", "started_at", "finished_at", "goodput", "steps_per_s", "owner", "wait_reason", "priority", "stragglers", "pinned", "pruned_at", "team")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -716,6 +720,7 @@ class JobStatus(_message.Message):
     STRAGGLERS_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     PRUNED_AT_FIELD_NUMBER: _ClassVar[int]
+    TEAM_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: str
     name: str
@@ -737,7 +742,8 @@ class JobStatus(_message.Message):
     stragglers: _containers.RepeatedScalarFieldContainer[int]
     pinned: bool
     pruned_at: float
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., attempts: _Optional[int] = ..., queue_position: _Optional[int] = ..., error: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., goodput: _Optional[_Mapping[str, float]] = ..., steps_per_s: _Optional[float] = ..., owner: _Optional[str] = ..., wait_reason: _Optional[str] = ..., priority: _Optional[int] = ..., stragglers: _Optional[_Iterable[int]] = ..., pinned: _Optional[bool] = ..., pruned_at: _Optional[float] = ...) -> None: ...
+    team: str
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., name: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., attempts: _Optional[int] = ..., queue_position: _Optional[int] = ..., error: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., goodput: _Optional[_Mapping[str, float]] = ..., steps_per_s: _Optional[float] = ..., owner: _Optional[str] = ..., wait_reason: _Optional[str] = ..., priority: _Optional[int] = ..., stragglers: _Optional[_Iterable[int]] = ..., pinned: _Optional[bool] = ..., pruned_at: _Optional[float] = ..., team: _Optional[str] = ...) -> None: ...
 
 class HostInput(_message.Message):
     __slots__ = ("host", "input_wait_s", "input_queue_depth", "node", "address", "pid", "step_s", "straggler")

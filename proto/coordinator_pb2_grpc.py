@@ -149,6 +149,16 @@ class CoordinatorStub:
                 request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
                 response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.FromString,
                 _registered_method=True)
+        self.SuspendJob = channel.unary_unary(
+                '/jaxpod.v1.Coordinator/SuspendJob',
+                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
+                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.FromString,
+                _registered_method=True)
+        self.ResumeJob = channel.unary_unary(
+                '/jaxpod.v1.Coordinator/ResumeJob',
+                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
+                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.FromString,
+                _registered_method=True)
         self.GetJobResult = channel.unary_stream(
                 '/jaxpod.v1.Coordinator/GetJobResult',
                 request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
@@ -342,6 +352,20 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SuspendJob(self, request, context):
+        """Checkpoints a running job and frees its slice (SUSPENDED) until ResumeJob.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeJob(self, request, context):
+        """queues a SUSPENDED job again
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetJobResult(self, request, context):
         """{"state", "outputs"}
         """
@@ -504,6 +528,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
             ),
             'CancelJob': grpc.unary_unary_rpc_method_handler(
                     servicer.CancelJob,
+                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.FromString,
+                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.SerializeToString,
+            ),
+            'SuspendJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.SuspendJob,
+                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.FromString,
+                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.SerializeToString,
+            ),
+            'ResumeJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeJob,
                     request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.FromString,
                     response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.SerializeToString,
             ),
@@ -1162,6 +1196,60 @@ class Coordinator:
             request,
             target,
             '/jaxpod.v1.Coordinator/CancelJob',
+            jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
+            jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SuspendJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxpod.v1.Coordinator/SuspendJob',
+            jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
+            jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxpod.v1.Coordinator/ResumeJob',
             jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
             jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.FromString,
             options,

@@ -10,14 +10,17 @@ nothing is queued. What only the workers can tell (a step that does not return
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from jaxpod import settings
 from jaxpod.jobs import (
+    TERMINAL_STATES,
     HostStacks,
     JobProfile,
     JobSpec,
+    JobState,
     JobStatus,
     check_outputs,
     check_profile_seconds,
@@ -74,11 +77,12 @@ class JobsServicer:
     async def SubmitJob(self, request: pb.JobSpec, context: Any) -> pb.JobStatus:
         manager = self._manager()
         spec = check_spec(from_message(JobSpec, request))
-        who = self.caller(context).name
+        caller = self.caller(context)
+        who = caller.name
         if manager.quotas is not None:
             manager.quotas.check_fits(who, spec.num_slices, "SubmitJob")
         spec = await self._blocking(self._resolve_types, spec)
-        status = await self._blocking(manager.submit, spec, who)
+        status = await self._blocking(manager.submit, spec, who, caller.team)
         await self._blocking(manager.audit, who, "submit", status.id,
                              f"{status.name} on {status.accelerator_type}")
         return to_message(status)
@@ -108,6 +112,14 @@ class JobsServicer:
     async def CancelJob(self, request: pb.JobRequest, context: Any) -> pb.JobStatus:
         return to_message(await cancel_and_wait(self._manager(), request.job_id,
                                                 self._blocking, self.caller(context)))
+
+    async def SuspendJob(self, request: pb.JobRequest, context: Any) -> pb.JobStatus:
+        return to_message(await suspend_or_resume(self._manager(), request.job_id, False,
+                                                  self._blocking, self.caller(context)))
+
+    async def ResumeJob(self, request: pb.JobRequest, context: Any) -> pb.JobStatus:
+        return to_message(await suspend_or_resume(self._manager(), request.job_id, True,
+                                                  self._blocking, self.caller(context)))
 
     async def PinJob(self, request: pb.PinJobRequest, context: Any) -> pb.JobStatus:
         return to_message(await pin_job(self._manager(), request.job_id, request.pinned,
@@ -259,6 +271,28 @@ async def pin_job(manager: JobManager, job_id: str, pinned: bool, blocking: _Blo
     return status
 
 
+async def suspend_or_resume(manager: JobManager, job_id: str, resume: bool,
+                            blocking: _Blocking, caller: Principal) -> JobStatus:
+    """Suspends the job (answering once it is ``SUSPENDED``, or after ``CANCEL_WAIT``
+    with its state then: a running job checkpoints first) or resumes it, if ``caller``
+    owns it (or is an admin); the gRPC and HTTP edges share it."""
+    what = "resume" if resume else "suspend"
+    deadline = Deadline(CANCEL_WAIT.seconds())
+    await blocking(manager.check_owner, job_id, caller, what)
+    if resume:
+        status = await blocking(manager.resume, job_id, f"resumed by {caller.name}")
+        await blocking(manager.audit, caller.name, what, job_id)
+        return status
+    await blocking(manager.suspend, job_id, f"suspended by {caller.name}")
+    await blocking(manager.audit, caller.name, what, job_id)
+    while True:  # until it is off its slice, or the deadline: the answer says which
+        version = manager.events.version(job_id)
+        status = await blocking(manager.status, job_id)
+        if status.state in (JobState.SUSPENDED, *TERMINAL_STATES) or deadline.expired():
+            return status
+        await manager.events.wait(job_id, version, deadline.remaining())
+
+
 async def cancel_and_wait(manager: JobManager, job_id: str, blocking: _Blocking,
                           caller: Principal) -> JobStatus:
     """Cancels the job, if ``caller`` owns it (or is an admin), and answers once it
@@ -290,6 +324,10 @@ def check_spec(spec: JobSpec) -> JobSpec:
             raise ValueError(f"submit: {name} must be >= 0; got {value}.")
     if spec.dataset and spec.dataset_fn:
         raise ValueError("submit: pass dataset or dataset_fn, not both.")
+    for name in ("min_runtime_s", "max_runtime_s"):
+        value = getattr(spec, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"submit: {name} must be finite seconds >= 0; got {value}.")
     mine = runtime_versions()
     theirs = dict(spec.runtime_versions or {})
     diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}

@@ -31,7 +31,7 @@ RPC_ROLES: Mapping[str, Role] = MappingProxyType({
     # Of its own jobs only (an admin: anyone's), checked on the job.
     "SubmitJob": _SUBMITTER, "CancelJob": _SUBMITTER, "GetJobResult": _SUBMITTER,
     "GetJobLogs": _SUBMITTER, "ProfileJob": _SUBMITTER, "GetJobStacks": _SUBMITTER,
-    "PinJob": _SUBMITTER,
+    "PinJob": _SUBMITTER, "SuspendJob": _SUBMITTER, "ResumeJob": _SUBMITTER,
     "ListAudit": Role.ADMIN,
 })
 
@@ -50,6 +50,8 @@ ROUTE_ROLES: Mapping[tuple[str, str], Role | None] = MappingProxyType({
     ("GET", "/api/v1/jobs/{job_id}/events"): _VIEWER,
     ("POST", "/api/v1/jobs/{job_id}/cancel"): _SUBMITTER,  # its own jobs, or an admin
     ("POST", "/api/v1/jobs/{job_id}/pin"): _SUBMITTER,
+    ("POST", "/api/v1/jobs/{job_id}/suspend"): _SUBMITTER,
+    ("POST", "/api/v1/jobs/{job_id}/resume"): _SUBMITTER,
     ("DELETE", "/api/v1/jobs/{job_id}/pin"): _SUBMITTER,
     ("POST", "/api/v1/jobs/{job_id}/profile"): _SUBMITTER,  # the same
     ("GET", "/api/v1/jobs/{job_id}/stacks"): _SUBMITTER,  # the same

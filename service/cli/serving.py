@@ -79,7 +79,8 @@ async def serve(address: str, make_slices: Callable[[], SliceProvider],
     quotas = SliceQuotas(tokens, sessions)
     provider = DeferredSlices()
     store = JobStore(state_dir) if state_dir is not None else None
-    jobs = (JobManager(store, provider, checkpoint_dir, quotas=quotas, retention=retention)
+    jobs = (JobManager(store, provider, checkpoint_dir, quotas=quotas, retention=retention,
+                       teams=tokens.teams if tokens is not None else None)
             if store is not None else None)
     service = CoordinatorService(provider, sessions, jobs=jobs, tokens=tokens, quotas=quotas,
                                  checkpoint_dir=checkpoint_dir)

@@ -225,6 +225,25 @@ async def cancel_job(request: Request, backend: BackendDep, job_id: JobId
     return models.summary_of(status)
 
 
+@jobs.post("/jobs/{job_id}/suspend", response_model=models.JobSummary,
+           responses={**NOT_FOUND, **FORBIDDEN},
+           summary="Suspend a job: it checkpoints and frees its slice until resumed; "
+                   "answers once it is SUSPENDED (or after JAXPOD_JOB_CANCEL_WAIT_S)")
+async def suspend_job(request: Request, backend: BackendDep, job_id: JobId
+                      ) -> models.JobSummary:
+    return models.summary_of(await handlers.suspend_or_resume(
+        backend.jobs, job_id, False, _blocking, request.state.principal))
+
+
+@jobs.post("/jobs/{job_id}/resume", response_model=models.JobSummary,
+           responses={**NOT_FOUND, **FORBIDDEN},
+           summary="Queue a suspended job again (`job.resume()`)")
+async def resume_job(request: Request, backend: BackendDep, job_id: JobId
+                     ) -> models.JobSummary:
+    return models.summary_of(await handlers.suspend_or_resume(
+        backend.jobs, job_id, True, _blocking, request.state.principal))
+
+
 @jobs.post("/jobs/{job_id}/pin", response_model=models.JobSummary,
            responses={**NOT_FOUND, **FORBIDDEN},
            summary="Pin a job: retention never prunes it (`job.pin()`)")

@@ -48,7 +48,8 @@ class StoreWriter:
 #: The goodput category each state starts (``RUNNING``'s runner switches within it).
 _STATE_CATEGORIES: Mapping[JobState, str] = {
     JobState.ALLOCATING: goodput.ALLOCATING, JobState.RUNNING: goodput.SETUP,
-    JobState.RETRYING: goodput.RECOVERING, JobState.PENDING: goodput.QUEUED}
+    JobState.RETRYING: goodput.RECOVERING, JobState.PENDING: goodput.QUEUED,
+    JobState.SUSPENDED: goodput.SUSPENDED}
 
 
 class GoodputKeeper:

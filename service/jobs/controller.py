@@ -17,8 +17,10 @@ for the next coordinator, with no state change).
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,6 +52,7 @@ from jaxpod.service.jobs.states import (
     Retrying,
     Running,
     Succeeded,
+    Suspended,
 )
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.timeouts import Deadline
@@ -69,23 +72,48 @@ PREEMPTIONS: tuple[type[BaseException], ...] = (Preempted, *SLICE_FAILURES)
 SHUTDOWN = "the service stopped"
 
 
+class StopKind(enum.Enum):
+    """How a stopped job goes on."""
+
+    #: Cancelled (or the service stops: :attr:`StopSignal.shutting_down`).
+    CANCEL = "cancel"
+    #: It gives its slice to another job and waits in the queue again.
+    YIELD = "yield"
+    #: It waits off its slice until resumed (``job.suspend()``).
+    SUSPEND = "suspend"
+    #: Its ``max_runtime_s`` is up: it ends, cancelled.
+    DEADLINE = "deadline"
+
+
 class StopSignal:
     """Asks a controller to stop between loops, saying why (the first reason wins, but
-    a cancel or shutdown overrides a request to yield)."""
+    a cancel or shutdown overrides a stop that checkpoints first). Every kind but a
+    cancel checkpoints first, so the job loses no step."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
         self._lock = threading.Lock()
         self.reason = ""
-        #: The job gives its slice to one of higher priority and waits again (it
-        #: checkpoints first); else it is cancelled or the service stops.
-        self.yielding = False
+        self.kind = StopKind.CANCEL
 
-    def request(self, reason: str, *, yielding: bool = False) -> None:
+    def request(self, reason: str, *, yielding: bool = False,
+                kind: StopKind | None = None) -> None:
+        kind = kind or (StopKind.YIELD if yielding else StopKind.CANCEL)
         with self._lock:
-            if not self._event.is_set() or (self.yielding and not yielding):
-                self.reason, self.yielding = reason, yielding
+            if not self._event.is_set() or (self.kind is not StopKind.CANCEL
+                                            and kind is StopKind.CANCEL):
+                self.reason, self.kind = reason, kind
                 self._event.set()
+
+    @property
+    def yielding(self) -> bool:
+        """The job gives its slice to another and waits again (it checkpoints first)."""
+        return self._event.is_set() and self.kind is StopKind.YIELD
+
+    @property
+    def checkpoints_first(self) -> bool:
+        """The job checkpoints before it stops: all but a cancel."""
+        return self.shutting_down or self.kind is not StopKind.CANCEL
 
     def is_set(self) -> bool:
         return self._event.is_set()
@@ -196,7 +224,7 @@ class JobController:
         self._set_state(state)
         try:
             while state is not None and not (state.state.is_terminal
-                                             or isinstance(state, Pending)):
+                                             or isinstance(state, Pending | Suspended)):
                 state = self._step(state)
         except Exception:
             logger.exception("job %s: its controller failed", self.job_id)
@@ -307,6 +335,7 @@ class JobController:
             stop=self.stop, clock=self._parts.clock, on_progress=self._parts.on_progress,
             redo_until=reached, moved_from=moved_from, memory=state.memory))
         self.slice_names, self.run_now = tuple(held.description["slice_names"]), run
+        deadline = self._runtime_limit(attempts)
         try:
             try:
                 finished = run.run()
@@ -322,6 +351,8 @@ class JobController:
                     state.attempt, "succeeded", finished.steps))
             self._parts.clock.switch(goodput.RECOVERING)  # giving up the slice included
         finally:
+            if deadline is not None:
+                deadline.cancel()
             self.slice_names, self.run_now = (), None
             try:
                 held.release()
@@ -333,6 +364,23 @@ class JobController:
         # written before its peer was lost), and the step the failure names is the
         # step the next attempt resumes from.
         return self._after_failure(state.attempt, run.step, failure, error, run.memorized)
+
+    def _runtime_limit(self, attempts: Sequence[Any]) -> threading.Timer | None:
+        """Ends the job at its ``max_runtime_s`` (its attempts' running time before this
+        one counted): it checkpoints at its next loop boundary and ends ``CANCELLED``."""
+        limit = self.spec.max_runtime_s
+        if limit is None:
+            return None
+        now = time.time()
+        used = sum((a.ended_at or now) - a.running_at for a in attempts[:-1]
+                   if a.running_at is not None)
+        reason = (f"max_runtime_s={limit:g} reached: the job ran its time and ended with "
+                  "a checkpoint of its last loop")
+        timer = threading.Timer(max(0.0, limit - used), self.stop.request, (reason,),
+                                {"kind": StopKind.DEADLINE})
+        timer.daemon = True
+        timer.start()
+        return timer
 
     def _back_off(self, state: Retrying) -> JobStateData | None:
         if state.backoff_s and self.stop.wait(state.backoff_s):
@@ -381,9 +429,12 @@ class JobController:
             ended = AttemptEnd(attempt, reason, step)
         if self.stop.shutting_down:
             return self._set_state(None, ended=ended)
-        if self.stop.yielding:
+        if self.stop.checkpoints_first:
             self._parts.store.set_checkpoints(self.job_id, self._parts.checkpoints.kept())
+        if self.stop.kind is StopKind.YIELD:
             return self._set_state(Pending(0), reason, ended=ended)
+        if self.stop.kind is StopKind.SUSPEND:
+            return self._set_state(Suspended(reason), ended=ended)
         return self._set_state(Cancelled(reason), ended=ended)
 
 

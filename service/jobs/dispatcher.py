@@ -3,11 +3,13 @@
 Jobs wait in the :class:`~jaxpod.service.jobs.policies.QueuePolicy` (``PENDING``, with a
 visible position). The dispatcher wakes on every submission, release, cancel and end of
 an allocation (and every ``JAXPOD_JOB_DISPATCH_RECHECK_S``, for capacity that appears
-outside this service: a node joining) and hands a queued job a free slice's type: a
-:class:`~jaxpod.service.jobs.controller.JobController` then runs it to its end in a
-thread of its own. Only one job per accelerator type allocates at a time, so jobs start
-in queue order; owners' quotas hold jobs back; a queued job of higher priority has a
-running one of lower priority give its slice up (the preemption policy's choice).
+outside this service: a node joining), takes a :class:`~.fair_share.Snapshot` of the
+queue, the started jobs, the free slices and the teams' usage, and does what the
+fair-share scheduler (:func:`~jaxpod.service.jobs.fair_share.plan`) decides: a started
+job gets a :class:`~jaxpod.service.jobs.controller.JobController`, which runs it to its
+end in a thread of its own; a preempted one checkpoints at its next loop boundary,
+gives its slice up and queues again, first. Only one job per accelerator type
+allocates at a time, so jobs start in order; owners' quotas hold jobs back.
 
 An elastic job (several accelerator types, most preferred first) waits in the queue of
 each type it accepts and starts on the most preferred one free; while it runs on a
@@ -22,19 +24,22 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from jaxpod import settings
 from jaxpod.jobs import JobSpec, JobState, JobStatus
 from jaxpod.service.auth.quotas import SliceQuotas
-from jaxpod.service.jobs.controller import SHUTDOWN, JobController, JobSlices, StateChange
-from jaxpod.service.jobs.events import JobEvents
-from jaxpod.service.jobs.policies import (
-    FailureKind,
-    PreemptionPolicy,
-    QueuePolicy,
-    RunningJob,
+from jaxpod.service.auth.teams import DEFAULT_TEAM, Team
+from jaxpod.service.jobs import fair_share
+from jaxpod.service.jobs.controller import (
+    SHUTDOWN,
+    JobController,
+    JobSlices,
+    StateChange,
+    StopKind,
 )
+from jaxpod.service.jobs.events import JobEvents
+from jaxpod.service.jobs.policies import FailureKind, QueuePolicy
 from jaxpod.service.jobs.states import Allocating, Pending, Retrying, Running
 
 logger = logging.getLogger(__name__)
@@ -42,6 +47,12 @@ logger = logging.getLogger(__name__)
 #: The dispatcher looks for free slices on every release and submission, and at least
 #: this often (capacity can also appear outside this service: a node joining).
 DISPATCH_RECHECK = settings.JOB_DISPATCH_RECHECK
+#: The half-life of the teams' usage, and a started job's default shelter from
+#: preemption.
+SHARE_HALF_LIFE = settings.JOB_SHARE_HALF_LIFE
+MIN_RUNTIME = settings.JOB_MIN_RUNTIME
+#: How long a slice freed for a queued job stays its own once let go.
+RESERVATION = settings.JOB_ACQUIRE_TRY
 
 
 class Dispatcher:
@@ -50,20 +61,22 @@ class Dispatcher:
     Args:
       slices: the slice provider (asked whether a type has free slices).
       queue: the queue policy.
-      preemption: which running job yields its slice to a queued one.
       quotas: the owners' slice quotas (``None``: none); jobs over theirs wait.
       events: told when a job's visible status changes (its queue position, its reason
         to wait).
       make_controller: a started job's controller (this dispatcher among its
         callbacks).
+      teams: the declared teams now (the tokens file's; it may change); none: every
+        job is in the default team and slices go by priority alone.
     """
 
-    def __init__(self, slices: JobSlices, queue: QueuePolicy, preemption: PreemptionPolicy,
+    def __init__(self, slices: JobSlices, queue: QueuePolicy,
                  quotas: SliceQuotas | None, events: JobEvents,
-                 make_controller: Callable[[str, JobSpec], JobController]) -> None:
+                 make_controller: Callable[[str, JobSpec], JobController],
+                 teams: Callable[[], Mapping[str, Team]] = dict) -> None:
         self._slices = slices
         self._queue = queue
-        self._preemption = preemption
+        self._teams = teams
         self._quotas = quotas
         self._events = events
         self._make_controller = make_controller
@@ -73,8 +86,16 @@ class Dispatcher:
         self._lock = threading.Condition()
         self._specs: dict[str, JobSpec] = {}  # queued jobs' specs
         self._owners: dict[str, str] = {}  # queued and started jobs' owners
+        self._team_of: dict[str, str] = {}  # queued and started jobs' teams
+        self._waits_for: dict[str, tuple[str, ...]] = {}  # queued jobs' types
+        self._usage = fair_share.Usage(time.monotonic())
+        self._last: fair_share.Snapshot | None = None  # the last pass's, for reasons
         self._wait_reasons: dict[str, str] = {}  # queued jobs held back by their quota
         self._yielding: dict[str, str] = {}  # a job giving its slice up -> to which job
+        # A queued job a slice is being freed for -> (the job freeing it, when that one
+        # let it go (monotonic; None: not yet)): it gets the slice first, and no other
+        # job is preempted for it meanwhile.
+        self._reserved: dict[str, tuple[str, float | None]] = {}
         self._growing: dict[str, str] = {}  # an elastic job moving up -> to which type
         self._started: dict[str, float] = {}  # started jobs -> when (monotonic)
         self._active: dict[str, JobController] = {}
@@ -119,25 +140,36 @@ class Dispatcher:
     # ------------------------------------------------------------------ the queue
     def enqueue(self, status: JobStatus, spec: JobSpec) -> None:
         with self._lock:
-            for kind in self._types(spec, status.accelerator_type):
+            self._waits_for[status.id] = self._types(spec, status.accelerator_type)
+            for kind in self._waits_for[status.id]:
                 self._queue.push(status.id, kind, spec.priority)
             self._specs[status.id] = spec
             self._owners[status.id] = status.owner
+            self._team_of[status.id] = status.team or DEFAULT_TEAM
             self._kick()
 
     def cancel(self, job_id: str, reason: str, when_queued: Callable[[], None]) -> None:
         """Takes a queued job out of the queue (``when_queued`` records it, under the
         lock) or asks a started one to stop at its next loop boundary."""
+        self._take_out(job_id, reason, StopKind.CANCEL, when_queued)
+
+    def suspend(self, job_id: str, reason: str, when_queued: Callable[[], None]) -> None:
+        """Takes a queued job out of the queue (``when_queued`` records it, under the
+        lock) or asks a started one to checkpoint and give its slice up."""
+        self._take_out(job_id, reason, StopKind.SUSPEND, when_queued)
+
+    def _take_out(self, job_id: str, reason: str, kind: StopKind,
+                  when_queued: Callable[[], None]) -> None:
         moved: list[str] = []
         with self._lock:
             before = self._queue.positions()
             if self._queue.remove(job_id):
-                self._specs.pop(job_id, None)
-                self._owners.pop(job_id, None)
+                for table in (self._specs, self._owners, self._team_of, self._waits_for):
+                    table.pop(job_id, None)
                 moved = [j for j, p in before.items() if p > before[job_id]]
                 when_queued()
             elif job_id in self._active:
-                self._active[job_id].stop.request(reason)
+                self._active[job_id].stop.request(reason, kind=kind)
         self._changed(moved)
 
     def positions(self) -> dict[str, int]:
@@ -161,12 +193,17 @@ class Dispatcher:
         quota = self._wait_reasons.get(status.id)
         if quota is not None:
             return f"over quota: {quota}"
-        if position > 0:
-            return (f"behind {position} queued job(s) of its type (higher priority, or "
-                    "submitted earlier)")
         giving = [v for v, for_job in list(self._yielding.items()) if for_job == status.id]
         if giving:
             return f"job {giving[0]} is giving its slice up (checkpointing first)"
+        last = self._last
+        if last is not None and len(last.teams) > 1:  # teams share: say where it stands
+            because = fair_share.why_waiting(last, status.id)
+            if because is not None:
+                return because
+        if position > 0:
+            return (f"behind {position} queued job(s) of its type (higher priority, or "
+                    "submitted earlier)")
         spec = self._specs.get(status.id)
         if spec is not None and spec.elastic:
             return f"no free slice of {', '.join(spec.preferences())}"
@@ -196,38 +233,58 @@ class Dispatcher:
                 if self._closed:
                     return
                 self._kicked = False
-            held_back = self._over_quota()
-            with self._lock:
-                candidates = self._queue.candidates(self._allocating, held_back)
+            snapshot = self._snapshot(self._over_quota())
+            decided = fair_share.plan(snapshot)
             started = False
-            for job_id, kinds in self._by_job(candidates):
-                spec = self._specs.get(job_id)
-                if spec is None:
-                    continue
-                free = next((k for k in kinds if self._free(k, spec.num_slices)), None)
-                if free is not None:
-                    started |= self._start_within_quota(free, job_id, spec)
-                else:
-                    self._preempt_for(kinds[0], job_id, spec)
+            for start in decided.starts:
+                spec = self._specs.get(start.job_id)
+                if spec is not None:
+                    started |= self._start_within_quota(start.accelerator_type,
+                                                        start.job_id, spec)
+            for preemption in decided.preemptions:
+                self._preempt(preemption)
             self._grow_back()
             with self._lock:
                 if not (self._closed or started or self._kicked):
                     self._lock.wait(DISPATCH_RECHECK.seconds())
 
-    def _by_job(self, candidates: list[tuple[str, str]]) -> list[tuple[str, list[str]]]:
-        """The candidates as (job, the types it may start on now, most preferred
-        first), in the order the jobs first appear."""
-        kinds: dict[str, list[str]] = {}
-        for accelerator_type, job_id in candidates:
-            kinds.setdefault(job_id, []).append(accelerator_type)
+    def _snapshot(self, held_back: set[str]) -> fair_share.Snapshot:
+        """What the scheduler decides from, now; the teams' usage brought up to now."""
+        now = time.monotonic()
+        minimum = MIN_RUNTIME.seconds()
+        teams = dict(self._teams())
         with self._lock:
-            specs = {j: self._specs.get(j) for j in kinds}
-        for job_id, found in kinds.items():
-            spec = specs[job_id]
-            if spec is not None and spec.elastic:
-                order = spec.preferences()
-                found.sort(key=lambda k: order.index(k) if k in order else len(order))
-        return list(kinds.items())
+            ranks = self._queue.ranks()
+            waiting = [fair_share.Waiting(j, self._team_of.get(j, DEFAULT_TEAM),
+                                          self._waits_for.get(j, (spec.accelerator_type or "",)),
+                                          spec.num_slices, spec.priority, ranks[j])
+                       for j, spec in self._specs.items() if j in ranks]
+            started = [fair_share.Started(
+                j, self._team_of.get(j, DEFAULT_TEAM), c.spec.accelerator_type or "",
+                c.spec.num_slices, c.spec.priority, self._started.get(j, now),
+                minimum if c.spec.min_runtime_s is None else c.spec.min_runtime_s,
+                isinstance(c.state, Running) and j not in self._growing)
+                for j, c in self._active.items()]
+            self._expire_reservations(now)
+            yielding = {v: j for j, (v, _) in self._reserved.items()}
+            blocked = frozenset(self._allocating)
+            held: dict[str, int] = {}
+            for running in started:
+                held[running.team] = held.get(running.team, 0) + running.num_slices
+            self._usage = self._usage.advance(now, held, SHARE_HALF_LIFE.seconds())
+            usage = self._usage
+        sizes: dict[str, set[int]] = {}
+        for job in waiting:
+            for kind in job.accelerator_types:
+                sizes.setdefault(kind, set()).add(job.num_slices)
+        free = {kind: next((n for n in sorted(wanted, reverse=True) if self._free(kind, n)), 0)
+                for kind, wanted in sizes.items() if kind not in blocked}
+        snapshot = fair_share.Snapshot(
+            now=now, teams=teams, usage=usage, waiting=waiting, started=started, free=free,
+            blocked=blocked, yielding=yielding, held_back=frozenset(held_back),
+            half_life_s=SHARE_HALF_LIFE.seconds())
+        self._last = snapshot
+        return snapshot
 
     def _free(self, accelerator_type: str, num_slices: int) -> bool:
         try:
@@ -286,26 +343,45 @@ class Dispatcher:
         self._changed(changed)
         return set(reasons)
 
-    def _preempt_for(self, accelerator_type: str, job_id: str, spec: JobSpec) -> None:
-        """Asks a running job of lower priority (the preemption policy's choice) to give
-        its slice to ``job_id``: it checkpoints at its next loop boundary, releases the
-        slice and queues again. One job of a type yields at a time."""
+    def _preempt(self, preemption: fair_share.Preempt) -> None:
+        """Asks the scheduler's victim to give its slice up for the job it names: it
+        checkpoints at its next loop boundary, releases the slice and queues again."""
         with self._lock:
-            if any(self._active[j].spec.accelerator_type == accelerator_type
-                   for j in self._yielding if j in self._active):
-                return  # a slice of the type is being given up already
-            running = [RunningJob(j, c.spec.accelerator_type or "", c.spec.priority,
-                                  c.spec.num_slices, self._started.get(j, 0.0))
-                       for j, c in self._active.items() if isinstance(c.state, Running)]
-            victim = self._preemption.victim(spec.priority, accelerator_type, running)
-            if victim is None:
-                return
-            self._yielding[victim] = job_id
-            controller = self._active[victim]
-        reason = (f"preempted by job {job_id} (priority {spec.priority} over "
-                  f"{controller.spec.priority}): checkpointed, it waits for a slice again")
-        logger.info("job %s %s", victim, reason)
+            controller = self._active.get(preemption.victim)
+            if (controller is None or preemption.victim in self._yielding
+                    or not isinstance(controller.state, Running)):
+                return  # it ended or moved meanwhile
+            self._yielding[preemption.victim] = preemption.for_job
+            self._reserved[preemption.for_job] = (preemption.victim, None)
+        reason = f"{preemption.reason}: checkpointed, it waits for a slice again"
+        logger.info("job %s %s", preemption.victim, reason)
         controller.stop.request(reason, yielding=True)
+
+    def _expire_reservations(self, now: float) -> None:
+        """Under the lock. A reservation ends when its job starts or leaves the queue,
+        or JOB_ACQUIRE_TRY after the job freeing the slice let it go (another holder
+        took it: the job may have another preempted for it)."""
+        for job_id, (victim, since) in list(self._reserved.items()):
+            if job_id not in self._specs:
+                del self._reserved[job_id]
+            elif victim not in self._active or victim not in self._yielding:
+                if since is None:
+                    self._reserved[job_id] = (victim, now)
+                elif now - since > RESERVATION.seconds():
+                    del self._reserved[job_id]
+
+    def team_shares(self) -> list[dict[str, float | str | int]]:
+        """Each team's weight, slices held now, entitled slices (all slices split by
+        weight among the active teams), borrowed slices and queued jobs, from the last
+        pass (empty before one)."""
+        last = self._last
+        if last is None:
+            return []
+        queued: collections.Counter[str] = collections.Counter(w.team for w in last.waiting)
+        return [{"team": team, "weight": fair_share.weight_of(last.teams, team),
+                 "held": held, "entitled": round(entitled, 3),
+                 "borrowed": max(0, held - int(entitled + 1e-9)), "queued": queued[team]}
+                for team, (held, entitled) in fair_share.shares(last).items()]
 
     def _start_within_quota(self, accelerator_type: str, job_id: str, spec: JobSpec) -> bool:
         if self._quotas is None:
@@ -323,6 +399,8 @@ class Dispatcher:
             if self._closed or job_id not in self._specs or not self._queue.remove(job_id):
                 return False  # cancelled meanwhile
             spec = self._specs.pop(job_id)
+            self._waits_for.pop(job_id, None)
+            self._reserved.pop(job_id, None)
             if spec.elastic:  # this attempt's type; the spec keeps them all
                 spec = spec.replace(accelerator_type=accelerator_type)
             self._allocating.add(accelerator_type)  # before the dispatcher looks again
@@ -356,7 +434,8 @@ class Dispatcher:
                     self.preemptions["priority"] += 1
                 self._growing.pop(change.job_id, None)
                 self._specs[change.job_id] = controller.spec
-                for queue in self._types(controller.spec, kind):
+                self._waits_for[change.job_id] = self._types(controller.spec, kind)
+                for queue in self._waits_for[change.job_id]:
                     self._queue.push(change.job_id, queue, controller.spec.priority,
                                      first=True)
             self._kick()
@@ -375,6 +454,7 @@ class Dispatcher:
                 self._growing.pop(job_id, None)
                 if job_id not in self._specs and job_id not in self._active:
                     self._owners.pop(job_id, None)  # over, not queued again
+                    self._team_of.pop(job_id, None)
                 self._kick()
         if isinstance(controller.state, Pending):  # the queue's positions moved
             self._changed(self.positions())

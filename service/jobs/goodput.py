@@ -58,13 +58,15 @@ RESIZING = "resizing"
 #: Between an attempt's end and the next attempt's allocation (RETRYING, back-off), and
 #: the time a coordinator was down.
 RECOVERING = "recovering"
+#: Suspended by a user (SUSPENDED), off its slice until resumed.
+SUSPENDED = "suspended"
 #: Anything not above (nothing the runner does on purpose).
 OTHER = "other"
 
 #: Every category, in the order a job's life meets them.
 CATEGORIES: tuple[str, ...] = (QUEUED, ALLOCATING, SETUP, RESTORING, COMPILING, PRODUCTIVE,
                                INPUT_WAIT, METRICS, MONITORING, CHECKPOINTING, RESULT,
-                               LOST_WORK, RESIZING, RECOVERING, OTHER)
+                               LOST_WORK, RESIZING, RECOVERING, SUSPENDED, OTHER)
 
 #: The keys :func:`summary` adds to the totals (never categories).
 WALL_S = "wall_s"

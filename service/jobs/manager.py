@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import logging
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from jaxpod import settings
@@ -30,7 +31,9 @@ from jaxpod.jobs import (
 )
 from jaxpod.proto import stored
 from jaxpod.service.auth.quotas import SliceQuotas
+from jaxpod.service.auth.teams import DEFAULT_TEAM, Team
 from jaxpod.service.auth.tokens import Principal
+from jaxpod.service.jobs import goodput
 from jaxpod.service.jobs.bookkeeping import GoodputKeeper, StoreWriter
 from jaxpod.service.jobs.checkpoints import JobCheckpoints
 from jaxpod.service.jobs.controller import (
@@ -42,16 +45,10 @@ from jaxpod.service.jobs.controller import (
 from jaxpod.service.jobs.dispatcher import Dispatcher
 from jaxpod.service.jobs.events import JobEvents
 from jaxpod.service.jobs.goodput import summary
-from jaxpod.service.jobs.policies import (
-    LowerPriorityYields,
-    PreemptionPolicy,
-    PriorityQueues,
-    QueuePolicy,
-    RetryBudgets,
-)
+from jaxpod.service.jobs.policies import PriorityQueues, QueuePolicy, RetryBudgets
 from jaxpod.service.jobs.retention import Retention, RetentionPolicy
 from jaxpod.service.jobs.runner import JobRun
-from jaxpod.service.jobs.states import Cancelled
+from jaxpod.service.jobs.states import Cancelled, Pending, Suspended
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.slices.profiles import ProfileRequest
 
@@ -71,15 +68,15 @@ class JobManager:
         or URL every host reaches; default ``<state dir>/checkpoints``).
       queue: the queue policy (default: first in, first out per accelerator type).
       quotas: the owners' slice quotas (``None``: none); jobs over theirs wait.
-      preemption: which running job yields its slice to a queued one of higher
-        priority (default: the lowest priority below the waiting job's).
+      teams: the declared teams now (the tokens file's); ``None``: none, every job in
+        the default team.
       retention: what is kept of finished jobs (default: the settings', as
         ``jaxpod serve`` without ``--retain-days``/``--retain-jobs``).
     """
 
     def __init__(self, store: JobStore, slices: JobSlices, checkpoint_dir: str | None = None,
                  queue: QueuePolicy | None = None, quotas: SliceQuotas | None = None,
-                 preemption: PreemptionPolicy | None = None,
+                 teams: Callable[[], Mapping[str, Team]] | None = None,
                  retention: RetentionPolicy | None = None) -> None:
         self.store = store
         self.slices = slices
@@ -88,9 +85,8 @@ class JobManager:
         self.events = JobEvents()
         self.goodput = GoodputKeeper(store)
         self.dispatcher = Dispatcher(
-            slices, queue if queue is not None else PriorityQueues(),
-            preemption if preemption is not None else LowerPriorityYields(), quotas,
-            self.events, self._controller)
+            slices, queue if queue is not None else PriorityQueues(), quotas,
+            self.events, self._controller, teams if teams is not None else dict)
         if quotas is not None:
             quotas.count_jobs_with(self.dispatcher.slices_of)
         self.retention = Retention(store, retention or RetentionPolicy.from_settings(),
@@ -134,13 +130,14 @@ class JobManager:
         return self.dispatcher.preemptions
 
     # ------------------------------------------------------------------ requests
-    def submit(self, spec: JobSpec, owner: str = "") -> JobStatus:
+    def submit(self, spec: JobSpec, owner: str = "", team: str = DEFAULT_TEAM) -> JobStatus:
         """Records and queues a job whose spec the caller checked (its accelerator type
-        resolved, lower case); ``owner`` names the token that submitted it."""
+        resolved, lower case); ``owner`` names the token that submitted it, ``team``
+        that token's team."""
         status = self.store.create_job(
             steps=spec.steps, payload=stored.spec_payload(spec),
             name=spec.name, accelerator_type=spec.accelerator_type, owner=owner,
-            priority=spec.priority)
+            priority=spec.priority, team=team)
         self.goodput.start(status.id)
         self.dispatcher.enqueue(status, spec)
         self.events.changed(status.id)
@@ -176,6 +173,52 @@ class JobManager:
             self.goodput.stop(job_id)
 
         self.dispatcher.cancel(job_id, reason, cancelled_in_queue)
+        self.events.changed(job_id)
+        return self.status(job_id)
+
+    def suspend(self, job_id: str, reason: str = "suspended by a client") -> JobStatus:
+        """Suspends a queued job at once, a running one at its next loop boundary after
+        a checkpoint (the returned status may still say ``RUNNING``): it gives its
+        slice up and waits, ``SUSPENDED``, until resumed. A suspended job is left as it
+        is.
+
+        Raises:
+          JobNotRunningError: the job is over (a ``ValueError``).
+        """
+        status = self.store.get(job_id)
+        if status.state.is_terminal:
+            raise JobNotRunningError(
+                f"suspend: job {job_id} is {status.state.value}: it is over, so there is "
+                "nothing to suspend. Fork it from one of its checkpoints to run more "
+                "(client.fork).")
+
+        def suspended_in_queue() -> None:
+            self.store.transition(job_id, Suspended(reason))
+            self.goodput.clock(job_id).switch(goodput.SUSPENDED)
+            self.goodput.save(job_id)
+
+        if status.state is not JobState.SUSPENDED:
+            self.dispatcher.suspend(job_id, reason, suspended_in_queue)
+        self.events.changed(job_id)
+        return self.status(job_id)
+
+    def resume(self, job_id: str, reason: str = "resumed by a client") -> JobStatus:
+        """Queues a suspended job again; it resumes from its last checkpoint.
+
+        Raises:
+          JobNotRunningError: the job is not ``SUSPENDED`` (a ``ValueError``).
+        """
+        status = self.store.get(job_id)
+        if status.state is not JobState.SUSPENDED:
+            raise JobNotRunningError(
+                f"resume: job {job_id} is {status.state.value}, not SUSPENDED; only a "
+                "suspended job resumes (job.suspend() suspends one).")
+        spec = stored.spec_from_payload(self.store.load_payload(job_id))
+        if self.goodput.totals(job_id) is None:  # suspended under an earlier coordinator
+            self.goodput.start(job_id, self.store.goodput(job_id), status.created_at)
+        status = self.store.transition(job_id, Pending(0), reason)
+        self.goodput.clock(job_id).switch(goodput.QUEUED)
+        self.dispatcher.enqueue(status, spec)
         self.events.changed(job_id)
         return self.status(job_id)
 

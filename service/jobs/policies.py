@@ -7,12 +7,13 @@ without touching the code that asks it.
   against ``max_retries_preemption`` (waiting longer each time), an exception in the
   job's code against ``max_retries_failure``, a slice not found in time against
   nothing.
-* :class:`QueuePolicy`: which queued job may take a free slice next, and each job's
-  place. :class:`PriorityQueues` is the default: one queue per accelerator type, by
+* :class:`QueuePolicy`: the order of the queued jobs, and each job's place.
+  :class:`PriorityQueues` is the default: one queue per accelerator type, by
   priority, then first in, first out.
-* :class:`PreemptionPolicy`: which running job gives its slice to a queued job of
-  higher priority. :class:`LowerPriorityYields` is the default: the lowest priority
-  below the waiting job's (equal priorities never preempt).
+
+Which queued job takes a free slice, and which running job gives its slice up, is the
+fair-share scheduler's (:mod:`jaxpod.service.jobs.fair_share`): it follows the queue's
+order within each team.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import bisect
 import collections
 import enum
 import itertools
-from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -107,12 +107,8 @@ class QueuePolicy(Protocol):
     def remove(self, job_id: str) -> bool:
         """Takes a job out (it starts, or it was cancelled); whether it was queued."""
 
-    def candidates(self, busy_types: set[str], held_back: Set[str] = frozenset()
-                   ) -> list[tuple[str, str]]:
-        """``(accelerator_type, job_id)`` of the jobs that may take a free slice now, in
-        the order to try them; none of the types in ``busy_types`` (a job of that type
-        is acquiring one), and none of the jobs in ``held_back`` (their owners' quotas
-        are full: the jobs behind them go first)."""
+    def ranks(self) -> dict[str, tuple[int, int]]:
+        """Every queued job's sort key, lower first: ``(-priority, order pushed)``."""
 
     def positions(self) -> dict[str, int]:
         """Every queued job's position (0 is next), at one moment."""
@@ -147,11 +143,9 @@ class PriorityQueues:
                     break
         return found
 
-    def candidates(self, busy_types: set[str], held_back: Set[str] = frozenset()
-                   ) -> list[tuple[str, str]]:
-        firsts = ((t, next((j for _, _, j in q if j not in held_back), None))
-                  for t, q in self._queues.items() if t not in busy_types)
-        return [(t, job_id) for t, job_id in firsts if job_id is not None]
+    def ranks(self) -> dict[str, tuple[int, int]]:
+        return {job_id: (priority, order) for queue in self._queues.values()
+                for priority, order, job_id in queue}
 
     def waiting_types(self) -> list[str]:
         return [t for t, queue in self._queues.items() if queue]
@@ -162,37 +156,3 @@ class PriorityQueues:
             for i, (_, _, job_id) in enumerate(queue):
                 out[job_id] = min(i, out.get(job_id, i))
         return out
-
-
-@dataclass(frozen=True)
-class RunningJob:
-    """A started job, as a preemption policy sees it."""
-
-    job_id: str
-    accelerator_type: str
-    priority: int
-    num_slices: int
-    started: float  # when it started (monotonic): the later, the less work it has done
-
-
-class PreemptionPolicy(Protocol):
-    """Which running job gives its slice to a queued one that has none free."""
-
-    def victim(self, priority: int, accelerator_type: str,
-               running: Sequence[RunningJob]) -> str | None:
-        """The job to preempt for a queued job of ``priority`` waiting for a slice of
-        ``accelerator_type`` (``None``: none)."""
-
-
-class LowerPriorityYields:
-    """The lowest-priority running job of the type, of strictly lower priority than the
-    waiting one (equal priorities never preempt each other); among equals, the one
-    started last (it has the least to lose)."""
-
-    def victim(self, priority: int, accelerator_type: str,
-               running: Sequence[RunningJob]) -> str | None:
-        lower = [r for r in running
-                 if r.accelerator_type == accelerator_type and r.priority < priority]
-        if not lower:
-            return None
-        return min(lower, key=lambda r: (r.priority, -r.started)).job_id

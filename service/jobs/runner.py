@@ -418,7 +418,7 @@ class JobRun:
     def _check_stop(self, state: Any) -> None:
         if not self._stop.is_set():
             return
-        if (self._stop.shutting_down or self._stop.yielding) and self.step > self.start_step:
+        if self._stop.checkpoints_first and self.step > self.start_step:
             # The next coordinator, or the job's next turn, resumes here.
             self._memory_checkpoint(state)
             self._checkpoint(state, wait=True)

@@ -21,20 +21,24 @@ from jaxpod.jobs import TERMINAL_STATES, JobState
 
 __all__ = ["TERMINAL_STATES", "TRANSITIONS", "Allocating", "Cancelled", "Failed",
            "IllegalTransitionError", "JobState", "JobStateData", "Pending", "Retrying",
-           "Running", "Succeeded", "check_transition"]
+           "Running", "Succeeded", "Suspended", "check_transition"]
 
 _S = JobState
 #: Every allowed move, and only these. RETRYING -> FAILED: the retry budget can run out
 #: while the job waits for a new slice. ALLOCATING -> RETRYING: the coordinator
 #: restarted while the job was acquiring its slice. ALLOCATING, RUNNING, RETRYING ->
 #: PENDING: a job of higher priority took its slice (it checkpointed first) and it
-#: waits in the queue again.
+#: waits in the queue again. Any unfinished state -> SUSPENDED (``job.suspend()``, a
+#: running job checkpointing first) -> PENDING (``job.resume()``) or CANCELLED.
 TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
-    _S.PENDING: frozenset({_S.ALLOCATING, _S.CANCELLED}),
+    _S.PENDING: frozenset({_S.ALLOCATING, _S.CANCELLED, _S.SUSPENDED}),
     _S.ALLOCATING: frozenset({_S.RUNNING, _S.FAILED, _S.CANCELLED, _S.RETRYING,
-                              _S.PENDING}),
-    _S.RUNNING: frozenset({_S.SUCCEEDED, _S.FAILED, _S.CANCELLED, _S.RETRYING, _S.PENDING}),
-    _S.RETRYING: frozenset({_S.ALLOCATING, _S.FAILED, _S.CANCELLED, _S.PENDING}),
+                              _S.PENDING, _S.SUSPENDED}),
+    _S.RUNNING: frozenset({_S.SUCCEEDED, _S.FAILED, _S.CANCELLED, _S.RETRYING, _S.PENDING,
+                           _S.SUSPENDED}),
+    _S.RETRYING: frozenset({_S.ALLOCATING, _S.FAILED, _S.CANCELLED, _S.PENDING,
+                            _S.SUSPENDED}),
+    _S.SUSPENDED: frozenset({_S.PENDING, _S.CANCELLED}),
     _S.SUCCEEDED: frozenset(),
     _S.FAILED: frozenset(),
     _S.CANCELLED: frozenset(),
@@ -102,6 +106,15 @@ class Retrying:
 
 
 @dataclass(frozen=True)
+class Suspended:
+    """Off its slice until resumed, its last checkpoint kept; ``reason`` says who
+    suspended it."""
+
+    reason: str
+    state: ClassVar[JobState] = JobState.SUSPENDED
+
+
+@dataclass(frozen=True)
 class Succeeded:
     """All steps ran; ``result`` (the final state and outputs) is to be stored."""
 
@@ -127,4 +140,5 @@ class Cancelled:
 
 
 #: A state together with its data.
-JobStateData = Pending | Allocating | Running | Retrying | Succeeded | Failed | Cancelled
+JobStateData = (Pending | Allocating | Running | Retrying | Suspended | Succeeded | Failed
+                | Cancelled)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxpod.jobs import Attempt, AuditRecord, JobState, JobStatus, Transition
+from jaxpod.service.auth.teams import DEFAULT_TEAM
 from jaxpod.service.jobs.codec import JobStoreError
 from jaxpod.service.jobs.files import write_file_atomically
 from jaxpod.service.jobs.states import Failed, JobStateData, Retrying, Running, check_transition
@@ -70,11 +71,12 @@ class JobStore(JobReports):
 
     def create_job(self, *, steps: int, payload: bytes, name: str | None = None,
                    accelerator_type: str | None = None, job_id: str | None = None,
-                   owner: str = "", priority: int = 0) -> JobStatus:
+                   owner: str = "", priority: int = 0, team: str = DEFAULT_TEAM
+                   ) -> JobStatus:
         """Record a new ``PENDING`` job; ``payload`` is its spec (the submitted
         ``JobSpec`` message, which the store does not read); ``name`` defaults to its
-        id; ``owner`` is the name of the token that submitted it; ``priority`` its
-        place among the queued (higher first)."""
+        id; ``owner`` is the name of the token that submitted it and ``team`` that
+        token's team; ``priority`` its place among the queued (higher first)."""
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise JobStoreError(f"steps must be an int >= 1; got {steps!r}.")
         if not isinstance(payload, bytes | bytearray | memoryview):
@@ -86,11 +88,11 @@ class JobStore(JobReports):
             with self._write() as conn:
                 conn.execute(
                     "INSERT INTO jobs (id, name, accelerator_type, payload, payload_path,"
-                    " created_at, state, steps, owner, priority)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " created_at, state, steps, owner, priority, team)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (job_id, name or job_id, accelerator_type,
                      None if inline is None else b"", rel_path, now,
-                     JobState.PENDING.value, steps, owner, priority))
+                     JobState.PENDING.value, steps, owner, priority, team))
                 if inline is not None:
                     conn.execute("INSERT INTO payloads (job_id, payload) VALUES (?, ?)",
                                  (job_id, inline))

@@ -58,7 +58,7 @@ class Recovery:
 #: A job's row as :func:`job_status` reads it: its columns, its attempts so far, the rate
 #: of its last attempt that ran steps and ended, and its last transition's reason.
 JOB_COLUMNS = ("id, name, accelerator_type, state, step, steps, error, created_at, "
-               "started_at, finished_at, owner, priority, pinned, pruned_at, "
+               "started_at, finished_at, owner, priority, pinned, pruned_at, team, "
                "(SELECT COUNT(*) FROM attempts a WHERE a.job_id = jobs.id), "
                "(SELECT (a.step_reached - a.start_step) / (a.ended_at - a.running_at) "
                " FROM attempts a WHERE a.job_id = jobs.id AND a.ended_at > a.running_at "
@@ -72,7 +72,7 @@ def job_status(conn: sqlite3.Connection, row: Sequence[Any]) -> JobStatus:
     goodput (read in the caller's transaction). A cancelled job's ``error`` is who or
     what cancelled it."""
     (job_id, name, accelerator_type, state, step, steps, error, created_at, started_at,
-     finished_at, owner, priority, pinned, pruned_at, attempts, steps_per_s,
+     finished_at, owner, priority, pinned, pruned_at, team, attempts, steps_per_s,
      last_reason) = row
     metrics = {n: math.nan if v is None else v
                for n, v in conn.execute(LATEST_METRICS, {"job": job_id}).fetchall()}
@@ -85,7 +85,7 @@ def job_status(conn: sqlite3.Connection, row: Sequence[Any]) -> JobStatus:
         metrics=metrics, goodput=summary(totals) if totals else None, created_at=created_at,
         started_at=started_at, finished_at=finished_at,
         accelerator_type=accelerator_type or "", steps_per_s=steps_per_s, owner=owner,
-        priority=priority, pinned=bool(pinned), pruned_at=pruned_at)
+        priority=priority, pinned=bool(pinned), pruned_at=pruned_at, team=team)
 
 
 # ------------------------------------------------------------------- metric queries

@@ -49,7 +49,7 @@ def _fsum(totals: dict[str, float]) -> float:
 def test_categories_are_the_documented_ones() -> None:
     assert CATEGORIES == ("queued", "allocating", "setup", "restoring", "compiling", "productive",
                           "input_wait", "metrics", "monitoring", "checkpointing", "result",
-                          "lost_work", "resizing", "recovering", "other")
+                          "lost_work", "resizing", "recovering", "suspended", "other")
     assert set(GoodputClock(clock=FakeClock()).totals()) == set(CATEGORIES)
 
 

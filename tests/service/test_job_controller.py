@@ -20,11 +20,9 @@ from jaxpod.service.jobs.manager import JobManager
 from jaxpod.service.jobs.policies import (
     FailureKind,
     GiveUp,
-    LowerPriorityYields,
     PriorityQueues,
     Retry,
     RetryBudgets,
-    RunningJob,
 )
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.slices.held import HeldSlice
@@ -60,30 +58,17 @@ def test_queues_order_by_priority_then_submission() -> None:
     queues.push("y", "v4-8", 0, first=True)  # a preempted job: the head of its priority
     order = sorted(queues.positions(), key=queues.positions().get)
     assert order == ["b", "d", "f", "y", "a", "c", "e"]
-    # A job its quota holds back is passed over, not waited on.
-    assert queues.candidates(set(), held_back={"b", "d"}) == [("v4-8", "f")]
+    assert sorted(queues.ranks(), key=queues.ranks().get) == order
 
 
-def test_the_lowest_priority_below_the_waiting_job_yields() -> None:
-    policy = LowerPriorityYields()
-    running = [RunningJob("p3", "v4-8", 3, 1, 10.0), RunningJob("p1-old", "v4-8", 1, 1, 1.0),
-               RunningJob("p1-new", "v4-8", 1, 1, 5.0), RunningJob("other", "v4-16", 0, 1, 0)]
-    assert policy.victim(5, "v4-8", running) == "p1-new"  # lowest; the least work lost
-    assert policy.victim(2, "v4-8", running) == "p1-new"
-    assert policy.victim(1, "v4-8", running) is None  # equal priorities never preempt
-    assert policy.victim(9, "v5e-8", running) is None  # only jobs of its type
-
-
-def test_fifo_queues_keep_order_per_type_and_skip_busy_types() -> None:
+def test_fifo_queues_keep_order_per_type() -> None:
     queues = PriorityQueues()
     for job_id, kind in (("a", "v4-8"), ("b", "v4-16"), ("c", "v4-8"), ("d", "v4-16")):
         queues.push(job_id, kind)
     assert queues.positions() == {"a": 0, "c": 1, "b": 0, "d": 1}
-    assert queues.candidates(set()) == [("v4-8", "a"), ("v4-16", "b")]
-    assert queues.candidates({"v4-8"}) == [("v4-16", "b")]
+    assert sorted(queues.ranks(), key=queues.ranks().get) == ["a", "b", "c", "d"]
     assert queues.remove("a") and not queues.remove("a")
-    assert queues.candidates(set()) == [("v4-8", "c"), ("v4-16", "b")]
-    assert queues.positions()["c"] == 0
+    assert queues.positions()["c"] == 0 and "a" not in queues.ranks()
 
 
 def test_an_elastic_job_waits_in_the_queue_of_each_type_it_accepts() -> None:
@@ -93,7 +78,7 @@ def test_an_elastic_job_waits_in_the_queue_of_each_type_it_accepts() -> None:
         queues.push("elastic", kind)
     assert queues.positions() == {"v8-only": 0, "elastic": 0}  # its best position
     assert sorted(queues.waiting_types()) == ["v4-16", "v4-8"]
-    assert queues.candidates(set()) == [("v4-8", "v8-only"), ("v4-16", "elastic")]
+    assert set(queues.ranks()) == {"v8-only", "elastic"}
     assert queues.remove("elastic")  # started: out of both queues at once
     assert queues.positions() == {"v8-only": 0} and queues.waiting_types() == ["v4-8"]
     assert not queues.remove("elastic")

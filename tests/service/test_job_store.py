@@ -30,6 +30,7 @@ from jaxpod.service.jobs.states import (
     Retrying,
     Running,
     Succeeded,
+    Suspended,
     check_transition,
 )
 from jaxpod.service.jobs.store import (
@@ -83,6 +84,9 @@ def test_transition_table_is_the_design_one() -> None:
         (S.RETRYING, S.ALLOCATING), (S.RETRYING, S.FAILED), (S.RETRYING, S.CANCELLED),
         # a job of higher priority took its slice: it waits in the queue again
         (S.ALLOCATING, S.PENDING), (S.RUNNING, S.PENDING), (S.RETRYING, S.PENDING),
+        # job.suspend() (a running job checkpoints first), then job.resume() or cancel
+        (S.PENDING, S.SUSPENDED), (S.ALLOCATING, S.SUSPENDED), (S.RUNNING, S.SUSPENDED),
+        (S.RETRYING, S.SUSPENDED), (S.SUSPENDED, S.PENDING), (S.SUSPENDED, S.CANCELLED),
     }
     for old, new in itertools.product(S, S):
         if (old, new) in expected:
@@ -103,7 +107,8 @@ def test_illegal_transition_message_says_why() -> None:
 
 def test_state_classes_carry_their_names_and_data() -> None:
     instances = [Pending(3), Allocating(1), Running(1, 7), Retrying(2, "host lost"),
-                 Succeeded(), Failed("boom"), Cancelled("user")]
+                 Suspended("suspended by user"), Succeeded(), Failed("boom"),
+                 Cancelled("user")]
     assert [i.state for i in instances] == list(S)
     assert Running(attempt=1, step=7).step == 7
     with pytest.raises(AttributeError):

@@ -18,32 +18,13 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serve_process import Service, processes_service
-from sgd_jobs import LR, batches, numpy_run
+from sgd_jobs import batches, numpy_run, paced_step
 
 import jaxpod
 from jaxpod.timeouts import wait_for
 
 pytestmark = pytest.mark.multiprocess
 
-
-
-def paced_step(state: Any, batch: Any) -> Any:
-    """One SGD step of y ~ x @ w over the global batch, taking >= 30 ms on the host, so
-    a job stays RUNNING long enough to be preempted."""
-    import jax
-
-    ctx = jaxpod.get_replica_context()
-    x, y = batch["x"], batch["y"]
-    mask = ctx.valid_row_mask.astype(x.dtype)
-    err = (x @ state["w"] - y) * mask
-    grad = ctx.all_reduce("SUM", x.T @ err) / ctx.all_reduce("SUM", mask.sum())
-
-    def pause(v: Any) -> Any:
-        time.sleep(0.03)
-        return v
-
-    wait = jax.pure_callback(pause, jax.ShapeDtypeStruct((), np.float32), np.float32(0))
-    return {"w": state["w"] - LR * grad + wait}, {"loss": err ** 2}
 
 
 def quick_step(state: Any, batch: Any) -> Any:
