@@ -23,7 +23,14 @@ import grpc.experimental  # not loaded by ``import grpc``; ChannelOptions lives 
 import jaxpod
 from jaxpod import errors, settings
 from jaxpod.client import embedded, rpc
-from jaxpod.client.jobs import Job, build_spec, check_state, status_from, submit_spec
+from jaxpod.client.jobs import (
+    Job,
+    build_spec,
+    check_state,
+    fork_request,
+    status_from,
+    submit_spec,
+)
 from jaxpod.client.remote import RemoteStrategy
 from jaxpod.client.stream import OpStream
 from jaxpod.errors import SessionError
@@ -317,6 +324,35 @@ class Client:
             grow_back=grow_back, memory_checkpoint_every=memory_checkpoint_every,
             min_runtime_s=min_runtime_s, max_runtime_s=max_runtime_s)
         return submit_spec(self, spec)
+
+    def fork(self, job_id: str, *, step: int, steps: int | None = None,
+             **overrides: Any) -> Job:
+        """Starts a new job, this client's, that runs steps ``step``..``steps`` of job
+        ``job_id``'s spec from that job's checkpoint of ``step`` (any it still keeps, as
+        ``job.checkpoints()`` lists them; a finished job keeps its last few). The
+        source is untouched; the fork resumes its state and input position there, so
+        with no overrides it computes what the source computed from ``step`` on, bit
+        for bit.
+
+        Args:
+          job_id: the source job (one of this token's, or any for an admin).
+          step: the checkpoint's step.
+          steps: the fork's last step (default: the source's).
+          **overrides: ``client.submit`` keywords to change: ``step_fn`` (a branch
+            with another learning rate, say), ``name``, ``priority``,
+            ``checkpoint_every``, ``memory_checkpoint_every``, ``max_retries_*``,
+            ``min_runtime_s``, ``max_runtime_s``, ``grow_back``.
+
+        Raises:
+          TypeError, ValueError: a bad argument, a keyword a fork cannot change, or a
+            step the source keeps no checkpoint of (the message lists those it keeps).
+        """
+        self.check_open("fork")
+        request = fork_request(job_id, step, steps, overrides)
+        # Not retried: a fork that reached the service would run twice.
+        reply = self.call(self.stub.ForkJob, request, what="fork",
+                          timeout=rpc.CONTROL_TIMEOUT)
+        return Job(self, reply.id, reply.name or reply.id)
 
     def job(self, job_id: str) -> Job:
         """The job with this id, submitted by any client.

@@ -25,6 +25,7 @@ from jaxpod import errors, settings, trees
 from jaxpod.client import rpc
 from jaxpod.job_wrappers import Epochs, EpochsFn, InitialState, JobStep, is_reiterable
 from jaxpod.jobs import (
+    FORKABLE,
     SUBMIT_DEFAULTS,
     SUBMIT_KEYWORDS,
     Attempt,
@@ -335,6 +336,50 @@ def _check_spec_size(spec: JobSpec) -> None:
            "instead of the arrays themselves." if biggest == "dataset" else
            "do not capture large arrays in functions; build or load them on the hosts "
            "(in init_fn or dataset_fn)."))
+
+
+def fork_request(job_id: str, step: int, steps: int | None,
+                 overrides: Mapping[str, Any]) -> pb.ForkJobRequest:
+    """Checks ``client.fork``'s arguments; the request it sends."""
+    from jaxpod.shipping import ship_object
+
+    if not isinstance(job_id, str) or not job_id:
+        raise TypeError(f"fork: job_id must be the source job's id (job.id, or as `jaxpod "
+                        f"jobs` shows it). Got {_show(job_id)}.")
+    step = _check_int("step", step, 0, "the step of the source's checkpoint to start "
+                      "from, as job.checkpoints() lists them")
+    if steps is not None:
+        steps = _check_int("steps", steps, step + 1, "the fork's last step, past step")
+    unknown = sorted(set(overrides) - set(FORKABLE))
+    if unknown:
+        raise TypeError(f"fork: {unknown} cannot change in a fork; it may change "
+                        f"{', '.join(FORKABLE)} (the input, the state's structure and the "
+                        "outputs stay the source's: the fork resumes them).")
+    fields: dict[str, Any] = {}
+    for name, value in overrides.items():
+        if name == "step_fn":
+            if not callable(value):
+                raise TypeError(f"fork: step_fn must be a function step_fn(state, batch) -> "
+                                f"(state, outputs). Got {_show(value)}.")
+            value = ship_object(value, f"step_fn {_qualname(value)}", _CAPTURE_FIX).payload
+        elif name in ("min_runtime_s", "max_runtime_s"):
+            value = _check_seconds(name, value, 0.0 if name == "min_runtime_s" else 1e-3,
+                                   "seconds")
+        elif name == "grow_back":
+            if not isinstance(value, bool):
+                raise TypeError(f"fork: grow_back must be True or False. Got {_show(value)}.")
+        elif name == "name":
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"fork: name must be a string. Got {_show(value)}.")
+        elif name == "priority":
+            value = _check_int(name, value, -PRIORITY_LIMIT, "higher runs first",
+                               PRIORITY_LIMIT)
+        elif value is not None:
+            value = _check_int(name, value, 0, "a count")
+        fields[name] = value
+    spec = JobSpec(steps=steps or 1, **fields)
+    return pb.ForkJobRequest(job_id=job_id, step=step, steps=steps or 0,
+                             overrides=to_message(spec), override=sorted(fields))
 
 
 def submit_spec(client: Client, spec: JobSpec) -> Job:

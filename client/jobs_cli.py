@@ -1,5 +1,6 @@
 """The job commands of the ``jaxpod`` CLI: ``submit``, ``jobs``, ``job``, ``logs``,
-``cancel``, ``suspend``, ``resume``, ``pin``, ``unpin``, ``profile`` and ``audit``.
+``cancel``, ``suspend``, ``resume``, ``fork``, ``pin``, ``unpin``, ``profile`` and
+``audit``.
 
 They talk to a running ``jaxpod serve`` (``--address``, default ``$JAXPOD_ADDRESS``;
 token from ``$JAXPOD_TOKEN``) and never start the embedded local service: a job must
@@ -109,6 +110,18 @@ def add_commands(sub: Any) -> None:
     cancel.add_argument("job_id", metavar="ID", help="the job's id")
     _add_address(cancel)
     cancel.set_defaults(handler=_pipe_safe(run_cancel))
+
+    fork = sub.add_parser("fork", help="start a new job from one of a job's checkpoints "
+                                       "and print its id")
+    fork.add_argument("job_id", metavar="ID", help="the source job's id")
+    fork.add_argument("--step", type=int, required=True,
+                      help="the step of the source's checkpoint (`jaxpod job ID` lists them)")
+    fork.add_argument("--steps", type=int, default=None,
+                      help="the fork's last step (default: the source's)")
+    fork.add_argument("--name", default=None, help="the fork's name")
+    fork.add_argument("--priority", type=int, default=None, help="the fork's priority")
+    _add_address(fork)
+    fork.set_defaults(handler=_pipe_safe(run_fork))
 
     for verb, says in (("suspend", "checkpoint a job and free its slice until resumed"),
                        ("resume", "queue a suspended job again")):
@@ -391,6 +404,15 @@ def run_cancel(args: argparse.Namespace) -> int:
             except DeadlineExceededError:
                 status = job.status()
     print(f"{status.id}: {status.state}")
+    return 0
+
+
+def run_fork(args: argparse.Namespace) -> int:
+    overrides = {k: v for k, v in (("name", args.name), ("priority", args.priority))
+                 if v is not None}
+    with _connect(args) as client:
+        job = client.fork(args.job_id, step=args.step, steps=args.steps, **overrides)
+    print(job.id)
     return 0
 
 

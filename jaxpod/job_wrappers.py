@@ -15,6 +15,7 @@ module is part of the installed package) and the user's code inside them by valu
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,37 @@ class JobStep:
                              f"returns {sorted(map(str, outputs))}). Return them, or "
                              "remove them from outputs=.")
         return (new_state if self.stateful else ()), {n: outputs[n] for n in self.outputs}
+
+
+@dataclass(frozen=True)
+class ForkedStep:
+    """A fork's own step function in its source job's step: the source's declared
+    outputs, state and input, the fork's function. Both travel pickled as their
+    clients shipped them (the service, which never loads user code, puts them
+    together); the workers load them at the first call.
+
+    Attributes:
+      step_fn: the fork's ``step_fn``, shipped (a :class:`~jaxpod.shipping.ShippedFunction`
+        payload).
+      source: the source's :class:`JobStep`, shipped.
+      versions: the runtime versions both were shipped with.
+    """
+
+    step_fn: bytes
+    source: bytes
+    versions: Mapping[str, str]
+
+    @functools.cached_property
+    def _step(self) -> JobStep:
+        from jaxpod.shipping import ShippedFunction, load
+
+        source = load(ShippedFunction(self.source, dict(self.versions)))
+        inner = source._step if isinstance(source, ForkedStep) else source
+        fn = load(ShippedFunction(self.step_fn, dict(self.versions)))
+        return JobStep(fn, inner.outputs, inner.stateful, inner.has_input)
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
+        return self._step(state, batch)
 
 
 @dataclass(frozen=True)

@@ -307,6 +307,14 @@ def _shipped(*keywords: str) -> Any:
     return field(default=b"", metadata={"submit": keywords})
 
 
+#: What a fork (``client.fork``) may change of its source's spec. The input, the
+#: state's structure and the declared outputs stay the source's: the fork resumes the
+#: source's input position and state from its checkpoint.
+FORKABLE = ("step_fn", "name", "priority", "checkpoint_every", "memory_checkpoint_every",
+            "max_retries_preemption", "max_retries_failure", "min_runtime_s",
+            "max_runtime_s", "grow_back")
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """A job as submitted: ``client.submit``'s keyword arguments, in its order, with the

@@ -627,6 +627,20 @@ class JobRequest(_message.Message):
     without_state: bool
     def __init__(self, job_id: _Optional[str] = ..., detail: _Optional[bool] = ..., without_state: _Optional[bool] = ...) -> None: ...
 
+class ForkJobRequest(_message.Message):
+    __slots__ = ("job_id", "step", "steps", "overrides", "override")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDES_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    step: int
+    steps: int
+    overrides: JobSpec
+    override: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., overrides: _Optional[_Union[JobSpec, _Mapping]] = ..., override: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class PinJobRequest(_message.Message):
     __slots__ = ("job_id", "pinned")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

@@ -159,6 +159,11 @@ class CoordinatorStub:
                 request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
                 response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.FromString,
                 _registered_method=True)
+        self.ForkJob = channel.unary_unary(
+                '/jaxpod.v1.Coordinator/ForkJob',
+                request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.ForkJobRequest.SerializeToString,
+                response_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.FromString,
+                _registered_method=True)
         self.GetJobResult = channel.unary_stream(
                 '/jaxpod.v1.Coordinator/GetJobResult',
                 request_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
@@ -366,6 +371,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForkJob(self, request, context):
+        """A new job, the caller's, running another job's spec from one of its checkpoints.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetJobResult(self, request, context):
         """{"state", "outputs"}
         """
@@ -539,6 +551,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'ResumeJob': grpc.unary_unary_rpc_method_handler(
                     servicer.ResumeJob,
                     request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.FromString,
+                    response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.SerializeToString,
+            ),
+            'ForkJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkJob,
+                    request_deserializer=jaxpod_dot_proto_dot_coordinator__pb2.ForkJobRequest.FromString,
                     response_serializer=jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.SerializeToString,
             ),
             'GetJobResult': grpc.unary_stream_rpc_method_handler(
@@ -1251,6 +1268,33 @@ class Coordinator:
             target,
             '/jaxpod.v1.Coordinator/ResumeJob',
             jaxpod_dot_proto_dot_coordinator__pb2.JobRequest.SerializeToString,
+            jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxpod.v1.Coordinator/ForkJob',
+            jaxpod_dot_proto_dot_coordinator__pb2.ForkJobRequest.SerializeToString,
             jaxpod_dot_proto_dot_coordinator__pb2.JobStatus.FromString,
             options,
             channel_credentials,

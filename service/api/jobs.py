@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from jaxpod import settings
 from jaxpod.jobs import (
+    FORKABLE,
     TERMINAL_STATES,
     HostStacks,
     JobProfile,
@@ -120,6 +121,18 @@ class JobsServicer:
     async def ResumeJob(self, request: pb.JobRequest, context: Any) -> pb.JobStatus:
         return to_message(await suspend_or_resume(self._manager(), request.job_id, True,
                                                   self._blocking, self.caller(context)))
+
+    async def ForkJob(self, request: pb.ForkJobRequest, context: Any) -> pb.JobStatus:
+        overrides = from_message(JobSpec, request.overrides)
+        changes = {name: getattr(overrides, name) for name in request.override
+                   if hasattr(overrides, name)}
+        unknown = sorted(set(request.override) - set(changes))
+        if unknown:
+            raise ValueError(f"fork: no spec field {unknown[0]!r}; forkable: "
+                             f"{', '.join(FORKABLE)}.")
+        return to_message(await fork_job(self._manager(), request.job_id, request.step,
+                                         request.steps or None, changes, self._blocking,
+                                         self.caller(context)))
 
     async def PinJob(self, request: pb.PinJobRequest, context: Any) -> pb.JobStatus:
         return to_message(await pin_job(self._manager(), request.job_id, request.pinned,
@@ -268,6 +281,18 @@ async def pin_job(manager: JobManager, job_id: str, pinned: bool, blocking: _Blo
     await blocking(manager.check_owner, job_id, caller, what)
     status = await blocking(manager.pin, job_id, pinned)
     await blocking(manager.audit, caller.name, what, job_id)
+    return status
+
+
+async def fork_job(manager: JobManager, source: str, step: int, steps: int | None,
+                   overrides: dict[str, Any], blocking: _Blocking, caller: Principal
+                   ) -> JobStatus:
+    """Forks ``source``, if ``caller`` owns it (or is an admin): the fork is the
+    caller's, in the caller's team; the gRPC and HTTP edges share it."""
+    await blocking(manager.check_owner, source, caller, "fork")
+    status = await blocking(manager.fork, source, step, steps, overrides, caller.name,
+                            caller.team)
+    await blocking(manager.audit, caller.name, "fork", status.id, f"of {source} at {step}")
     return status
 
 

@@ -32,6 +32,7 @@ RPC_ROLES: Mapping[str, Role] = MappingProxyType({
     "SubmitJob": _SUBMITTER, "CancelJob": _SUBMITTER, "GetJobResult": _SUBMITTER,
     "GetJobLogs": _SUBMITTER, "ProfileJob": _SUBMITTER, "GetJobStacks": _SUBMITTER,
     "PinJob": _SUBMITTER, "SuspendJob": _SUBMITTER, "ResumeJob": _SUBMITTER,
+    "ForkJob": _SUBMITTER,
     "ListAudit": Role.ADMIN,
 })
 
@@ -52,6 +53,7 @@ ROUTE_ROLES: Mapping[tuple[str, str], Role | None] = MappingProxyType({
     ("POST", "/api/v1/jobs/{job_id}/pin"): _SUBMITTER,
     ("POST", "/api/v1/jobs/{job_id}/suspend"): _SUBMITTER,
     ("POST", "/api/v1/jobs/{job_id}/resume"): _SUBMITTER,
+    ("POST", "/api/v1/jobs/{job_id}/fork"): _SUBMITTER,  # of its own jobs, or an admin
     ("DELETE", "/api/v1/jobs/{job_id}/pin"): _SUBMITTER,
     ("POST", "/api/v1/jobs/{job_id}/profile"): _SUBMITTER,  # the same
     ("GET", "/api/v1/jobs/{job_id}/stacks"): _SUBMITTER,  # the same

@@ -140,6 +140,14 @@ else:
                                                       "oldest first")))
 
 
+class ForkRequest(BaseModel):
+    step: int = Field(ge=0, description="the step of the source's checkpoint to start from")
+    steps: int | None = Field(default=None, ge=1,
+                              description="the fork's last step (default: the source's)")
+    name: str | None = Field(default=None, description="the fork's name")
+    priority: int | None = Field(default=None, description="the fork's priority")
+
+
 class JobList(BaseModel):
     jobs: list[JobSummary]
     total: int = Field(description="jobs matching the filter, over all pages")

@@ -244,6 +244,19 @@ async def resume_job(request: Request, backend: BackendDep, job_id: JobId
         backend.jobs, job_id, True, _blocking, request.state.principal))
 
 
+@jobs.post("/jobs/{job_id}/fork", response_model=models.JobSummary,
+           responses={**NOT_FOUND, **FORBIDDEN},
+           summary="Start a new job, the caller's, from one of a job's checkpoints "
+                   "(`client.fork`); answers with the fork")
+async def fork_job(request: Request, backend: BackendDep, job_id: JobId,
+                   body: models.ForkRequest) -> models.JobSummary:
+    overrides = {k: v for k, v in (("name", body.name), ("priority", body.priority))
+                 if v is not None}
+    return models.summary_of(await handlers.fork_job(
+        backend.jobs, job_id, body.step, body.steps, overrides, _blocking,
+        request.state.principal))
+
+
 @jobs.post("/jobs/{job_id}/pin", response_model=models.JobSummary,
            responses={**NOT_FOUND, **FORBIDDEN},
            summary="Pin a job: retention never prunes it (`job.pin()`)")

@@ -39,10 +39,23 @@ class JobCheckpoints:
     Args:
       root: the service's checkpoint dir (``--checkpoint-dir``).
       job_id: the job.
+      fork_of: a fork's source job and the step of its checkpoint the fork starts
+        from: read in place (never copied, never changed) until the fork commits its
+        own.
     """
 
-    def __init__(self, root: str, job_id: str) -> None:
+    def __init__(self, root: str, job_id: str, fork_of: tuple[str, int] | None = None
+                 ) -> None:
         self.directory = join(root, job_id)
+        self._base = (join(root, fork_of[0]), fork_of[1]) if fork_of is not None else None
+
+    def directory_of(self, step: int) -> str:
+        """The folder holding checkpoint ``step``: the job's own, or a fork's source's
+        for the step it was forked from (when it has not written that step itself)."""
+        if self._base is not None and step == self._base[1] and step not in set(
+                self.committed_steps()):
+            return self._base[0]
+        return self.directory
 
     @property
     def keep(self) -> int:
@@ -67,8 +80,11 @@ class JobCheckpoints:
         return {step: self.state_path(step) for step in self.committed_steps()}
 
     def latest_step(self) -> int | None:
+        """The newest committed step (a fork that wrote none: its source's step)."""
         steps = self.committed_steps()
-        return steps[-1] if steps else None
+        if steps:
+            return steps[-1]
+        return self._base[1] if self._base is not None else None
 
     def remove(self) -> None:
         """Deletes the job's whole folder (its checkpoints, TensorBoard scalars and

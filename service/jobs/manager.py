@@ -20,7 +20,9 @@ from typing import Any
 
 from jaxpod import settings
 from jaxpod.errors import JobNotRunningError, PermissionDeniedError
+from jaxpod.job_wrappers import ForkedStep
 from jaxpod.jobs import (
+    FORKABLE,
     HostInput,
     HostStacks,
     JobDetails,
@@ -51,6 +53,7 @@ from jaxpod.service.jobs.runner import JobRun
 from jaxpod.service.jobs.states import Cancelled, Pending, Suspended
 from jaxpod.service.jobs.store import JobStore
 from jaxpod.service.slices.profiles import ProfileRequest
+from jaxpod.shipping import ship_object
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +225,56 @@ class JobManager:
         self.events.changed(job_id)
         return self.status(job_id)
 
+    def fork(self, source_id: str, step: int, steps: int | None,
+             overrides: Mapping[str, Any], owner: str, team: str = DEFAULT_TEAM
+             ) -> JobStatus:
+        """Queues a new job, ``owner``'s, that runs steps ``step``..``steps`` of
+        ``source_id``'s spec (``overrides``: fields of :data:`~jaxpod.jobs.FORKABLE`)
+        from the source's checkpoint of ``step``, read in place; the source is untouched.
+
+        Raises:
+          ValueError: the source keeps no checkpoint of ``step``, ``steps`` is not past
+            it, or an override is not forkable (the message says which are).
+        """
+        source = self.store.get(source_id)
+        unknown = sorted(set(overrides) - set(FORKABLE))
+        if unknown:
+            raise ValueError(f"fork: {unknown} cannot be changed in a fork; it may change "
+                             f"{', '.join(FORKABLE)} (the input, the state's structure and "
+                             "the outputs stay the source's).")
+        kept = self.checkpoints(source_id).committed_steps()
+        if step not in kept:
+            raise ValueError(
+                f"fork: job {source_id} keeps no checkpoint of step {step}; it keeps "
+                f"{', '.join(map(str, kept)) or 'none'} (job.checkpoints() lists them). "
+                "Fork from one of those.")
+        spec = stored.spec_from_payload(self.store.load_payload(source_id))
+        steps = steps or spec.steps
+        if steps <= step:
+            raise ValueError(f"fork: steps={steps} must be past the step it starts from "
+                             f"({step}); pass steps=N with N > {step}.")
+        changes = dict(overrides)
+        if "step_fn" in changes:  # the fork's function in the source's step
+            changes["step_fn"] = ship_object(
+                ForkedStep(changes["step_fn"], spec.step_fn, dict(spec.runtime_versions or {})),
+                "the fork's step", "").payload
+        changes["name"] = changes.get("name") or f"{source.name}@{step}"
+        spec = dataclasses.replace(spec, steps=steps, **changes)
+        status = self.store.create_job(
+            steps=spec.steps, payload=stored.spec_payload(spec), name=spec.name,
+            accelerator_type=source.accelerator_type, owner=owner, priority=spec.priority,
+            team=team)
+        self.store.set_fork_origin(status.id, source_id, step)
+        skeleton = self.store.state_skeleton(source_id)
+        if skeleton is not None:
+            self.store.set_state_skeleton(status.id, skeleton)
+        self.goodput.start(status.id)
+        self.dispatcher.enqueue(status, spec)
+        self.events.changed(status.id)
+        logger.info("job %s (%s) forked from job %s at step %d", status.id, status.name,
+                    source_id, step)
+        return self.status(status.id)
+
     def pin(self, job_id: str, pinned: bool = True) -> JobStatus:
         """Keeps the job whole for ever (``pinned``), or lets retention prune it once it
         is finished and past the limits."""
@@ -354,8 +407,8 @@ class JobManager:
 
     # ------------------------------------------------------------------ running
     def checkpoints(self, job_id: str) -> JobCheckpoints:
-        """The job's checkpoint directory."""
-        return JobCheckpoints(self.checkpoint_dir, job_id)
+        """The job's checkpoint directory (a fork's reads its source's first)."""
+        return JobCheckpoints(self.checkpoint_dir, job_id, self.store.fork_origin(job_id))
 
     def _controller(self, job_id: str, spec: JobSpec) -> JobController:
         parts = ControllerParts(

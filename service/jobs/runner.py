@@ -517,8 +517,8 @@ class JobRun:
                 if self._memory is not None:
                     return self._restore_memory(self._memory, skeleton, init)
                 return self.engine.restore_checkpoint(
-                    self.checkpoints.directory, self.resume, self.checkpoints.keep, skeleton,
-                    init)
+                    self.checkpoints.directory_of(self.resume), self.resume,
+                    self.checkpoints.keep, skeleton, init)
         if not spec.init_fn:
             return (), None
         state = self._defined_call(self._shipped(spec.init_fn), self.engine.run)

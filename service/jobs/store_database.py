@@ -246,6 +246,9 @@ _V17 = ["ALTER TABLE attempts ADD COLUMN accelerator_type TEXT"]
 # v18: the team a job's slices count against (jobs recorded before: the default team).
 _V18 = ["ALTER TABLE jobs ADD COLUMN team TEXT NOT NULL DEFAULT 'default'"]
 
+# v19: a fork's source job and the step of the source's checkpoint it starts from.
+_V19 = ["ALTER TABLE jobs ADD COLUMN fork_of TEXT", "ALTER TABLE jobs ADD COLUMN fork_step INTEGER"]
+
 
 #: MIGRATIONS[i] takes a database from schema version i to i + 1. Append only: never
 #: edit a released one (databases in the field were built by it).
@@ -254,7 +257,7 @@ MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _statements(_V5), _statements(_V6), _statements(_V7), _statements(_V8),
     _statements(_V9), _statements(_V10), _statements(_V11), _statements(_V12),
     _statements(_V13), _statements(_V14), _statements(_V15), _statements(_V16),
-    _statements(_V17), _statements(_V18)]
+    _statements(_V17), _statements(_V18), _statements(_V19)]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -127,6 +127,21 @@ class JobReports(JobDatabase):
             self._require(conn, job_id)
             conn.execute("UPDATE jobs SET state_skeleton = ? WHERE id = ?", (skeleton, job_id))
 
+    def set_fork_origin(self, job_id: str, source: str, step: int) -> None:
+        """Record that the job is a fork of ``source`` from its checkpoint of ``step``."""
+        with self._write() as conn:
+            self._require(conn, job_id)
+            conn.execute("UPDATE jobs SET fork_of = ?, fork_step = ? WHERE id = ?",
+                         (source, step, job_id))
+
+    def fork_origin(self, job_id: str) -> tuple[str, int] | None:
+        """The job's source and the step it was forked from (``None``: not a fork)."""
+        with self._read() as conn:
+            self._require(conn, job_id)
+            row = conn.execute("SELECT fork_of, fork_step FROM jobs WHERE id = ?",
+                               (job_id,)).fetchone()
+        return None if row[0] is None else (str(row[0]), int(row[1]))
+
     def state_skeleton(self, job_id: str) -> bytes | None:
         with self._read() as conn:
             self._require(conn, job_id)

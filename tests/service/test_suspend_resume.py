@@ -5,6 +5,8 @@
   to the same job run uninterrupted, each loop recorded once.
 * Only a suspended job resumes; a finished one cannot be suspended (SDK and REST):
   each refusal says the job's state and what to do.
+* A fork (CLI, SDK) from a kept checkpoint computes what its source computed from
+  there, bit for bit; a branch with another step function runs numpy's steps.
 * A job with ``max_runtime_s`` ends ``CANCELLED`` when its time is up, its last loop
   checkpointed: plain orbax reads that checkpoint back as numpy's state at its step.
 """
@@ -20,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 from serve_process import Service, processes_service
-from sgd_jobs import batches, numpy_run, paced_step
+from sgd_jobs import LR, batches, numpy_run, paced_step
 
 import jaxpod
 from jaxpod.timeouts import wait_for
@@ -136,3 +138,43 @@ def test_max_runtime_ends_the_job_with_a_checkpoint_of_its_last_loop(client: Any
     np.testing.assert_allclose(w, numpy_run(batches(7), final.step)[0], rtol=1e-4,
                                atol=1e-5)
 
+
+def half_lr_step(state: Any, batch: Any) -> Any:
+    """paced_step with half the learning rate: a fork's branch."""
+    new, outputs = paced_step(state, batch)
+    return {"w": (state["w"] + new["w"]) / 2}, outputs
+
+
+def test_a_fork_continues_bit_for_bit_and_a_branch_runs_its_own_step(
+        service: Service, client: Any) -> None:
+    source = client.submit(paced_step, steps=40, steps_per_run=LOOP, checkpoint_every=10,
+                           accelerator_type="v4-8",
+                           initial_state={"w": np.zeros(3, np.float32)}, dataset=batches(7),
+                           outputs={"loss": "MEAN"}, name="source", memory_checkpoint_every=0)
+    assert source.wait(timeout=300, progress=False).state == "SUCCEEDED"
+    kept = [c.step for c in source.checkpoints()]
+    assert kept[-1] == 40 and 30 in kept, kept
+    with pytest.raises(ValueError, match="keeps no checkpoint of step 5; it keeps "
+                                         + ", ".join(map(str, kept))):
+        client.fork(source.id, step=5)
+
+    # The same spec from step 30, through the CLI: the source's state at 40, bit for bit.
+    fork_id = _cli(service, "fork", source.id, "--step", "30").strip()
+    fork = client.job(fork_id)
+    assert fork.wait(timeout=300, progress=False).state == "SUCCEEDED"
+    np.testing.assert_array_equal(fork.result().state["w"], source.result().state["w"])
+    loops = sorted(s for s, _ in fork.result().metrics["loss"])
+    assert loops == list(range(32, 41, LOOP))  # only its own steps, from 30 on
+
+    # A branch with half the learning rate from 30: numpy's run of the same steps.
+    branch = client.fork(source.id, step=30, steps=36, step_fn=half_lr_step, name="half")
+    assert branch.wait(timeout=300, progress=False).state == "SUCCEEDED"
+    assert branch.status().name == "half"
+    data = batches(7)
+    w = numpy_run(data, 30)[0]
+    for step in range(30, 36):
+        b = data[step % len(data)]
+        err = b["x"] @ w - b["y"]
+        w = w - (LR / 2) * (b["x"].T @ err) / np.float32(len(err))
+    np.testing.assert_allclose(branch.result().state["w"], w, rtol=1e-4, atol=1e-5)
+    assert [c.step for c in source.checkpoints()] == kept  # the source untouched
