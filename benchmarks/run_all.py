@@ -26,6 +26,7 @@ Usage: ``python benchmarks/run_all.py [--quick] [--repeats N] [--only engine,...
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import importlib.util
 import json
@@ -163,6 +164,12 @@ AREAS = (
 )
 
 
+#: About how long each script's --quick run takes on 2 cores (seconds): with
+#: --parallel, the longest start first.
+EXPECTED_S = {"memory_checkpoint": 150, "chaos": 130, "sharded": 130, "checkpoint": 100,
+              "growth": 75, "restart": 65, "recovery": 60, "step_loop": 45}
+
+
 def peer_installed() -> bool:
     """Whether Ray Train (the jobs benchmark's peer) can be imported."""
     try:
@@ -253,6 +260,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=None,
                         help="runs of each script, in rounds; every figure is their "
                              "median, min-max beside it (default 5, 1 with --quick)")
+    parser.add_argument("--parallel", type=int, default=1, metavar="N",
+                        help="scripts run at once (default 1). Above 1 the scripts "
+                             "share the cores, so their figures say less: for checking "
+                             "that every benchmark runs (CI), not for publishing")
     parser.add_argument("--out", default=None,
                         help="where results.json and docs/ go (default: the repository "
                              "for a full run, a temporary folder with --quick)")
@@ -274,18 +285,32 @@ def main() -> int:
     repeats = args.repeats or (1 if args.quick else FULL_REPEATS)
     if repeats < 1:
         parser.error(f"--repeats must be >= 1; got {repeats}")
+    if args.parallel < 1:
+        parser.error(f"--parallel must be >= 1; got {args.parallel}")
     results["repeats"] = repeats
+    if args.parallel > 1:
+        results["command"] += f" --parallel {args.parallel}"
+        notes["parallel"] = (f"{args.parallel} scripts ran at once, sharing the cores: "
+                             "these figures say that every benchmark runs, not how fast.")
     runs: dict[str, list[dict[str, Any]]] = {a.script: [] for a in chosen}
+
+    def run(area: Area, round_: int) -> None:
+        print(f"run_all: {area.script} ({round_}/{repeats}) ...", flush=True)
+        entry = run_script(area, script_args(area, args.quick, notes), logs)
+        runs[area.script].append(entry)
+        met = [t["met"] for t in entry.get("targets", {}).values()]
+        print(f"run_all: {area.script} {'FAILED' if 'error' in entry else 'done'} in "
+              f"{entry['seconds']:.0f} s; targets met {sum(met)}/{len(met)}", flush=True)
+        if "error" in entry:
+            print(entry["error"], flush=True)
+
     for round_ in range(1, repeats + 1):  # rounds: a busy spell falls on several scripts
-        for area in chosen:
-            print(f"run_all: {area.script} ({round_}/{repeats}) ...", flush=True)
-            entry = run_script(area, script_args(area, args.quick, notes), logs)
-            runs[area.script].append(entry)
-            met = [t["met"] for t in entry.get("targets", {}).values()]
-            print(f"run_all: {area.script} {'FAILED' if 'error' in entry else 'done'} in "
-                  f"{entry['seconds']:.0f} s; targets met {sum(met)}/{len(met)}", flush=True)
-            if "error" in entry:
-                print(entry["error"], flush=True)
+        with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+            # the longest first, so the last to finish is a short one
+            order = chosen if args.parallel == 1 else sorted(
+                chosen, key=lambda a: -EXPECTED_S.get(a.script, 0))
+            for done in [pool.submit(run, area, round_) for area in order]:
+                done.result()  # bounded: each script runs under SCRIPT_TIMEOUT_S
     from repeats import combine
 
     own = results["benchmarks"] = {a.script: combine(runs[a.script]) for a in chosen}
