@@ -183,6 +183,7 @@ class JobRun:
         self._next_host_poll = 0.0
         self._versions = dict(spec.runtime_versions or {})
         self.start_step = self.resume if self.resume is not None else 0
+        self._memory_off = False  # an in-memory save failed: none for this attempt
         #: Steps done so far (what a lost attempt reached).
         self.step = self.start_step
         #: The steps checkpoints were asked for, oldest first (a resumed attempt's
@@ -364,8 +365,10 @@ class JobRun:
     def _memory_checkpoint(self, state: Any) -> None:
         """Has the hosts keep the state at this loop boundary in their nodes' memory and
         their peers' (:mod:`jaxpod.worker.memory_checkpoints`); the loop waits while the
-        copies are dispatched. A failure costs the fast tier, not the job."""
-        if not memory_checkpoints_on(self.spec) or self.step == self.memorized:
+        copies are dispatched. A failure costs the fast tier for the rest of the
+        attempt, not the job (it is said once, not at every interval)."""
+        if (not memory_checkpoints_on(self.spec) or self.step == self.memorized
+                or self._memory_off):
             return
         start = time.monotonic()
         with self._clock.during(goodput.CHECKPOINTING):
@@ -375,8 +378,10 @@ class JobRun:
             except SLICE_FAILURES:
                 raise
             except Exception as e:
-                logger.warning("job %s: an in-memory checkpoint at step %d failed: %s",
+                logger.warning("job %s: an in-memory checkpoint at step %d failed, so this "
+                               "attempt keeps none (its persistent checkpoints go on): %s",
                                self.job_id, self.step, e)
+                self._memory_off = True
                 return
         self._memory_stall = time.monotonic() - start
         self.memorized = self.step
