@@ -226,6 +226,16 @@ class Client:
         return [{"name": s.name, "accelerator_type": s.accelerator_type,
                  "num_hosts": s.num_hosts, "holder": s.holder} for s in reply.slices]
 
+    def teams(self) -> list[dict[str, Any]]:
+        """How the teams of the service's tokens share its slices now: each team's
+        weight, slices held, slices its weight entitles it to among the active teams,
+        slices borrowed beyond those, and jobs queued (empty: no teams declared)."""
+        self.check_open("teams")
+        reply = self.call(self.stub.ClusterStatus, pb.Empty(), what="teams",
+                          idempotent=True, timeout=rpc.CONTROL_TIMEOUT)
+        return [{"team": t.team, "weight": t.weight, "held": t.held, "entitled": t.entitled,
+                 "borrowed": t.borrowed, "queued": t.queued} for t in reply.teams]
+
     # --------------------------------------------------------------------- jobs
     def submit(self, step_fn: Callable[..., Any], *, steps: int,
                accelerator_type: str | Sequence[str] | None = None,

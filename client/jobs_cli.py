@@ -453,7 +453,7 @@ def _print_details(details: JobDetails, as_json: bool) -> None:
         return
     fields = [
         ("id", status.id), ("name", status.name), ("owner", status.owner or "-"),
-        ("priority", str(status.priority)),
+        ("team", status.team), ("priority", str(status.priority)),
         ("state", status.state),
         ("step", f"{status.step}/{status.steps}"),
         ("rate", "-" if status.steps_per_s is None else f"{status.steps_per_s:.4g} steps/s"),

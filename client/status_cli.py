@@ -31,11 +31,13 @@ def add_command(sub: Any) -> None:
 def run_status(args: argparse.Namespace) -> int:
     with _connect(args) as client:
         slices = client.cluster()
+        teams = client.teams()
         jobs = client.jobs()
     if not args.all:
         jobs = jobs[-RECENT_JOBS:]
     if args.json:
-        print(json.dumps({"slices": slices, "jobs": [_job_row(j) for j in jobs]}))
+        print(json.dumps({"slices": slices, "teams": teams,
+                          "jobs": [_job_row(j) for j in jobs]}))
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -50,6 +52,14 @@ def run_status(args: argparse.Namespace) -> int:
                         "[blue]busy[/]" if s["holder"] else "[green]free[/]",
                         s["holder"] or "")
     console.print(cluster)
+    if teams:  # declared in the service's tokens file
+        shares = Table(title="teams (slices shared by weight)")
+        for column in ("team", "weight", "held", "share", "borrowed", "queued"):
+            shares.add_column(column)
+        for t in teams:
+            shares.add_row(t["team"], f"{t['weight']:g}", str(t["held"]),
+                           f"{t['entitled']:.1f}", str(t["borrowed"]), str(t["queued"]))
+        console.print(shares)
     table = Table(title=f"jobs ({len(jobs)} shown)")
     for column in ("id", "name", "type", "state", "step", "metrics", "goodput", "created"):
         table.add_column(column)

@@ -530,14 +530,32 @@ class Dropped(_message.Message):
     def __init__(self, value_ids: _Optional[_Iterable[int]] = ..., iterator_ids: _Optional[_Iterable[int]] = ..., dataset_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("slices", "num_sessions", "server_version")
+    __slots__ = ("slices", "num_sessions", "server_version", "teams")
     SLICES_FIELD_NUMBER: _ClassVar[int]
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TEAMS_FIELD_NUMBER: _ClassVar[int]
     slices: _containers.RepeatedCompositeFieldContainer[ClusterSlice]
     num_sessions: int
     server_version: str
-    def __init__(self, slices: _Optional[_Iterable[_Union[ClusterSlice, _Mapping]]] = ..., num_sessions: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+    teams: _containers.RepeatedCompositeFieldContainer[TeamShare]
+    def __init__(self, slices: _Optional[_Iterable[_Union[ClusterSlice, _Mapping]]] = ..., num_sessions: _Optional[int] = ..., server_version: _Optional[str] = ..., teams: _Optional[_Iterable[_Union[TeamShare, _Mapping]]] = ...) -> None: ...
+
+class TeamShare(_message.Message):
+    __slots__ = ("team", "weight", "held", "entitled", "borrowed", "queued")
+    TEAM_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    ENTITLED_FIELD_NUMBER: _ClassVar[int]
+    BORROWED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    team: str
+    weight: float
+    held: int
+    entitled: float
+    borrowed: int
+    queued: int
+    def __init__(self, team: _Optional[str] = ..., weight: _Optional[float] = ..., held: _Optional[int] = ..., entitled: _Optional[float] = ..., borrowed: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...
 
 class ClusterSlice(_message.Message):
     __slots__ = ("name", "accelerator_type", "num_hosts", "holder")

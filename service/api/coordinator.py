@@ -257,7 +257,12 @@ class CoordinatorService(StrategyMethodsServicer, OpStreamServicer, JobsServicer
             slices=[pb.ClusterSlice(name=s.name, accelerator_type=s.accelerator_type,
                                     num_hosts=s.num_hosts, holder=holders.get(s.name, ""))
                     for s in slices],
-            num_sessions=len(self.sessions), server_version=jaxpod.__version__)
+            num_sessions=len(self.sessions), server_version=jaxpod.__version__,
+            teams=[pb.TeamShare(**share) for share in self.team_shares()])
+
+    def team_shares(self) -> list[dict[str, Any]]:
+        """How the teams share the slices now (empty: no teams, or no jobs)."""
+        return self.jobs.dispatcher.team_shares() if self.jobs is not None else []
 
     def slice_holders(self) -> dict[str, str]:
         """Slice name -> who holds it: a session's :func:`~jaxpod.proto.tensors.holder_label`

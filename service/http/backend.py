@@ -73,7 +73,8 @@ class Backend:
             state=state, slices=slices,
             free_slices=sum(s.state == "free" for s in slices),
             busy_slices=sum(s.state == "busy" for s in slices),
-            num_sessions=len(self.service.sessions), server_version=jaxpod.__version__)
+            num_sessions=len(self.service.sessions), server_version=jaxpod.__version__,
+            teams=[models.TeamShare(**share) for share in self.service.team_shares()])
 
     def sessions(self) -> models.Sessions:
         out = []

@@ -70,6 +70,16 @@ class Slice(BaseModel):
     problems: list[str]
 
 
+class TeamShare(BaseModel):
+    team: str
+    weight: float
+    held: int = Field(description="slices its jobs hold now")
+    entitled: float = Field(description="the slices its weight gives it among the "
+                                        "active teams")
+    borrowed: int = Field(description="slices held beyond those")
+    queued: int = Field(description="its jobs waiting")
+
+
 class Cluster(BaseModel):
     state: ClusterState
     slices: list[Slice]
@@ -77,6 +87,9 @@ class Cluster(BaseModel):
     busy_slices: int
     num_sessions: int
     server_version: str
+    teams: list[TeamShare] = Field(default_factory=list,
+                                   description="how the teams share the slices (empty: "
+                                               "no teams declared)")
 
 
 class SessionSlice(BaseModel):

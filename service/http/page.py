@@ -161,6 +161,11 @@ def shell(data: PageData) -> str:
  <a href="/api/v1/cluster">/api/v1/cluster</a> and <a href="/api/v1/jobs">/api/v1/jobs</a>.
 </p></noscript>
 <section><h2>Slices and hosts</h2><div id=slices class=slices></div></section>
+<section id=teams hidden><h2>Teams</h2><table><thead><tr><th>team</th><th>weight</th>
+<th title="slices its jobs hold now">held</th>
+<th title="the slices its weight gives it among the active teams">share</th>
+<th title="slices held beyond its share">borrowed</th><th>queued</th></tr></thead>
+<tbody></tbody></table></section>
 <section><h2>Jobs</h2><table id=jobs><thead><tr><th>id</th><th>name</th><th>owner</th>
 <th>priority</th><th>type</th>
 <th>state</th><th title="place in its queue (1 is next); hover: what it waits for">queue</th>

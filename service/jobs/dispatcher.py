@@ -24,7 +24,8 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from jaxpod import settings
 from jaxpod.jobs import JobSpec, JobState, JobStatus
@@ -197,17 +198,36 @@ class Dispatcher:
         if giving:
             return f"job {giving[0]} is giving its slice up (checkpointing first)"
         last = self._last
+        spec = self._specs.get(status.id)
+        kinds = self._waits_for.get(status.id, (status.accelerator_type or "",))
         if last is not None and len(last.teams) > 1:  # teams share: say where it stands
             because = fair_share.why_waiting(last, status.id)
             if because is not None:
-                return because
+                return because + self._expected_free(kinds)
         if position > 0:
             return (f"behind {position} queued job(s) of its type (higher priority, or "
                     "submitted earlier)")
-        spec = self._specs.get(status.id)
         if spec is not None and spec.elastic:
-            return f"no free slice of {', '.join(spec.preferences())}"
-        return f"no free {status.accelerator_type or 'slice'} slice"
+            return f"no free slice of {', '.join(spec.preferences())}" + self._expected_free(
+                kinds)
+        return f"no free {status.accelerator_type or 'slice'} slice" + self._expected_free(
+            kinds)
+
+    def _expected_free(self, kinds: Sequence[str]) -> str:
+        """When the first slice of ``kinds`` should free, from the running jobs' steps
+        left and rates ('' when no running job of those types has a rate yet)."""
+        best: tuple[float, str] | None = None
+        for controller in list(self._active.values()):
+            run, kind = controller.run_now, controller.spec.accelerator_type or ""
+            rate = run.rate.steps_per_s() if run is not None and kind in kinds else None
+            if run is None or not rate:
+                continue
+            eta = max(0.0, (controller.spec.steps - run.step) / rate)
+            if best is None or eta < best[0]:
+                best = (eta, kind)
+        if best is None:
+            return ""
+        return f"; the next {best[1]} slice is expected free in ~{best[0]:.0f} s"
 
     # ------------------------------------------------------------------ started jobs
     def controller(self, job_id: str) -> JobController | None:
@@ -370,12 +390,12 @@ class Dispatcher:
                 elif now - since > RESERVATION.seconds():
                     del self._reserved[job_id]
 
-    def team_shares(self) -> list[dict[str, float | str | int]]:
-        """Each team's weight, slices held now, entitled slices (all slices split by
-        weight among the active teams), borrowed slices and queued jobs, from the last
-        pass (empty before one)."""
+    def team_shares(self) -> list[dict[str, Any]]:
+        """Each active team's weight, slices held now, entitled slices (all slices split
+        by weight among the active teams), borrowed slices and queued jobs, from the
+        last pass (empty before one, and where no teams are declared)."""
         last = self._last
-        if last is None:
+        if last is None or not last.teams:
             return []
         queued: collections.Counter[str] = collections.Counter(w.team for w in last.waiting)
         return [{"team": team, "weight": fair_share.weight_of(last.teams, team),

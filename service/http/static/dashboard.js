@@ -63,11 +63,21 @@
     text(byId("busy-slices"), c.busy_slices);
     text(byId("num-sessions"), c.num_sessions);
     text(byId("version"), "v" + c.server_version);
+    drawTeams(c.teams || []);
     const drawn = JSON.stringify([c.state, c.slices]);
     if (drawn === slicesDrawn) return;
     slicesDrawn = drawn;
     byId("slices").replaceChildren(...(c.slices.length ? c.slices.map(sliceBox)
       : [h("p", {class: "muted"}, "No slices (" + c.state + ").")]));
+  }
+
+  function drawTeams(teams) {
+    const section = byId("teams");
+    section.hidden = !teams.length;
+    section.querySelector("tbody").replaceChildren(...teams.map(t => h("tr",
+      {"data-team": t.team}, h("td", null, t.team), h("td", null, t.weight),
+      h("td", null, t.held), h("td", null, t.entitled.toFixed(1)),
+      h("td", null, t.borrowed), h("td", null, t.queued))));
   }
 
   function sliceBox(s) {
@@ -107,7 +117,9 @@
   function jobRow(j) {
     return h("tr", {"data-job-id": j.id},
       h("td", null, h("a", {href: "/?job=" + encodeURIComponent(j.id)}, j.id)),
-      h("td", null, j.name), h("td", {class: "owner"}, j.owner || DASH),
+      h("td", null, j.name),
+      h("td", {class: "owner"}, (j.owner || DASH) + (j.team && j.team !== "default"
+        ? " (" + j.team + ")" : "")),
       h("td", {class: "priority"}, j.priority),
       h("td", null, j.accelerator_type), h("td", {class: "state"}), h("td", {class: "queue"}),
       h("td", {class: "progress"}, h("progress"), " ", h("span", {class: "step"}), "/" + j.steps),
