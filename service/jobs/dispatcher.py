@@ -91,6 +91,7 @@ class Dispatcher:
         self._waits_for: dict[str, tuple[str, ...]] = {}  # queued jobs' types
         self._usage = fair_share.Usage(time.monotonic())
         self._last: fair_share.Snapshot | None = None  # the last pass's, for reasons
+        self._reasons: tuple[fair_share.Snapshot, dict[str, str]] | None = None
         self._wait_reasons: dict[str, str] = {}  # queued jobs held back by their quota
         self._yielding: dict[str, str] = {}  # a job giving its slice up -> to which job
         # A queued job a slice is being freed for -> (the job freeing it, when that one
@@ -201,7 +202,7 @@ class Dispatcher:
         spec = self._specs.get(status.id)
         kinds = self._waits_for.get(status.id, (status.accelerator_type or "",))
         if last is not None and len(last.teams) > 1:  # teams share: say where it stands
-            because = fair_share.why_waiting(last, status.id)
+            because = self._reasons_of(last).get(status.id)
             if because is not None:
                 return because + self._expected_free(kinds)
         if position > 0:
@@ -212,6 +213,13 @@ class Dispatcher:
                 kinds)
         return f"no free {status.accelerator_type or 'slice'} slice" + self._expected_free(
             kinds)
+
+    def _reasons_of(self, snapshot: fair_share.Snapshot) -> dict[str, str]:
+        """Every queued job's reason in ``snapshot``, worked out once per pass."""
+        cached = self._reasons
+        if cached is None or cached[0] is not snapshot:
+            cached = self._reasons = (snapshot, fair_share.wait_reasons(snapshot))
+        return cached[1]
 
     def _expected_free(self, kinds: Sequence[str]) -> str:
         """When the first slice of ``kinds`` should free, from the running jobs' steps

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from jaxpod.service.auth.teams import DEFAULT_TEAM, Team
 
 __all__ = ["DEFAULT_TEAM", "Plan", "Preempt", "Snapshot", "Start", "Started", "Team",
-           "Usage", "Waiting", "plan", "shares", "why_waiting"]
+           "Usage", "Waiting", "plan", "shares", "wait_reasons", "why_waiting"]
 
 @dataclass(frozen=True)
 class Waiting:
@@ -146,23 +146,32 @@ def plan(snapshot: Snapshot) -> Plan:
 
 
 def why_waiting(snapshot: Snapshot, job_id: str) -> str | None:
-    """Why a queued job waits, as its status says it (``None``: not queued). Asked when
-    a status is read, not on every pass."""
-    job = next((w for w in snapshot.waiting if w.job_id == job_id), None)
-    if job is None:
-        return None
-    kinds = ", ".join(job.accelerator_types)
-    if len(snapshot.teams) > 1:
-        held, entitled = shares(snapshot).get(job.team, (0, 0.0))
+    """Why one queued job waits (``None``: not queued); :func:`wait_reasons` for all."""
+    return wait_reasons(snapshot).get(job_id)
+
+
+def wait_reasons(snapshot: Snapshot) -> dict[str, str]:
+    """Why each queued job waits, as its status says it, for all of them in one pass
+    (a job list reads every one: one pass, not one per job)."""
+    team_shares = shares(snapshot) if len(snapshot.teams) > 1 else {}
+    ahead: dict[tuple[str, str], int] = {}  # (team, type) -> its jobs counted so far
+    out: dict[str, str] = {}
+    for job in sorted(snapshot.waiting, key=lambda w: w.rank):
+        kinds = ", ".join(job.accelerator_types)
+        before = max(ahead.get((job.team, k), 0) for k in job.accelerator_types)
+        for k in job.accelerator_types:
+            ahead[job.team, k] = ahead.get((job.team, k), 0) + 1
+        held, entitled = team_shares.get(job.team, (0, math.inf))
         if held >= entitled:
-            return (f"team {job.team} is at or over its share: it holds {held} of its "
-                    f"{entitled:.3g} slice(s); no free {kinds} slice it may take")
-    ahead = sum(1 for w in snapshot.waiting if w.team == job.team and w.rank < job.rank
-                and set(w.accelerator_types) & set(job.accelerator_types))
-    if ahead:
-        return (f"behind {ahead} queued job(s) of team {job.team} for its type (higher "
-                "priority, or submitted earlier)")
-    return f"no free {kinds} slice"
+            out[job.job_id] = (f"team {job.team} is at or over its share: it holds {held} "
+                               f"of its {entitled:.3g} slice(s); no free {kinds} slice it "
+                               "may take")
+        elif before:
+            out[job.job_id] = (f"behind {before} queued job(s) of team {job.team} for its "
+                               "type (higher priority, or submitted earlier)")
+        else:
+            out[job.job_id] = f"no free {kinds} slice"
+    return out
 
 
 def weight_of(teams: Mapping[str, Team], name: str) -> float:
