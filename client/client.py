@@ -342,7 +342,9 @@ class Client:
         ``job.checkpoints()`` lists them; a finished job keeps its last few). The
         source is untouched; the fork resumes its state and input position there, so
         with no overrides it computes what the source computed from ``step`` on, bit
-        for bit.
+        for bit. The step is pinned until the fork has finished: a running source's
+        clean-up of old checkpoints keeps it. Of a running source, fork from its newest
+        checkpoint: an older one may be being deleted, and is refused.
 
         Args:
           job_id: the source job (one of this token's, or any for an admin).
@@ -354,8 +356,9 @@ class Client:
             ``min_runtime_s``, ``max_runtime_s``, ``grow_back``.
 
         Raises:
-          TypeError, ValueError: a bad argument, a keyword a fork cannot change, or a
-            step the source keeps no checkpoint of (the message lists those it keeps).
+          TypeError, ValueError: a bad argument, a keyword a fork cannot change, a
+            step the source keeps no checkpoint of (the message lists those it keeps),
+            or a running source's step that may be being deleted (it names the safe one).
         """
         self.check_open("fork")
         request = fork_request(job_id, step, steps, overrides)

@@ -74,6 +74,9 @@ PEER_TIMEOUT = settings.CHECKPOINT_PEER_TIMEOUT
 CHUNK_BYTES = 4 * 1024 * 1024
 #: Compiled layout changes kept per host (one each way per state structure saved).
 _PROGRAMS = 32
+#: A job folder's record of the steps its forks still read, ``{fork: step}``: the
+#: coordinator writes it; the hosts' clean-up never deletes a step it lists.
+FORK_PINS = "fork-pins.json"
 
 
 @dataclass(frozen=True)
@@ -298,6 +301,42 @@ def _barriers_on_the_coordination_service() -> None:
     flags.FLAGS.set_default(multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.name, True)
 
 
+def pinned_steps(directory: str) -> set[int] | None:
+    """The steps of ``directory`` (a job's checkpoint folder) its forks still read;
+    ``None`` when the record exists but cannot be read (then nothing may be deleted)."""
+    from etils import epath
+
+    path = epath.Path(directory) / FORK_PINS
+    try:
+        if not path.exists():
+            return set()
+        return {int(step) for step in json.loads(path.read_text()).values()}
+    except Exception as e:  # unreadable: keep every step rather than a fork's
+        logger.warning("cannot read %s (%s: %s); no checkpoint of it is deleted this time",
+                       path, type(e).__name__, e)
+        return None
+
+
+@dataclass(frozen=True)
+class _ForkPinned:
+    """orbax's preservation policy for the steps a fork still reads (:data:`FORK_PINS`),
+    read at each clean-up: a fork may be made from a running job's checkpoint."""
+
+    directory: str
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
+        pinned = pinned_steps(self.directory)
+        return [pinned is None or info.step in pinned for info in checkpoints]
+
+
+def _preservation(directory: str, keep: int) -> Any:
+    """The newest ``keep`` steps, and any step a fork reads."""
+    from orbax.checkpoint import checkpoint_managers as managers
+
+    return managers.AnyPreservationPolicy([
+        managers.preservation_policy.LatestN(keep), _ForkPinned(directory)])
+
+
 def _save_args() -> Any:
     import orbax.checkpoint as ocp
 
@@ -356,7 +395,8 @@ class HostCheckpoints:
             if manager is None:
                 manager = self._managers[directory] = ocp.CheckpointManager(
                     directory, options=ocp.CheckpointManagerOptions(
-                        max_to_keep=keep, enable_async_checkpointing=True, create=True),
+                        preservation_policy=_preservation(directory, keep),
+                        enable_async_checkpointing=True, create=True),
                     item_handlers={STATE: _state_handler(),
                                    META: ocp.JsonCheckpointHandler()})
             return manager

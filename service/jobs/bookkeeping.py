@@ -1,7 +1,8 @@
 """What every state change of a job updates besides its watchers: the store (its
-state, attempts and result) and the job's goodput clock. Both are controller
-callbacks (:class:`~jaxpod.service.jobs.controller.StateCallback`): nothing else writes
-a job's state."""
+state, attempts and result), the job's goodput clock and, once a fork has finished, the
+pin on its source's checkpoint. Each is a controller callback
+(:class:`~jaxpod.service.jobs.controller.StateCallback`): nothing else writes a job's
+state."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 from jaxpod.jobs import JobState
 from jaxpod.service.jobs import goodput
+from jaxpod.service.jobs.checkpoints import ForkPins
 from jaxpod.service.jobs.controller import StateChange
 from jaxpod.service.jobs.goodput import GoodputClock
 from jaxpod.service.jobs.states import Succeeded
@@ -43,6 +45,29 @@ class StoreWriter:
             store.transition(change.job_id, new, change.reason)
             if new.state.is_terminal:
                 logger.info("job %s %s", change.job_id, new.state.value)
+
+
+@dataclass(frozen=True)
+class ForkPinRelease:
+    """Lets a source's clean-up have the checkpoint a fork started from again once the
+    fork has finished (:class:`~jaxpod.service.jobs.checkpoints.ForkPins`)."""
+
+    store: JobStore
+    pins: ForkPins
+
+    def after_state_change(self, change: StateChange) -> None:
+        if change.new is not None and change.new.state.is_terminal:
+            self.finished(change.job_id)
+
+    def finished(self, job_id: str) -> None:
+        """``job_id`` has finished (also one cancelled in the queue)."""
+        origin = self.store.fork_origin(job_id)
+        if origin is not None:
+            try:
+                self.pins.unpin(origin[0], job_id)
+            except Exception as e:  # the step stays until retention prunes the source
+                logger.warning("job %s: cannot release its source's checkpoint %s/%d "
+                               "(%s: %s)", job_id, origin[0], origin[1], type(e).__name__, e)
 
 
 #: The goodput category each state starts (``RUNNING``'s runner switches within it).

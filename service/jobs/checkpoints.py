@@ -13,8 +13,10 @@ in bounded blocks (:mod:`~jaxpod.service.jobs.state_reader`).
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -25,7 +27,7 @@ from jaxpod.pieces import RowParts
 from jaxpod.service.jobs.state_reader import StateReader
 from jaxpod.storage import join
 from jaxpod.trees import dtype_from_name
-from jaxpod.worker.checkpoints import META, STATE
+from jaxpod.worker.checkpoints import FORK_PINS, META, STATE, pinned_steps
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,11 @@ class JobCheckpoints:
         if not epath.Path(self.directory).exists():
             return []
         return sorted(ocp.path.step.checkpoint_steps(self.directory))
+
+    def pinned_steps(self) -> set[int]:
+        """The steps forks still read, which the hosts do not delete (none known when
+        the record cannot be read: the hosts then delete nothing)."""
+        return pinned_steps(self.directory) or set()
 
     def kept(self) -> dict[int, str]:
         """The committed steps on storage -> their state item's path."""
@@ -142,3 +149,51 @@ def _leaf_paths(skeleton: Any) -> list[tuple[str, ...]]:
 
     walk(skeleton, ())
     return [out[i] for i in range(len(out))]
+
+
+class ForkPins:
+    """The checkpoints forks read in place, kept from their source's clean-up.
+
+    A fork may start from a checkpoint of a job still running, whose hosts delete all
+    but its newest ``keep`` as they save. Each source's folder holds :data:`FORK_PINS`
+    (``{fork: step}``), which the hosts' clean-up reads; a fork's entry goes once the
+    fork has finished. Written by this service alone, under one lock.
+    """
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._lock = threading.Lock()
+
+    def pin(self, source: str, key: str, step: int) -> None:
+        self._update(source, lambda pins: {**pins, key: step})
+
+    def rename(self, source: str, old: str, new: str) -> None:
+        self._update(source, lambda pins: {(new if k == old else k): v
+                                           for k, v in pins.items()})
+
+    def unpin(self, source: str, key: str) -> None:
+        self._update(source, lambda pins: {k: v for k, v in pins.items() if k != key})
+
+    def steps(self, source: str) -> set[int] | None:
+        """The steps of ``source`` pinned now (``None``: its record is unreadable)."""
+        return pinned_steps(join(self.root, source))
+
+    def _update(self, source: str, change: Callable[[dict[str, int]], dict[str, int]]
+                ) -> None:
+        from etils import epath
+
+        folder = epath.Path(join(self.root, source))
+        path = folder / FORK_PINS
+        with self._lock:
+            if not folder.exists():  # no checkpoint to keep (the fork is refused)
+                return
+            pins = json.loads(path.read_text()) if path.exists() else {}
+            new = change(pins)
+            if new == pins:
+                return
+            if not new:
+                path.unlink()
+                return
+            written = folder / f"{FORK_PINS}.tmp"  # the hosts never read half of it
+            written.write_text(json.dumps(new))
+            written.replace(path)

@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,8 +37,8 @@ from jaxpod.service.auth.quotas import SliceQuotas
 from jaxpod.service.auth.teams import DEFAULT_TEAM, Team
 from jaxpod.service.auth.tokens import Principal
 from jaxpod.service.jobs import goodput
-from jaxpod.service.jobs.bookkeeping import GoodputKeeper, StoreWriter
-from jaxpod.service.jobs.checkpoints import JobCheckpoints
+from jaxpod.service.jobs.bookkeeping import ForkPinRelease, GoodputKeeper, StoreWriter
+from jaxpod.service.jobs.checkpoints import ForkPins, JobCheckpoints
 from jaxpod.service.jobs.controller import (
     ControllerParts,
     JobController,
@@ -85,6 +86,7 @@ class JobManager:
         self.slices = slices
         self.quotas = quotas
         self.checkpoint_dir = checkpoint_dir or str(store.state_dir / "checkpoints")
+        self.fork_pins = ForkPinRelease(store, ForkPins(self.checkpoint_dir))
         self.events = JobEvents()
         self.goodput = GoodputKeeper(store)
         self.dispatcher = Dispatcher(
@@ -174,6 +176,7 @@ class JobManager:
         def cancelled_in_queue() -> None:
             self.store.transition(job_id, Cancelled(reason))
             self.goodput.stop(job_id)
+            self.fork_pins.finished(job_id)
 
         self.dispatcher.cancel(job_id, reason, cancelled_in_queue)
         self.events.changed(job_id)
@@ -242,12 +245,53 @@ class JobManager:
             raise ValueError(f"fork: {unknown} cannot be changed in a fork; it may change "
                              f"{', '.join(FORKABLE)} (the input, the state's structure and "
                              "the outputs stay the source's).")
-        kept = self.checkpoints(source_id).committed_steps()
+        # Pinned before it is looked for: a running source's hosts delete old steps.
+        pins = self.fork_pins.pins
+        earlier = pins.steps(source_id) or set()
+        pending = f"pending-{uuid.uuid4().hex}"
+        pins.pin(source_id, pending, step)
+        try:
+            status, spec = self._create_fork(source, step, steps, overrides, owner, team,
+                                             earlier)
+        except BaseException:
+            self.fork_pins.pins.unpin(source_id, pending)
+            raise
+        self.fork_pins.pins.rename(source_id, pending, status.id)
+        self.store.set_fork_origin(status.id, source_id, step)
+        skeleton = self.store.state_skeleton(source_id)
+        if skeleton is not None:
+            self.store.set_state_skeleton(status.id, skeleton)
+        self.goodput.start(status.id)
+        self.dispatcher.enqueue(status, spec)
+        self.events.changed(status.id)
+        logger.info("job %s (%s) forked from job %s at step %d", status.id, status.name,
+                    source_id, step)
+        return self.status(status.id)
+
+    def _create_fork(self, source: JobStatus, step: int, steps: int | None,
+                     overrides: Mapping[str, Any], owner: str, team: str,
+                     pinned_before: set[int]) -> tuple[JobStatus, JobSpec]:
+        """The fork's row and spec, once its step is found kept, after it was pinned
+        (see :meth:`fork`; ``pinned_before``: the source's steps other forks pinned)."""
+        source_id = source.id
+        checkpoints = self.checkpoints(source_id)
+        kept = checkpoints.committed_steps()
         if step not in kept:
             raise ValueError(
                 f"fork: job {source_id} keeps no checkpoint of step {step}; it keeps "
                 f"{', '.join(map(str, kept)) or 'none'} (job.checkpoints() lists them). "
                 "Fork from one of those.")
+        # An unfinished source's hosts delete all but the newest `keep` steps as a save
+        # starts, maybe before the pin reached them: only a step the next save keeps
+        # too is safe (unless another fork pinned it before).
+        safe = kept[len(kept) - checkpoints.keep + 1:] if checkpoints.keep > 1 else []
+        if not source.state.is_terminal and step not in safe and step not in pinned_before:
+            raise ValueError(
+                f"fork: job {source_id} is {source.state.value}, and its hosts delete all "
+                f"but its newest {checkpoints.keep} checkpoint(s) as they save, so step "
+                f"{step} may be going. Fork from "
+                + (f"step {' or '.join(map(str, safe))}, or " if safe else "")
+                + "any step it keeps once it has finished.")
         spec = stored.spec_from_payload(self.store.load_payload(source_id))
         steps = steps or spec.steps
         if steps <= step:
@@ -260,20 +304,10 @@ class JobManager:
                 "the fork's step", "").payload
         changes["name"] = changes.get("name") or f"{source.name}@{step}"
         spec = dataclasses.replace(spec, steps=steps, **changes)
-        status = self.store.create_job(
+        return self.store.create_job(
             steps=spec.steps, payload=stored.spec_payload(spec), name=spec.name,
             accelerator_type=source.accelerator_type, owner=owner, priority=spec.priority,
-            team=team)
-        self.store.set_fork_origin(status.id, source_id, step)
-        skeleton = self.store.state_skeleton(source_id)
-        if skeleton is not None:
-            self.store.set_state_skeleton(status.id, skeleton)
-        self.goodput.start(status.id)
-        self.dispatcher.enqueue(status, spec)
-        self.events.changed(status.id)
-        logger.info("job %s (%s) forked from job %s at step %d", status.id, status.name,
-                    source_id, step)
-        return self.status(status.id)
+            team=team), spec
 
     def pin(self, job_id: str, pinned: bool = True) -> JobStatus:
         """Keeps the job whole for ever (``pinned``), or lets retention prune it once it
@@ -418,7 +452,8 @@ class JobManager:
         return JobController(
             job_id, spec, parts,
             RetryBudgets(spec.max_retries_preemption, spec.max_retries_failure),
-            callbacks=(StoreWriter(self.store), self.goodput, self.dispatcher, self.events),
+            callbacks=(StoreWriter(self.store), self.goodput, self.dispatcher, self.events,
+                       self.fork_pins),
             stop=StopSignal())
 
     def _progressed(self, job_id: str) -> None:

@@ -397,10 +397,13 @@ class JobRun:
 
     def _commit(self, step: int | None) -> None:
         """The hosts committed checkpoint ``step``: it is recorded (and resumable), with
-        the steps before it they keep (they removed older ones as it committed)."""
+        the steps before it they keep (they removed older ones as it committed, but for
+        those a fork reads)."""
         if step is None or step <= self._committed:
             return
-        kept = [s for s in self._saved if s <= step][-self.checkpoints.keep:]
+        saved, keep = [s for s in self._saved if s <= step], self.checkpoints.keep
+        pinned = self.checkpoints.pinned_steps() if len(saved) > keep else set()
+        kept = [s for s in saved[:-keep] if s in pinned] + saved[-keep:]
         self._saved = kept + [s for s in self._saved if s > step]
         self._stalls = {s: t for s, t in self._stalls.items() if s in self._saved}
         self.store.set_checkpoints(self.job_id, {s: self.checkpoints.state_path(s)

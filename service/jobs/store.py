@@ -52,6 +52,9 @@ INLINE_PAYLOAD_LIMIT = 1 << 20
 #: record's detail is cut at MAX_AUDIT_DETAIL characters.
 MAX_AUDIT_RECORDS, AUDIT_TRIM_EVERY, MAX_AUDIT_DETAIL = 100_000, 1_000, 2_000
 
+#: A job row no unfinished fork reads a checkpoint of (retention keeps such a source).
+_NO_FORK_WAITS = ("NOT EXISTS (SELECT 1 FROM jobs AS fork WHERE fork.fork_of = jobs.id "
+                  "AND fork.finished_at IS NULL)")
 #: The reason recorded for jobs a restarted coordinator finds in flight.
 RESTART_REASON = "coordinator restarted"
 
@@ -306,12 +309,14 @@ class JobStore(JobReports):
     def prunable(self, *, finished_before: float, keep_newest: int, limit: int
                  ) -> builtins.list[str]:
         """Finished jobs retention should prune, oldest first, at most ``limit``: not
-        pinned, not pruned, and finished before ``finished_before`` or not among the
-        ``keep_newest`` finished last."""
+        pinned, not pruned, with no unfinished fork reading their checkpoint, and
+        finished before ``finished_before`` or not among the ``keep_newest`` finished
+        last."""
         with self._read() as conn:
             rows = conn.execute(
                 "SELECT id FROM jobs WHERE pruned_at IS NULL AND finished_at IS NOT NULL "
-                "AND pinned = 0 AND (finished_at < :before OR finished_at < COALESCE("
+                f"AND pinned = 0 AND {_NO_FORK_WAITS} AND (finished_at < :before "
+                "OR finished_at < COALESCE("
                 " (SELECT finished_at FROM jobs WHERE finished_at IS NOT NULL "
                 "  ORDER BY finished_at DESC LIMIT 1 OFFSET :keep - 1), -1)) "
                 "ORDER BY finished_at LIMIT :limit",
@@ -329,6 +334,9 @@ class JobStore(JobReports):
             row = conn.execute("SELECT pinned, pruned_at, finished_at FROM jobs WHERE id = ?",
                                (job_id,)).fetchone()
             if row is None or row[0] or row[1] is not None or row[2] is None:
+                return False
+            if not conn.execute(f"SELECT {_NO_FORK_WAITS} FROM jobs WHERE id = ?",
+                                (job_id,)).fetchone()[0]:
                 return False
             summary = metric_rows(conn, job_id, -1, metric_points)
             conn.execute("DELETE FROM metrics WHERE job_id = ?", (job_id,))

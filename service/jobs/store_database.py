@@ -249,6 +249,10 @@ _V18 = ["ALTER TABLE jobs ADD COLUMN team TEXT NOT NULL DEFAULT 'default'"]
 # v19: a fork's source job and the step of the source's checkpoint it starts from.
 _V19 = ["ALTER TABLE jobs ADD COLUMN fork_of TEXT", "ALTER TABLE jobs ADD COLUMN fork_step INTEGER"]
 
+# v20: a source's unfinished forks found at once (retention keeps such a source whole).
+_V20 = ["CREATE INDEX jobs_forks_waiting ON jobs(fork_of) "
+        "WHERE fork_of IS NOT NULL AND finished_at IS NULL"]
+
 
 #: MIGRATIONS[i] takes a database from schema version i to i + 1. Append only: never
 #: edit a released one (databases in the field were built by it).
@@ -257,7 +261,7 @@ MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _statements(_V5), _statements(_V6), _statements(_V7), _statements(_V8),
     _statements(_V9), _statements(_V10), _statements(_V11), _statements(_V12),
     _statements(_V13), _statements(_V14), _statements(_V15), _statements(_V16),
-    _statements(_V17), _statements(_V18), _statements(_V19)]
+    _statements(_V17), _statements(_V18), _statements(_V19), _statements(_V20)]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

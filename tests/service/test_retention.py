@@ -12,7 +12,7 @@ import pytest
 
 from jaxpod.jobs import JobState
 from jaxpod.service.jobs.retention import DAY_S, Retention, RetentionPolicy
-from jaxpod.service.jobs.states import Allocating, Running, Succeeded
+from jaxpod.service.jobs.states import Allocating, Cancelled, Running, Succeeded
 from jaxpod.service.jobs.store import JobStore, JobStoreError
 
 S = JobState
@@ -141,6 +141,24 @@ def test_an_unpinned_job_is_pruned_at_the_next_pass(store: JobStore, clock: Cloc
     assert keeper.run_once().jobs_pruned == 0
     assert not store.set_pinned("a", False).pinned
     assert keeper.run_once().jobs_pruned == 1 and store.get("a").pruned_at is not None
+
+
+def test_a_source_stays_whole_until_its_forks_have_finished(
+        store: JobStore, clock: Clock, tmp_path: Path) -> None:
+    folders = tmp_path / "checkpoints"
+    for job_id in ("source", "other"):
+        clock.now += 1
+        run_job(store, job_id, 5, np.arange(5.0), folders)
+    store.create_job(steps=9, payload=b"fork", job_id="fork")
+    store.set_fork_origin("fork", "source", 5)  # queued: it will read source/5
+    keeper = retention(store, clock, jobs=1, folders=folders)
+    clock.now += 1
+    assert keeper.run_once().jobs_pruned == 0  # "other" is the newest; "source" waits
+    assert store.get("source").pruned_at is None and (folders / "source").exists()
+    assert not store.prune("source", 4)  # nor when asked directly
+    store.transition("fork", Cancelled("no longer needed"))  # now the newest finished
+    assert keeper.run_once().jobs_pruned == 2
+    assert store.get("source").pruned_at is not None and not (folders / "source").exists()
 
 
 def test_a_folder_that_cannot_be_deleted_keeps_its_job_whole(

@@ -178,3 +178,37 @@ def test_a_fork_continues_bit_for_bit_and_a_branch_runs_its_own_step(
         w = w - (LR / 2) * (b["x"].T @ err) / np.float32(len(err))
     np.testing.assert_allclose(branch.result().state["w"], w, rtol=1e-4, atol=1e-5)
     assert [c.step for c in source.checkpoints()] == kept  # the source untouched
+
+
+def test_a_fork_of_a_running_job_keeps_its_step_past_the_sources_clean_up(
+        client: Any) -> None:
+    steps = 200  # >= 6 s: the fork is made while the source has saves to go
+    source = client.submit(paced_step, steps=steps, steps_per_run=LOOP, checkpoint_every=20,
+                           accelerator_type="v4-8", initial_state={"w": np.zeros(3, np.float32)},
+                           dataset=batches(7), outputs={"loss": "MEAN"}, name="running-source",
+                           memory_checkpoint_every=0)  # 2 checkpoints kept
+    forks: list[tuple[int, Any]] = []
+
+    def fork_the_newest() -> bool:
+        kept = [c.step for c in source.checkpoints()]
+        try:  # the newest of the 2 kept: the save after next would delete it
+            forks.append((kept[-1], client.fork(source.id, step=kept[-1])))
+        except (IndexError, ValueError):  # too soon, or a newer save committed meanwhile
+            return False
+        return True
+
+    # The older of the two is refused: it may be deleted already (the list lags).
+    assert wait_for(lambda: len(source.checkpoints()) == 2, 120), source.status()
+    with pytest.raises(ValueError, match=r"its hosts delete all but its newest 2 checkpoint"
+                                         r"|keeps no checkpoint of step"):
+        client.fork(source.id, step=source.checkpoints()[0].step)
+    assert wait_for(fork_the_newest, 120), source.status()
+    (step, fork), = forks
+    # The fork waits for the one slice while the source saves on, deleting old steps.
+    assert source.wait(timeout=300, progress=False).state == "SUCCEEDED"
+    kept = [c.step for c in source.checkpoints()]
+    assert kept == [step, steps - 20, steps] and step < steps - 20, kept  # pinned
+    assert fork.wait(timeout=300, progress=False).state == "SUCCEEDED", fork.status().error
+    np.testing.assert_array_equal(fork.result().state["w"], source.result().state["w"])
+    np.testing.assert_allclose(fork.result().state["w"], numpy_run(batches(7), steps)[0],
+                               rtol=1e-5, atol=1e-6)
