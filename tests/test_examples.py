@@ -33,7 +33,7 @@ def test_the_transformer_example_survives_a_killed_host_and_matches_one_device(
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("JAXPOD_ADDRESS", None)  # the embedded service, as on a fresh machine
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "transformer_lm.py"), "--steps", "40",
+        [sys.executable, str(EXAMPLES / "transformer_lm.py"), "--steps", "20",
          "--steps-per-run", "5", "--checkpoint-every", "10", "--kill-host", "--one-device",
          "--plot", str(plot)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)

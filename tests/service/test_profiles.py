@@ -29,23 +29,32 @@ from jaxpod.timeouts import wait_for
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS = 1000  # >= 20 s: the three profiles below take a few seconds
+STEPS = 1000  # >= 20 s while paced: the three profiles below take a few seconds
 
 
-def paced_step(state: Any, batch: Any) -> Any:
-    """Adds the global batch's sum to the state, taking >= 20 ms on the host (a host
-    callback the trace must show), so the job runs long enough to profile."""
-    import jax
+def paced_step(marker: str) -> Any:
+    """A step that adds the global batch's sum to the state and, while the file
+    ``marker`` exists, takes >= 20 ms on the host (a host callback the trace must show):
+    the job runs long enough to profile, then ends quickly once the test removes it."""
 
-    ctx = jaxpod.get_replica_context()
+    def step(state: Any, batch: Any) -> Any:
+        import os
+        import time
 
-    def pause(v: Any) -> Any:
-        time.sleep(0.02)
-        return v
+        import jax
 
-    wait = jax.pure_callback(pause, jax.ShapeDtypeStruct((), np.float32),
-                             np.float32(0))
-    return {"total": state["total"] + ctx.all_reduce("SUM", batch.sum()) + wait}, {}
+        ctx = jaxpod.get_replica_context()
+
+        def pause(v: Any) -> Any:
+            if os.path.exists(marker):
+                time.sleep(0.02)
+            return v
+
+        wait = jax.pure_callback(pause, jax.ShapeDtypeStruct((), np.float32),
+                                 np.float32(0))
+        return {"total": state["total"] + ctx.all_reduce("SUM", batch.sum()) + wait}, {}
+
+    return step
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +86,10 @@ def _expected_total(steps: int) -> float:
     return float(sum(batches[i % len(batches)].sum() for i in range(steps)))
 
 
-def _running_job(client: Any) -> Any:
-    job = client.submit(paced_step, steps=STEPS, steps_per_run=2, accelerator_type="v4-16",
+def _running_job(client: Any, marker: Path) -> Any:
+    marker.touch()
+    job = client.submit(paced_step(str(marker)), steps=STEPS, steps_per_run=2,
+                        accelerator_type="v4-16",
                         initial_state={"total": np.float32(0)}, dataset=_batches(),
                         name="profiled")
     assert wait_for(lambda: job.status().state == "RUNNING" and job.status().step >= 2, 120), \
@@ -113,8 +124,9 @@ def _check_profile(profile: jaxpod.JobProfile, job_folder: Path) -> None:
 
 
 def test_profiles_of_a_running_two_host_job(service: Service, client: Any,
-                                            state_dir: Path) -> None:
-    job = _running_job(client)
+                                            state_dir: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "paced"
+    job = _running_job(client, marker)
     job_folder = state_dir / "checkpoints" / job.id
 
     # The SDK.
@@ -147,14 +159,16 @@ def test_profiles_of_a_running_two_host_job(service: Service, client: Any,
                            capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0 and "profiles:" in shown.stdout and third.path in shown.stdout
 
-    # Profiling changed nothing the job computes.
+    # Profiling changed nothing the job computes (its last steps run unpaced).
+    marker.unlink()
     assert job.wait(timeout=600, progress=False).state == "SUCCEEDED"
     assert float(job.result().state["total"]) == _expected_total(STEPS)
 
 
-def test_a_profile_needs_a_running_job_and_sane_seconds(service: Service,
-                                                         client: Any) -> None:
-    job = client.submit(paced_step, steps=4, steps_per_run=2, accelerator_type="v4-16",
+def test_a_profile_needs_a_running_job_and_sane_seconds(service: Service, client: Any,
+                                                         tmp_path: Path) -> None:
+    job = client.submit(paced_step(str(tmp_path / "unpaced")), steps=4, steps_per_run=2,
+                        accelerator_type="v4-16",
                         initial_state={"total": np.float32(0)}, dataset=_batches(),
                         name="short")
     assert job.wait(timeout=300, progress=False).state == "SUCCEEDED"
