@@ -1,4 +1,5 @@
-"""Profiles of a running 2-host job on a real ``jaxpod serve --local`` (one v4-16).
+"""Profiles of a running 2-host job on a real ``jaxpod serve --local --provider
+processes`` (one v4-16; profiling is the workers' own, whatever starts them).
 
 ``job.profile(seconds)``, ``jaxpod profile ID`` (a fresh interpreter) and ``POST
 /api/v1/jobs/{id}/profile`` trace every host with ``jax.profiler`` at the job's next loop
@@ -22,7 +23,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from serve_process import Service, running_service
+from serve_process import PROCESSES, Service, running_service
 
 import jaxpod
 from jaxpod.timeouts import wait_for
@@ -65,7 +66,7 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def service(state_dir: Path) -> Iterator[Service]:
     with running_service(state_dir.parent / "serve.log", "v4-16",
-                         args=("--state-dir", str(state_dir))) as s:
+                         args=(*PROCESSES, "--state-dir", str(state_dir))) as s:
         yield s
 
 
