@@ -1,8 +1,9 @@
 """In-memory checkpoints against persistent ones: a host lost without notice.
 
 Two jobs of the same state (``w``: float32, 256 MiB, 128 MiB with ``--quick``; every
-replica's copy on its chip) and the same paced step run through ``jaxpod serve --local
---provider processes`` on a simulated v4-16 (2 hosts x 4 chips), one after the other:
+replica's copy on its chip) and the same paced step (48 steps, 24 with ``--quick``) run
+through ``jaxpod serve --local --provider processes`` on a simulated v4-16 (2 hosts x 4
+chips), one after the other:
 
 * **memory**: ``memory_checkpoint_every=2`` and a persistent checkpoint only at the end;
 * **persistent**: ``checkpoint_every=2`` and no in-memory ones.
@@ -50,14 +51,16 @@ from checkpoint import (
 )
 
 STEPS = 48  # 23 saves a job: the two that compile weigh little
+QUICK_STEPS = 24  # 11 saves a job: the same comparison, half the time
 KILL_AFTER = 9
 PAUSE_S = 0.05
 JOB_TIMEOUT_S = 900.0
 
 
-def killed_job(client: Any, n: int, name: str, **tiers: Any) -> dict[str, float]:
+def killed_job(client: Any, n: int, steps: int, name: str, **tiers: Any
+               ) -> dict[str, float]:
     """The job, its host 1 killed after :data:`KILL_AFTER` steps; its figures."""
-    job = client.submit(paced_step_fn(PAUSE_S), steps=STEPS, accelerator_type=ACCELERATOR,
+    job = client.submit(paced_step_fn(PAUSE_S), steps=steps, accelerator_type=ACCELERATOR,
                         init_fn=big_init_fn(n), dataset=[np.ones(REPLICAS, np.float32)],
                         max_retries_preemption=2, name=name, **tiers)
     pid = wait_until(lambda: job.status().step >= KILL_AFTER and len(job.hosts()) == 2
@@ -66,7 +69,7 @@ def killed_job(client: Any, n: int, name: str, **tiers: Any) -> dict[str, float]
     final = job.wait(timeout=JOB_TIMEOUT_S, progress=False)
     if final.state != "SUCCEEDED":
         raise RuntimeError(f"job {job.id} ended {final.state}: {final.error}")
-    check_final_checkpoint(job, n, STEPS)
+    check_final_checkpoint(job, n, steps)
     attempts = job.attempts()
     if len(attempts) != 2:
         raise RuntimeError(f"job {job.id} took {len(attempts)} attempts: {attempts}")
@@ -81,29 +84,31 @@ def killed_job(client: Any, n: int, name: str, **tiers: Any) -> dict[str, float]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="128 MiB instead of 256 MiB")
+    parser.add_argument("--quick", action="store_true",
+                        help="128 MiB instead of 256 MiB, 24 steps instead of 48")
     args = parser.parse_args()
     import jaxpod
 
     # At 64 MiB the restores' fixed costs (the calls, the skeleton) are a third of
     # memory's and the ratio moves 0.26-0.42 from run to run.
     mib = 128 if args.quick else 256
+    steps = QUICK_STEPS if args.quick else STEPS
     n = state_floats(mib)
     memory_dir = tempfile.mkdtemp(prefix="jaxpod-bench-memory-",
                                   dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     log = os.path.join(tempfile.gettempdir(), f"jaxpod-bench-memory-{os.getpid()}.log")
     figures: dict[str, Any] = {"accelerator_type": ACCELERATOR, "state_mib": mib,
-                               "steps": STEPS, "cores": os.cpu_count()}
+                               "steps": steps, "cores": os.cpu_count()}
     start = time.perf_counter()
     try:
         with kept_log_on_failure(ServeProcess(
                 log, ACCELERATOR, provider="processes",
                 env={"JAXPOD_MEMORY_CHECKPOINT_DIR": memory_dir}), log) as service, \
                 jaxpod.connect(service.address, token=service.token) as client:
-            memory = killed_job(client, n, "bench-memory", memory_checkpoint_every=2,
-                                checkpoint_every=STEPS)
-            persistent = killed_job(client, n, "bench-persistent", memory_checkpoint_every=0,
-                                    checkpoint_every=2)
+            memory = killed_job(client, n, steps, "bench-memory", memory_checkpoint_every=2,
+                                checkpoint_every=steps)
+            persistent = killed_job(client, n, steps, "bench-persistent",
+                                    memory_checkpoint_every=0, checkpoint_every=2)
     finally:
         shutil.rmtree(memory_dir, ignore_errors=True)
     figures.update({f"memory_{k}": v for k, v in memory.items()})
