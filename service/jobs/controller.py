@@ -115,6 +115,12 @@ class StopSignal:
         """The job checkpoints before it stops: all but a cancel."""
         return self.shutting_down or self.kind is not StopKind.CANCEL
 
+    @property
+    def ends_the_job(self) -> bool:
+        """The job ends when it stops (a cancel, or its run time up), not the service."""
+        return (self._event.is_set() and not self.shutting_down
+                and self.kind in (StopKind.CANCEL, StopKind.DEADLINE))
+
     def is_set(self) -> bool:
         return self._event.is_set()
 

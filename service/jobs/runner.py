@@ -426,10 +426,14 @@ class JobRun:
     def _check_stop(self, state: Any) -> None:
         if not self._stop.is_set():
             return
+        ends = self._stop.ends_the_job
         if self._stop.checkpoints_first and self.step > self.start_step:
             # The next coordinator, or the job's next turn, resumes here.
-            self._memory_checkpoint(state)
+            if not ends:
+                self._memory_checkpoint(state)
             self._checkpoint(state, wait=True)
+        if ends:  # no attempt follows: its copies in the nodes' RAM go now
+            self._drop_memory()
         raise Stopped(self._stop.reason)
 
     def _check_notice(self, news: Sequence[HostNews], state: Any) -> None:

@@ -7,6 +7,7 @@ steps back, reading no storage. With the lost host's node also replaced (its mem
 folder gone), the peer's copy of its shards is sent back. A preemption notice (SIGTERM)
 saves both tiers at once: the next attempt loses nothing and restores from memory.
 Each run ends with numpy's SGD on the same batches, every step's metric recorded once.
+A cancelled job's copies leave the nodes' memory (RAM) as it stops.
 """
 
 from __future__ import annotations
@@ -122,3 +123,18 @@ def test_a_preemption_notice_saves_both_tiers_and_loses_nothing(client: Any,
     history = [entry.reason for entry in job.history()]
     assert any(f"in-memory checkpoint at step {second.start_step} " in m for m in history), \
         history
+
+
+def test_a_cancelled_job_leaves_nothing_in_the_nodes_memory(client: Any,
+                                                             memory_dir: Path) -> None:
+    job = client.submit(paced_step, steps=10**6, steps_per_run=1, memory_checkpoint_every=2,
+                        accelerator_type="v4-16", initial_state={"w": np.zeros(3, np.float32)},
+                        dataset=batches(3), name="cancelled")
+
+    def nodes_holding() -> set[Path]:
+        return {p.parent.parent for p in memory_dir.glob(f"*/{job.id}/step-*")}
+
+    assert wait_for(lambda: len(nodes_holding()) == 2, 180), job.status()
+    job.cancel()
+    assert job.wait(timeout=120, progress=False).state == "CANCELLED"
+    assert not list(memory_dir.glob(f"*/{job.id}"))  # both nodes' copies gone
