@@ -289,8 +289,8 @@ SERVE_START_S, SERVE_STOP_S = 300.0, 90.0
 
 class ServeProcess:
     """``jaxpod serve --local --slices SLICES --provider PROVIDER`` with free gRPC and
-    HTTP ports, its own token and state dir (removed when it stops): the service as
-    users run it."""
+    HTTP ports, its own token, state dir and in-memory checkpoint folder (removed when
+    it stops): the service as users run it."""
 
     def __init__(self, log_path: str, slices: str, tls: bool = False,
                  provider: str = "ray", state_dir: str | None = None,
@@ -302,6 +302,13 @@ class ServeProcess:
         self.log_path = log_path
         env = {**os.environ, **(env or {}), "JAXPOD_TOKEN": self.token}
         env.pop("JAXPOD_ADDRESS", None)
+        #: The hosts' in-memory checkpoints, in RAM as by default but in a folder of its
+        #: own (removed at stop), unless the caller names one: nothing is left behind.
+        self._memory_dir: str | None = None
+        if "JAXPOD_MEMORY_CHECKPOINT_DIR" not in env:
+            self._memory_dir = env["JAXPOD_MEMORY_CHECKPOINT_DIR"] = tempfile.mkdtemp(
+                prefix="jaxpod-bench-memory-",
+                dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         command = [sys.executable, "-m", "jaxpod.cli", "serve", "--local", "--slices", slices,
                    "--provider", provider, "--port", "0", "--http-port", "0",
                    "--stop-on-stdin-eof", "--state-dir", self.state_dir, *args]
@@ -358,6 +365,8 @@ class ServeProcess:
         stop_process(self.process, SERVE_STOP_S)
         if self._owns_state:
             shutil.rmtree(self.state_dir, ignore_errors=True)
+        if self._memory_dir is not None:
+            shutil.rmtree(self._memory_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -304,13 +305,24 @@ def main() -> int:
         if "error" in entry:
             print(entry["error"], flush=True)
 
-    for round_ in range(1, repeats + 1):  # rounds: a busy spell falls on several scripts
-        with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-            # the longest first, so the last to finish is a short one
-            order = chosen if args.parallel == 1 else sorted(
-                chosen, key=lambda a: -EXPECTED_S.get(a.script, 0))
-            for done in [pool.submit(run, area, round_) for area in order]:
-                done.result()  # bounded: each script runs under SCRIPT_TIMEOUT_S
+    # The scripts' hosts keep in-memory checkpoints in RAM as by default, in a folder
+    # of this run's: whatever a killed or cancelled job leaves goes with it.
+    memory = None
+    if "JAXPOD_MEMORY_CHECKPOINT_DIR" not in os.environ:
+        memory = os.environ["JAXPOD_MEMORY_CHECKPOINT_DIR"] = tempfile.mkdtemp(
+            prefix="jaxpod-bench-memory-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        for round_ in range(1, repeats + 1):  # rounds: a busy spell falls on several
+            with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+                # the longest first, so the last to finish is a short one
+                order = chosen if args.parallel == 1 else sorted(
+                    chosen, key=lambda a: -EXPECTED_S.get(a.script, 0))
+                for done in [pool.submit(run, area, round_) for area in order]:
+                    done.result()  # bounded: each script runs under SCRIPT_TIMEOUT_S
+    finally:
+        if memory is not None:
+            os.environ.pop("JAXPOD_MEMORY_CHECKPOINT_DIR", None)
+            shutil.rmtree(memory, ignore_errors=True)
     from repeats import combine
 
     own = results["benchmarks"] = {a.script: combine(runs[a.script]) for a in chosen}
