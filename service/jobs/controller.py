@@ -352,6 +352,8 @@ class JobController:
                 self._memory_failed |= isinstance(e, MemoryRestoreError)
             except Exception as e:
                 failure, error = Failure(FailureKind.ERROR, describe_error(e)), e
+                if self._policy.gives_up_on(failure):  # no attempt follows to use them
+                    run.drop_memory()
             else:
                 return self._set_state(Succeeded(finished), ended=AttemptEnd(
                     state.attempt, "succeeded", finished.steps))

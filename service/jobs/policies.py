@@ -71,6 +71,9 @@ class FailurePolicy(Protocol):
 
     def decide(self, failure: Failure) -> Retry | GiveUp: ...
 
+    def gives_up_on(self, failure: Failure) -> bool:
+        """Whether :meth:`decide` would give up on ``failure`` now (it counts nothing)."""
+
 
 class RetryBudgets:
     """Retries within a job's budgets (see the module)."""
@@ -79,6 +82,11 @@ class RetryBudgets:
         self._budgets = {FailureKind.PREEMPTION: ("max_retries_preemption", max_preemptions),
                          FailureKind.ERROR: ("max_retries_failure", max_failures)}
         self._used: collections.Counter[FailureKind] = collections.Counter()
+
+    def gives_up_on(self, failure: Failure) -> bool:
+        if failure.kind is FailureKind.NO_SLICE:
+            return False
+        return self._used[failure.kind] + 1 > self._budgets[failure.kind][1]
 
     def decide(self, failure: Failure) -> Retry | GiveUp:
         used = self._used[failure.kind] = self._used[failure.kind] + 1

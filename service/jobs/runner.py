@@ -278,7 +278,7 @@ class JobRun:
             clock.switch(goodput.RESULT)
             if spec.init_fn:  # the final state is the job's result: on storage, not here
                 self._checkpoint(state, wait=True, during=goodput.RESULT)
-            self._drop_memory()
+            self.drop_memory()
             return Finished(outputs, self.step)
         except BaseException as e:
             ended = f"{type(e).__name__}: {e}"
@@ -386,8 +386,9 @@ class JobRun:
         self._memory_stall = time.monotonic() - start
         self.memorized = self.step
 
-    def _drop_memory(self) -> None:
-        """The job is done: its in-memory checkpoints leave the hosts' nodes."""
+    def drop_memory(self) -> None:
+        """The job is done (no attempt follows): its in-memory checkpoints leave the
+        hosts' nodes' RAM (if that fails it is logged; the nodes sweep a day-old folder)."""
         if memory_checkpoints_on(self.spec) or self._memory is not None:
             try:
                 self.engine.drop_memory_checkpoints(self.job_id)
@@ -433,7 +434,7 @@ class JobRun:
                 self._memory_checkpoint(state)
             self._checkpoint(state, wait=True)
         if ends:  # no attempt follows: its copies in the nodes' RAM go now
-            self._drop_memory()
+            self.drop_memory()
         raise Stopped(self._stop.reason)
 
     def _check_notice(self, news: Sequence[HostNews], state: Any) -> None:

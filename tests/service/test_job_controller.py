@@ -37,12 +37,16 @@ def test_retry_budgets_count_each_kind_against_its_own_budget(
     preempted = policies.Failure(FailureKind.PREEMPTION, "WorkerLostError: host 1")
     failed = policies.Failure(FailureKind.ERROR, "ValueError: bad batch")
     no_slice = policies.Failure(FailureKind.NO_SLICE, "no v4-8 slice within 1s")
-    # Preemptions back off, doubling up to the limit; failures retry at once.
+    # Preemptions back off, doubling up to the limit; failures retry at once. Asking
+    # whether a decision would give up counts nothing.
+    assert not any(budgets.gives_up_on(f) for f in (preempted, failed, failed))
     assert [budgets.decide(preempted) for _ in range(3)] == [Retry(0.5), Retry(1.0),
                                                                Retry(1.5)]
     assert budgets.decide(failed) == Retry(0.0)
+    assert budgets.gives_up_on(preempted) and budgets.gives_up_on(failed)
     # A slice not found in time never uses a budget up.
     assert all(budgets.decide(no_slice) == Retry(0.5) for _ in range(10))
+    assert not budgets.gives_up_on(no_slice)
     assert budgets.decide(preempted) == GiveUp(
         "preempted 4 times, more than max_retries_preemption=3; the last time: "
         "WorkerLostError: host 1")

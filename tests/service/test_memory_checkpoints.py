@@ -7,7 +7,7 @@ steps back, reading no storage. With the lost host's node also replaced (its mem
 folder gone), the peer's copy of its shards is sent back. A preemption notice (SIGTERM)
 saves both tiers at once: the next attempt loses nothing and restores from memory.
 Each run ends with numpy's SGD on the same batches, every step's metric recorded once.
-A cancelled job's copies leave the nodes' memory (RAM) as it stops.
+A job that ends cancelled or failed takes its copies out of the nodes' memory (RAM).
 """
 
 from __future__ import annotations
@@ -125,16 +125,42 @@ def test_a_preemption_notice_saves_both_tiers_and_loses_nothing(client: Any,
         history
 
 
-def test_a_cancelled_job_leaves_nothing_in_the_nodes_memory(client: Any,
-                                                             memory_dir: Path) -> None:
-    job = client.submit(paced_step, steps=10**6, steps_per_run=1, memory_checkpoint_every=2,
+def failing_once(marker: str) -> Any:
+    """:func:`paced_step` that raises on the hosts once the file ``marker`` exists."""
+
+    def step(state: Any, batch: Any) -> Any:
+        import os
+
+        import jax
+
+        def check(v: Any) -> Any:
+            if os.path.exists(marker):
+                raise RuntimeError("the step failed, as the test asked")
+            return v
+
+        new, outputs = paced_step(state, batch)
+        w = jax.pure_callback(check, jax.ShapeDtypeStruct((3,), np.float32), new["w"])
+        return {"w": w}, outputs
+
+    return step
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "failed"])
+def test_a_job_that_ends_leaves_nothing_in_the_nodes_memory(
+        client: Any, memory_dir: Path, tmp_path: Path, ending: str) -> None:
+    marker = tmp_path / "fail"
+    job = client.submit(failing_once(str(marker)), steps=10**6, steps_per_run=1,
+                        memory_checkpoint_every=2, max_retries_failure=0,
                         accelerator_type="v4-16", initial_state={"w": np.zeros(3, np.float32)},
-                        dataset=batches(3), name="cancelled")
+                        dataset=batches(3), name=ending)
 
     def nodes_holding() -> set[Path]:
         return {p.parent.parent for p in memory_dir.glob(f"*/{job.id}/step-*")}
 
     assert wait_for(lambda: len(nodes_holding()) == 2, 180), job.status()
-    job.cancel()
-    assert job.wait(timeout=120, progress=False).state == "CANCELLED"
+    if ending == "cancelled":
+        job.cancel()
+    else:
+        marker.touch()
+    assert job.wait(timeout=120, progress=False).state == ending.upper()
     assert not list(memory_dir.glob(f"*/{job.id}"))  # both nodes' copies gone
