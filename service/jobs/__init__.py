@@ -12,7 +12,8 @@ are :mod:`jaxpod.jobs`'s; these are the parts of the service that run jobs.
 * :mod:`jaxpod.service.jobs.dispatcher` -- ``Dispatcher``: the queue, quotas and
   preemption, and one controller thread per started job;
 * :mod:`jaxpod.service.jobs.bookkeeping`, :mod:`jaxpod.service.jobs.events` -- what every
-  state change updates: the store and the goodput clock; the watchers;
+  state change updates: the store, the goodput clock and a finished fork's pin; the
+  watchers;
 * :mod:`jaxpod.service.jobs.runner` -- one attempt of a job on a held slice: the loop of
   ``steps_per_run`` steps, outputs reduced into metrics, the hosts' reports read;
 * :mod:`jaxpod.service.jobs.store` -- ``JobStore``: jobs, their history, attempts,
@@ -23,7 +24,7 @@ are :mod:`jaxpod.jobs`'s; these are the parts of the service that run jobs.
   :mod:`~jaxpod.service.jobs.codec` and :mod:`~jaxpod.service.jobs.files` keep trees
   and files for it;
 * :mod:`jaxpod.service.jobs.checkpoints`, :mod:`jaxpod.service.jobs.goodput` -- a job's
-  checkpoints and where its wall time goes;
+  checkpoints (and the steps its forks pin) and where its wall time goes;
 * :mod:`jaxpod.service.api.jobs` -- the job RPCs (a mixin of the coordinator), where
   job types become protobuf messages and back (:mod:`jaxpod.proto.job_messages`).
 
