@@ -98,8 +98,11 @@ def test_a_lost_host_resumes_from_memory_losing_at_most_two_steps(
     job = _kill_host_1(client, memory_dir, replace_node=False)
     _, second = _check(job)
     history = [entry.reason for entry in job.history()]
+    # From each node's own copy; or, when the kill came as host 1 wrote its own copy of
+    # that step, its shards from host 0's copy of them (a busy machine makes that race).
     assert any(f"in-memory checkpoint at step {second.start_step} (every host's shards on "
-               "its own node)" in m for m in history), history
+               "its own node)" in m or f"in-memory checkpoint at step {second.start_step} "
+               "(1 host(s)' shards from their peer's copy)" in m for m in history), history
     assert not list(memory_dir.glob(f"*/{job.id}")), "a finished job's memory stays"
 
 
