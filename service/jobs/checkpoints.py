@@ -164,8 +164,9 @@ class ForkPins:
         self.root = root
         self._lock = threading.Lock()
 
-    def pin(self, source: str, key: str, step: int) -> None:
-        self._update(source, lambda pins: {**pins, key: step})
+    def pin(self, source: str, key: str, step: int) -> set[int]:
+        """Pins ``step`` for ``key``; the steps other forks had pinned before."""
+        return set(self._update(source, lambda pins: {**pins, key: step}).values())
 
     def rename(self, source: str, old: str, new: str) -> None:
         self._update(source, lambda pins: {(new if k == old else k): v
@@ -174,26 +175,22 @@ class ForkPins:
     def unpin(self, source: str, key: str) -> None:
         self._update(source, lambda pins: {k: v for k, v in pins.items() if k != key})
 
-    def steps(self, source: str) -> set[int] | None:
-        """The steps of ``source`` pinned now (``None``: its record is unreadable)."""
-        return pinned_steps(join(self.root, source))
-
     def _update(self, source: str, change: Callable[[dict[str, int]], dict[str, int]]
-                ) -> None:
+                ) -> dict[str, int]:
+        """Applies ``change`` to ``source``'s pins; the pins as they were."""
         from etils import epath
 
         folder = epath.Path(join(self.root, source))
         path = folder / FORK_PINS
         with self._lock:
             if not folder.exists():  # no checkpoint to keep (the fork is refused)
-                return
-            pins = json.loads(path.read_text()) if path.exists() else {}
+                return {}
+            pins: dict[str, int] = json.loads(path.read_text()) if path.exists() else {}
             new = change(pins)
-            if new == pins:
-                return
-            if not new:
+            if not new and pins:
                 path.unlink()
-                return
-            written = folder / f"{FORK_PINS}.tmp"  # the hosts never read half of it
-            written.write_text(json.dumps(new))
-            written.replace(path)
+            elif new != pins:
+                written = folder / f"{FORK_PINS}.tmp"  # the hosts never read half of it
+                written.write_text(json.dumps(new))
+                written.replace(path)
+            return pins

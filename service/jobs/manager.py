@@ -86,7 +86,8 @@ class JobManager:
         self.slices = slices
         self.quotas = quotas
         self.checkpoint_dir = checkpoint_dir or str(store.state_dir / "checkpoints")
-        self.fork_pins = ForkPinRelease(store, ForkPins(self.checkpoint_dir))
+        self.fork_pins = ForkPins(self.checkpoint_dir)
+        self._fork_release = ForkPinRelease(store, self.fork_pins)
         self.events = JobEvents()
         self.goodput = GoodputKeeper(store)
         self.dispatcher = Dispatcher(
@@ -176,7 +177,7 @@ class JobManager:
         def cancelled_in_queue() -> None:
             self.store.transition(job_id, Cancelled(reason))
             self.goodput.stop(job_id)
-            self.fork_pins.finished(job_id)
+            self._fork_release.finished(job_id)
 
         self.dispatcher.cancel(job_id, reason, cancelled_in_queue)
         self.events.changed(job_id)
@@ -246,17 +247,15 @@ class JobManager:
                              f"{', '.join(FORKABLE)} (the input, the state's structure and "
                              "the outputs stay the source's).")
         # Pinned before it is looked for: a running source's hosts delete old steps.
-        pins = self.fork_pins.pins
-        earlier = pins.steps(source_id) or set()
         pending = f"pending-{uuid.uuid4().hex}"
-        pins.pin(source_id, pending, step)
+        earlier = self.fork_pins.pin(source_id, pending, step)
         try:
             status, spec = self._create_fork(source, step, steps, overrides, owner, team,
                                              earlier)
         except BaseException:
-            self.fork_pins.pins.unpin(source_id, pending)
+            self.fork_pins.unpin(source_id, pending)
             raise
-        self.fork_pins.pins.rename(source_id, pending, status.id)
+        self.fork_pins.rename(source_id, pending, status.id)
         self.store.set_fork_origin(status.id, source_id, step)
         skeleton = self.store.state_skeleton(source_id)
         if skeleton is not None:
@@ -453,7 +452,7 @@ class JobManager:
             job_id, spec, parts,
             RetryBudgets(spec.max_retries_preemption, spec.max_retries_failure),
             callbacks=(StoreWriter(self.store), self.goodput, self.dispatcher, self.events,
-                       self.fork_pins),
+                       self._fork_release),
             stop=StopSignal())
 
     def _progressed(self, job_id: str) -> None:

@@ -331,12 +331,9 @@ class JobStore(JobReports):
         checkpoint and profile records go, and its files in the state dir. Returns
         whether it was pruned (not if it is pinned, unfinished or pruned already)."""
         with self._write() as conn:
-            row = conn.execute("SELECT pinned, pruned_at, finished_at FROM jobs WHERE id = ?",
-                               (job_id,)).fetchone()
-            if row is None or row[0] or row[1] is not None or row[2] is None:
-                return False
-            if not conn.execute(f"SELECT {_NO_FORK_WAITS} FROM jobs WHERE id = ?",
-                                (job_id,)).fetchone()[0]:
+            row = conn.execute(f"SELECT pinned, pruned_at, finished_at, {_NO_FORK_WAITS} "
+                               "FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None or row[0] or row[1] is not None or row[2] is None or not row[3]:
                 return False
             summary = metric_rows(conn, job_id, -1, metric_points)
             conn.execute("DELETE FROM metrics WHERE job_id = ?", (job_id,))
