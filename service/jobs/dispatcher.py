@@ -92,6 +92,7 @@ class Dispatcher:
         self._usage = fair_share.Usage(time.monotonic())
         self._last: fair_share.Snapshot | None = None  # the last pass's, for reasons
         self._reasons: tuple[fair_share.Snapshot, dict[str, str]] | None = None
+        self._etas: tuple[fair_share.Snapshot | None, dict[str, float]] | None = None
         self._wait_reasons: dict[str, str] = {}  # queued jobs held back by their quota
         self._yielding: dict[str, str] = {}  # a job giving its slice up -> to which job
         # A queued job a slice is being freed for -> (the job freeing it, when that one
@@ -224,18 +225,26 @@ class Dispatcher:
     def _expected_free(self, kinds: Sequence[str]) -> str:
         """When the first slice of ``kinds`` should free, from the running jobs' steps
         left and rates ('' when no running job of those types has a rate yet)."""
-        best: tuple[float, str] | None = None
-        for controller in list(self._active.values()):
-            run, kind = controller.run_now, controller.spec.accelerator_type or ""
-            rate = run.rate.steps_per_s() if run is not None and kind in kinds else None
-            if run is None or not rate:
-                continue
-            eta = max(0.0, (controller.spec.steps - run.step) / rate)
-            if best is None or eta < best[0]:
-                best = (eta, kind)
+        etas = self._etas_of(self._last)
+        best = min(((etas[k], k) for k in kinds if k in etas), default=None)
         if best is None:
             return ""
         return f"; the next {best[1]} slice is expected free in ~{best[0]:.0f} s"
+
+    def _etas_of(self, snapshot: fair_share.Snapshot | None) -> dict[str, float]:
+        """Seconds until the first running job of each type ends, worked out once per
+        pass (a job list asks it for every queued job) and counted down since."""
+        now, cached = time.monotonic(), self._etas
+        if snapshot is None or cached is None or cached[0] is not snapshot:
+            ends: dict[str, float] = {}  # type -> when its first running job should end
+            for controller in list(self._active.values()):
+                run, kind = controller.run_now, controller.spec.accelerator_type or ""
+                rate = run.rate.steps_per_s() if run is not None else None
+                if run is not None and rate:
+                    end = now + max(0.0, (controller.spec.steps - run.step) / rate)
+                    ends[kind] = min(end, ends.get(kind, end))
+            cached = self._etas = (snapshot, ends)
+        return {kind: max(0.0, end - now) for kind, end in cached[1].items()}
 
     # ------------------------------------------------------------------ started jobs
     def controller(self, job_id: str) -> JobController | None:
