@@ -167,7 +167,7 @@ AREAS = (
 
 #: About how long each script's --quick run takes on 2 cores (seconds): with
 #: --parallel, the longest start first.
-EXPECTED_S = {"chaos": 130, "sharded": 130, "checkpoint": 100, "memory_checkpoint": 95,
+EXPECTED_S = {"chaos": 130, "checkpoint": 100, "memory_checkpoint": 95, "sharded": 80,
               "growth": 75, "restart": 65, "recovery": 60, "step_loop": 45}
 
 

@@ -230,14 +230,14 @@ def measure_job(client: Any, model: Model, steps: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None,
-                        help="steps per run (default 300; 60 with --quick)")
+                        help="steps per run (default 300; 30 with --quick)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="runs of each side (default 3; 1 with --quick)")
     parser.add_argument("--provider", default="processes", choices=("processes", "ray"),
                         help="how the service's simulated hosts run (default: as the "
                              "embedded service runs them, plain processes)")
     args = parse_parts(parser, ("plain", "jobs", "mlp", "transformer"))
-    steps = args.steps or (60 if args.quick else 300)
+    steps = args.steps or (30 if args.quick else 300)
     repeats = args.repeats or (1 if args.quick else 3)
     chosen = [m for m in MODELS if m in args.parts] or list(MODELS)
     sides = {p for p in ("plain", "jobs") if p in args.parts} or {"plain", "jobs"}
